@@ -1,0 +1,1 @@
+"""Python and terminal clients for a kvfree server (not built yet)."""

@@ -1,0 +1,80 @@
+"""The mixer interface every sequence layer implements (architecture.md §3).
+
+A mixer owns no per-session memory itself. It declares the state one session needs (`state_specs`), and its two
+entry points read and write that state in pool tensors of shape `[capacity, *shape]`, addressed by slot index:
+
+- `prefill(x, state, batch)`: a packed chunk of tokens of one or more sessions, continuing from their states;
+- `decode(x, state, slots)`: one token for each of B sessions.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+from torch import nn
+
+
+@dataclass(frozen=True)
+class StateSpec:
+    """One named tensor of a session's state.
+
+    shape: per-session shape (the pool adds a leading capacity axis).
+    dtype: fixed dtype (recurrent matrices are fp32), or None for the model's activation dtype.
+    per_token: axis 0 indexes context positions (the attention baseline's KV cache); only the first
+        `length` entries of such a tensor hold data, where `length` is the layer's int64 `length` state.
+    """
+
+    shape: tuple[int, ...]
+    dtype: torch.dtype | None = torch.float32
+    per_token: bool = False
+
+
+@dataclass
+class PrefillBatch:
+    """Where each session of a packed prefill chunk lives.
+
+    slots: `[B]` int64 pool rows.  lens: the B chunk lengths (host ints), summing to the packed token count.
+    """
+
+    slots: torch.Tensor
+    lens: list[int]
+
+    @property
+    def offsets(self) -> list[tuple[int, int]]:
+        """(start, end) of each session's tokens on the packed axis."""
+        out, start = [], 0
+        for n in self.lens:
+            out.append((start, start + n))
+            start += n
+        return out
+
+
+class ContextOverflowError(ValueError):
+    """A session would exceed the context its state was sized for (only the attention baseline has a limit)."""
+
+
+class Mixer(nn.Module):
+    """Base class of sequence mixers. Subclasses set `kind` and implement the methods below."""
+
+    kind: str = ""
+
+    def state_specs(self, max_context: int) -> dict[str, StateSpec]:
+        """The state one session needs. `max_context` only sizes per-token (KV-cache) states."""
+        raise NotImplementedError
+
+    def reset_state(self, state: dict[str, torch.Tensor], slots: torch.Tensor) -> None:
+        """Give `slots` the state of a new session (zeros unless the mixer overrides it)."""
+        for tensor in state.values():
+            tensor.index_fill_(0, slots, 0)
+
+    def prefill(self, x: torch.Tensor, state: dict[str, torch.Tensor], batch: PrefillBatch) -> torch.Tensor:
+        """x: `[T, D]` packed tokens of `batch`'s sessions -> `[T, D]`; updates their state rows in place."""
+        raise NotImplementedError
+
+    def decode(self, x: torch.Tensor, state: dict[str, torch.Tensor], slots: torch.Tensor) -> torch.Tensor:
+        """x: `[B, D]` one token per session in `slots` -> `[B, D]`; updates their state rows in place."""
+        raise NotImplementedError
+
+    def reset_parameters(self) -> None:
+        """Random initialisation for a new checkpoint (projections are initialised by the model)."""

@@ -1,0 +1,104 @@
+"""The Mamba-2 mixer, laid out as HF transformers' `Mamba2Mixer` so its checkpoints convert by renaming."""
+
+from __future__ import annotations
+
+import math
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from engine.config import Mamba2Config
+from engine.layers.base import Mixer, PrefillBatch, StateSpec
+from engine.layers.conv import ShortConv
+from engine.layers.norms import GatedRMSNorm
+from kernels.mamba2 import ssd_chunked, ssd_step
+
+
+class Mamba2Mixer(Mixer):
+    """in_proj -> (gate, xBC, dt); causal conv + SiLU on xBC; SSD; gated RMSNorm; out_proj.
+
+    Session state: `conv` `[K-1, conv_dim]` (the conv tail, activation dtype) and `ssm` `[H, P, N]` (fp32).
+    """
+
+    kind = "mamba2"
+
+    def __init__(self, hidden_size: int, cfg: Mamba2Config) -> None:
+        super().__init__()
+        self.cfg = cfg
+        H, P, N, G = cfg.num_heads, cfg.head_dim, cfg.state_size, cfg.n_groups
+        self.d_inner = H * P
+        self.conv_dim = self.d_inner + 2 * G * N
+        self.in_proj = nn.Linear(hidden_size, self.d_inner + self.conv_dim + H, bias=cfg.use_bias)
+        self.conv = ShortConv(self.conv_dim, cfg.conv_kernel, bias=cfg.use_conv_bias)
+        self.dt_bias = nn.Parameter(torch.empty(H))
+        self.A_log = nn.Parameter(torch.empty(H))
+        self.D = nn.Parameter(torch.empty(H))
+        self.norm = GatedRMSNorm(self.d_inner, group_size=self.d_inner // G, eps=cfg.norm_eps)
+        self.out_proj = nn.Linear(self.d_inner, hidden_size, bias=cfg.use_bias)
+        self.reset_parameters()
+
+    def reset_parameters(self) -> None:
+        H = self.cfg.num_heads
+        with torch.no_grad():
+            self.A_log.copy_(torch.log(torch.arange(1, H + 1, dtype=torch.float32)))
+            self.D.fill_(1.0)
+            # dt log-uniform in [1e-3, 1e-1] at init, stored through the inverse softplus.
+            dt = torch.exp(torch.rand(H) * (math.log(0.1) - math.log(1e-3)) + math.log(1e-3)).clamp(min=1e-4)
+            self.dt_bias.copy_(dt + torch.log(-torch.expm1(-dt)))
+        self.conv.reset_parameters()
+
+    def state_specs(self, max_context: int) -> dict[str, StateSpec]:
+        c = self.cfg
+        return {
+            "conv": StateSpec((c.conv_kernel - 1, self.conv_dim), dtype=None),
+            "ssm": StateSpec((c.num_heads, c.head_dim, c.state_size), dtype=torch.float32),
+        }
+
+    # -- shared pieces of prefill and decode -------------------------------------------------------------------
+    def _split(self, xbc: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """Activated conv output `[..., conv_dim]` -> x `[..., H, P]`, B and C `[..., G, N]`."""
+        c = self.cfg
+        x, B, C = F.silu(xbc).split([self.d_inner, c.n_groups * c.state_size, c.n_groups * c.state_size], dim=-1)
+        return (
+            x.unflatten(-1, (c.num_heads, c.head_dim)),
+            B.unflatten(-1, (c.n_groups, c.state_size)),
+            C.unflatten(-1, (c.n_groups, c.state_size)),
+        )
+
+    def _dt(self, dt: torch.Tensor) -> torch.Tensor:
+        dt = F.softplus(dt.float() + self.dt_bias.float())
+        if self.cfg.time_step_limit is not None:
+            lo, hi = self.cfg.time_step_limit
+            dt = dt.clamp(min=lo, max=hi)
+        return dt
+
+    def _out(self, y: torch.Tensor, gate: torch.Tensor) -> torch.Tensor:
+        return self.out_proj(self.norm(y.flatten(-2), gate).to(self.out_proj.weight.dtype))
+
+    # -- entry points ------------------------------------------------------------------------------------------
+    def prefill(self, x: torch.Tensor, state: dict[str, torch.Tensor], batch: PrefillBatch) -> torch.Tensor:
+        gate, xbc, dt = self.in_proj(x).split([self.d_inner, self.conv_dim, self.cfg.num_heads], dim=-1)
+        A = -torch.exp(self.A_log.float())
+        ys = []
+        for i, (start, end) in enumerate(batch.offsets):
+            slot = batch.slots[i : i + 1]
+            conv_out, tail = self.conv(xbc[start:end].unsqueeze(0), state["conv"][slot])
+            xs, Bs, Cs = self._split(conv_out[0])
+            y, ssm = ssd_chunked(
+                xs, self._dt(dt[start:end]), A, Bs, Cs, self.D, state["ssm"][slot][0], self.cfg.chunk_size
+            )
+            state["conv"].index_copy_(0, slot, tail.to(state["conv"].dtype))
+            state["ssm"].index_copy_(0, slot, ssm.unsqueeze(0))
+            ys.append(y)
+        return self._out(torch.cat(ys), gate)
+
+    def decode(self, x: torch.Tensor, state: dict[str, torch.Tensor], slots: torch.Tensor) -> torch.Tensor:
+        gate, xbc, dt = self.in_proj(x).split([self.d_inner, self.conv_dim, self.cfg.num_heads], dim=-1)
+        conv_out, tail = self.conv(xbc.unsqueeze(1), state["conv"].index_select(0, slots))
+        xs, Bs, Cs = self._split(conv_out[:, 0])
+        A = -torch.exp(self.A_log.float())
+        y, ssm = ssd_step(xs, self._dt(dt), A, Bs, Cs, self.D, state["ssm"].index_select(0, slots))
+        state["conv"].index_copy_(0, slots, tail.to(state["conv"].dtype))
+        state["ssm"].index_copy_(0, slots, ssm)
+        return self._out(y, gate)

@@ -1,0 +1,117 @@
+"""Reference SSD (Mamba-2) in pure PyTorch.
+
+The recurrence, per head h (state S is `[P, N]`):
+
+    S_t = exp(dt_t * A) * S_{t-1} + dt_t * x_t ⊗ B_t
+    y_t = S_t · C_t + D * x_t
+
+`ssd_chunked` computes the same thing for T tokens at once with the chunked algorithm of the Mamba-2 paper:
+inside a chunk the output is a masked quadratic form (like attention with a decay mask); across chunks only
+the `[H, P, N]` states are passed. All arithmetic is fp32 whatever the input dtype.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+
+def segsum(a: torch.Tensor) -> torch.Tensor:
+    """Pairwise decay exponents: `out[..., i, j] = a[..., j+1] + ... + a[..., i]` for i >= j, -inf above the diagonal.
+
+    Summing the masked increments (instead of differencing a cumsum) keeps the exponent exact for long chunks.
+    a: `[..., L]` -> `[..., L, L]`.
+    """
+    L = a.shape[-1]
+    strict = torch.ones(L, L, dtype=torch.bool, device=a.device).tril(-1)
+    x = a.unsqueeze(-1).expand(*a.shape, L).masked_fill(~strict, 0.0)
+    out = torch.cumsum(x, dim=-2)
+    lower = torch.ones(L, L, dtype=torch.bool, device=a.device).tril(0)
+    return out.masked_fill(~lower, float("-inf"))
+
+
+def ssd_chunked(
+    x: torch.Tensor,
+    dt: torch.Tensor,
+    A: torch.Tensor,
+    B: torch.Tensor,
+    C: torch.Tensor,
+    D: torch.Tensor,
+    state: torch.Tensor,
+    chunk_size: int,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """SSD over one sequence of T tokens, starting from `state`.
+
+    Args:
+        x: `[T, H, P]` inputs.  dt: `[T, H]` step sizes (after softplus and clamp).  A: `[H]` (negative).
+        B, C: `[T, G, N]` with G dividing H.  D: `[H]` skip.  state: `[H, P, N]` initial state.
+        chunk_size: tokens per chunk of the quadratic form.
+
+    Returns:
+        y: `[T, H, P]` fp32 outputs; final_state: `[H, P, N]` fp32.
+    """
+    T, H, P = x.shape
+    G, N = B.shape[1], B.shape[2]
+    L = chunk_size
+    pad = (-T) % L
+    nc = (T + pad) // L
+    f32 = torch.float32
+    # Padding with dt = 0 and x = 0 leaves the state unchanged (decay exp(0) = 1, no input).
+    xs = F.pad(x.to(f32), (0, 0, 0, 0, 0, pad)).view(nc, L, H, P)
+    dts = F.pad(dt.to(f32), (0, 0, 0, pad)).view(nc, L, H)
+    Bs = F.pad(B.to(f32), (0, 0, 0, 0, 0, pad)).repeat_interleave(H // G, dim=1).view(nc, L, H, N)
+    Cs = F.pad(C.to(f32), (0, 0, 0, 0, 0, pad)).repeat_interleave(H // G, dim=1).view(nc, L, H, N)
+
+    a = (dts * A.to(f32)).permute(0, 2, 1)  # [nc, H, L] log-decay per token
+    a_cum = torch.cumsum(a, dim=-1)  # [nc, H, L]
+    xdt = xs * dts.unsqueeze(-1)  # [nc, L, H, P]
+
+    # 1. Within each chunk: y_t = sum_{s<=t} (C_t . B_s) exp(a_{s+1..t}) dt_s x_s
+    decay = torch.exp(segsum(a))  # [nc, H, L, L]
+    scores = torch.einsum("clhn,cshn->chls", Cs, Bs) * decay
+    y = torch.einsum("chls,cshp->clhp", scores, xdt)
+
+    # 2. Each chunk's contribution to the state at its end, starting from zero.
+    to_end = torch.exp(a_cum[..., -1:] - a_cum)  # [nc, H, L]
+    chunk_states = torch.einsum("chl,clhn,clhp->chpn", to_end, Bs, xdt)  # [nc, H, P, N]
+
+    # 3. Pass states across chunks: S_start[c] = sum_{c' < c} decay(c'..c) chunk_state[c'] + decay(0..c) state.
+    states = torch.cat([state.to(f32).unsqueeze(0), chunk_states], dim=0)  # [nc+1, H, P, N]
+    chunk_decay = torch.exp(segsum(F.pad(a_cum[..., -1].transpose(0, 1), (1, 0))))  # [H, nc+1, nc+1]
+    states = torch.einsum("hzc,chpn->zhpn", chunk_decay, states)  # state at the start of chunk z (z = nc: final)
+    start_states, final_state = states[:-1], states[-1]
+
+    # 4. The carried state's contribution inside each chunk.
+    y = y + torch.einsum("clhn,chpn,chl->clhp", Cs, start_states, torch.exp(a_cum))
+
+    y = y.reshape(nc * L, H, P)[:T] + x.to(f32) * D.to(f32)[:, None]
+    return y, final_state
+
+
+def ssd_step(
+    x: torch.Tensor,
+    dt: torch.Tensor,
+    A: torch.Tensor,
+    B: torch.Tensor,
+    C: torch.Tensor,
+    D: torch.Tensor,
+    state: torch.Tensor,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """One decode step for a batch of sessions.
+
+    Args:
+        x: `[Bt, H, P]`.  dt: `[Bt, H]`.  A, D: `[H]`.  B, C: `[Bt, G, N]`.  state: `[Bt, H, P, N]`.
+
+    Returns:
+        y: `[Bt, H, P]` fp32; new_state: `[Bt, H, P, N]` fp32.
+    """
+    H = x.shape[1]
+    G = B.shape[1]
+    f32 = torch.float32
+    dt = dt.to(f32)
+    Bh = B.to(f32).repeat_interleave(H // G, dim=1)  # [Bt, H, N]
+    Ch = C.to(f32).repeat_interleave(H // G, dim=1)
+    decay = torch.exp(dt * A.to(f32))  # [Bt, H]
+    new_state = state.to(f32) * decay[..., None, None] + (dt[..., None] * x.to(f32)).unsqueeze(-1) * Bh.unsqueeze(2)
+    y = torch.einsum("bhpn,bhn->bhp", new_state, Ch) + x.to(f32) * D.to(f32)[:, None]
+    return y, new_state

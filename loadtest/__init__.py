@@ -1,0 +1,1 @@
+"""Load generator and memory/latency reports (not built yet)."""

@@ -1,0 +1,1 @@
+"""The FastAPI server: OpenAI-compatible routes and sessions (not built yet)."""
