@@ -115,9 +115,13 @@ class ModelConfig:
             raise ConfigError("config.layers: a model needs at least one layer")
         for i, kind in enumerate(self.layers):
             if kind not in MIXER_CONFIG_KEYS:
-                raise ConfigError(f"config.layers[{i}]: unknown mixer kind {kind!r}; known: {sorted(MIXER_CONFIG_KEYS)}")
+                raise ConfigError(
+                    f"config.layers[{i}]: unknown mixer kind {kind!r}; known: {sorted(MIXER_CONFIG_KEYS)}"
+                )
             if getattr(self, MIXER_CONFIG_KEYS[kind]) is None:
-                raise ConfigError(f"config.{MIXER_CONFIG_KEYS[kind]}: layer {i} is {kind!r} but this sub-config is missing")
+                raise ConfigError(
+                    f"config.{MIXER_CONFIG_KEYS[kind]}: layer {i} is {kind!r} but this sub-config is missing"
+                )
         for key in ("mamba2", "attention", "swa", "mlp"):
             sub = getattr(self, key)
             if sub is not None:

@@ -100,7 +100,9 @@ class StatePool:
         missing = sorted(set(expected) - set(tensors))
         unexpected = sorted(set(tensors) - set(expected))
         if missing or unexpected:
-            raise SnapshotMismatchError(f"state tensors do not match this model: missing {missing}, unexpected {unexpected}")
+            raise SnapshotMismatchError(
+                f"state tensors do not match this model: missing {missing}, unexpected {unexpected}"
+            )
         for key, (i, name, spec) in expected.items():
             t, dtype = tensors[key], self.tensors[i][name].dtype
             if t.dtype != dtype:

@@ -1,0 +1,132 @@
+"""The `kvfree` command line."""
+
+from __future__ import annotations
+
+import argparse
+import sys
+import time
+from pathlib import Path
+
+from engine.presets import PRESETS
+
+
+def _add_model_args(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--model", "-m", default=None, help="checkpoint directory (default: the one shipped with kvfree)")
+    p.add_argument("--device", default="auto", help="cpu, cuda, cuda:1, ... (default: cuda if available)")
+    p.add_argument("--dtype", default="auto", help="float32, bfloat16 or float16 (default: bf16 on GPU, fp32 on CPU)")
+
+
+def cmd_generate(args: argparse.Namespace) -> int:
+    from engine import LLM, SamplingParams
+
+    llm = LLM(args.model, device=args.device, dtype=args.dtype, max_sessions=1, max_context=args.max_context)
+    prompt = args.prompt
+    if args.chat:
+        prompt = llm.tokenizer.apply_chat_template([{"role": "user", "content": prompt}])
+    params = SamplingParams(
+        max_tokens=args.max_tokens,
+        temperature=args.temperature,
+        top_p=args.top_p,
+        top_k=args.top_k,
+        seed=args.seed,
+        stop=args.stop or [],
+    )
+    start = time.perf_counter()
+    sys.stdout.write(args.prompt if not args.chat else "")
+    for delta in llm.stream(prompt, params):
+        sys.stdout.write(delta)
+        sys.stdout.flush()
+    elapsed = time.perf_counter() - start
+    seq = llm.last_sequence
+    n = len(seq.output_token_ids)
+    print(file=sys.stdout)
+    print(
+        f"[{n} tokens in {elapsed:.2f}s: {n / elapsed:.1f} tokens/s, prompt {len(seq.prompt_token_ids)} tokens, "
+        f"finish_reason={seq.finish_reason}, device={llm.model.device}]",
+        file=sys.stderr,
+    )
+    return 0
+
+
+def cmd_init_checkpoint(args: argparse.Namespace) -> int:
+    from engine.loader import resolve_dtype
+    from engine.presets import init_checkpoint
+
+    path = init_checkpoint(args.preset, args.output, seed=args.seed, dtype=resolve_dtype(args.dtype, _cpu()))
+    print(f"wrote a random-initialised {args.preset!r} checkpoint to {path}")
+    return 0
+
+
+def cmd_convert(args: argparse.Namespace) -> int:
+    from checkpoints.hf_mamba2 import convert_hf_mamba2
+
+    path = convert_hf_mamba2(args.src, args.dst, tokenizer_from=args.tokenizer)
+    print(f"converted {args.src} ({args.from_format}) to {path}")
+    return 0
+
+
+def _cpu():
+    import torch
+
+    return torch.device("cpu")
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(
+        prog="kvfree", description="kvfree: a constant-memory inference server for recurrent language models."
+    )
+    sub = parser.add_subparsers(dest="command", required=True)
+
+    p = sub.add_parser("generate", help="complete a prompt, streaming tokens to the terminal")
+    p.add_argument("prompt", nargs="?", default="Hello", help="the prompt text (default: 'Hello')")
+    _add_model_args(p)
+    p.add_argument("--max-tokens", type=int, default=64)
+    p.add_argument("--temperature", type=float, default=0.8, help="0 for greedy")
+    p.add_argument("--top-p", type=float, default=0.95)
+    p.add_argument("--top-k", type=int, default=0, help="0 disables")
+    p.add_argument("--seed", type=int, default=None)
+    p.add_argument("--stop", action="append", help="a stop string (repeatable)")
+    p.add_argument("--chat", action="store_true", help="wrap the prompt in the checkpoint's chat template")
+    p.add_argument("--max-context", type=int, default=4096, help="KV-cache size for models with attention layers")
+    p.set_defaults(func=cmd_generate)
+
+    p = sub.add_parser("init-checkpoint", help="write a random-initialised checkpoint of a named size")
+    p.add_argument("preset", choices=sorted(PRESETS))
+    p.add_argument("output", type=Path, help="directory to write")
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--dtype", default="float32", help="weight dtype to store (float32 or bfloat16)")
+    p.set_defaults(func=cmd_init_checkpoint)
+
+    p = sub.add_parser("convert", help="convert another format's checkpoint to a kvfree checkpoint")
+    p.add_argument(
+        "--from",
+        dest="from_format",
+        required=True,
+        choices=["hf-mamba2"],
+        help="source format: hf-mamba2 = a Hugging Face Mamba2ForCausalLM directory",
+    )
+    p.add_argument("src", type=Path)
+    p.add_argument("dst", type=Path)
+    p.add_argument(
+        "--tokenizer",
+        type=Path,
+        default=None,
+        help="directory with tokenizer.json (+ tokenizer_config.json) if SRC has none",
+    )
+    p.set_defaults(func=cmd_convert)
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    from checkpoints import CheckpointError
+
+    args = build_parser().parse_args(argv)
+    try:
+        return args.func(args)
+    except (CheckpointError, ValueError) as e:
+        print(f"kvfree {args.command}: error: {e}", file=sys.stderr)
+        return 2
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,80 @@
+"""Build a HybridLM from a native checkpoint directory, checking config and tensors against the model."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import torch
+
+from checkpoints import CheckpointError, default_checkpoint_path, read_checkpoint, write_checkpoint
+from engine.config import ConfigError, ModelConfig
+from engine.model import HybridLM
+
+
+def resolve_dtype(dtype: str | torch.dtype | None, device: torch.device) -> torch.dtype:
+    """bf16 on GPU and fp32 on CPU unless asked otherwise (architecture.md §8)."""
+    if isinstance(dtype, torch.dtype):
+        return dtype
+    if dtype in (None, "auto"):
+        return torch.bfloat16 if device.type == "cuda" else torch.float32
+    names = {
+        "float32": torch.float32,
+        "fp32": torch.float32,
+        "bfloat16": torch.bfloat16,
+        "bf16": torch.bfloat16,
+        "float16": torch.float16,
+        "fp16": torch.float16,
+    }
+    if dtype not in names:
+        raise ValueError(f"unknown dtype {dtype!r}; use one of {sorted(names)}")
+    return names[dtype]
+
+
+def resolve_device(device: str | torch.device | None) -> torch.device:
+    if device in (None, "auto"):
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    return torch.device(device)
+
+
+def load_model(
+    path: str | Path | None = None, device: str | torch.device | None = None, dtype: str | torch.dtype | None = None
+) -> HybridLM:
+    """Load a checkpoint (the embedded default when `path` is None) onto `device` in `dtype`.
+
+    Raises CheckpointError naming the config key or tensor when the checkpoint does not describe a valid model.
+    """
+    path = Path(path) if path is not None else default_checkpoint_path()
+    raw = read_checkpoint(path)
+    try:
+        config = ModelConfig.from_dict(raw.config)
+    except ConfigError as e:
+        raise CheckpointError(f"{path / 'config.json'}: {e}") from None
+    dev = resolve_device(device)
+    model = HybridLM(config)
+    expected = model.state_dict()
+    missing = [k for k in expected if k not in raw.tensors]
+    if missing:
+        raise CheckpointError(
+            f"{path}: missing tensor {missing[0]!r}" + (f" (and {len(missing) - 1} more)" if len(missing) > 1 else "")
+        )
+    unexpected = [k for k in raw.tensors if k not in expected]
+    if unexpected:
+        raise CheckpointError(f"{path}: unexpected tensor {unexpected[0]!r} (not part of this config's model)")
+    for name, want in expected.items():
+        got = raw.tensors[name]
+        if tuple(got.shape) != tuple(want.shape):
+            raise CheckpointError(
+                f"{path}: tensor {name!r} has shape {tuple(got.shape)}, the config needs {tuple(want.shape)}"
+            )
+        if not got.is_floating_point():
+            raise CheckpointError(f"{path}: tensor {name!r} has dtype {got.dtype}, expected floating point")
+        if not torch.isfinite(got).all():
+            raise CheckpointError(f"{path}: tensor {name!r} holds NaN or Inf values")
+    model.load_state_dict(raw.tensors)
+    model.checkpoint_path = path  # type: ignore[attr-defined]
+    return model.to(device=dev, dtype=resolve_dtype(dtype, dev)).eval()
+
+
+def save_model(model: HybridLM, path: str | Path, tokenizer_from: str | Path) -> Path:
+    """Write `model` as a native checkpoint, with the tokenizer files of directory `tokenizer_from`."""
+    return write_checkpoint(path, model.config.to_dict(), model.state_dict(), tokenizer_from)

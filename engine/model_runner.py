@@ -1,0 +1,60 @@
+"""ModelRunner: feeds sequences through the model over the state pool and samples their next tokens."""
+
+from __future__ import annotations
+
+import torch
+
+from engine.layers import PrefillBatch
+from engine.model import HybridLM
+from engine.sampling import SampleOutput, sample
+from engine.sequence import Sequence, TokenLogprob
+from engine.state_pool import StatePool
+
+
+class ModelRunner:
+    """Owns the model and its StatePool; every method runs under inference mode on the model's device."""
+
+    def __init__(self, model: HybridLM, pool: StatePool) -> None:
+        self.model = model
+        self.pool = pool
+        self.device = model.device
+
+    def _slots(self, seqs: list[Sequence]) -> torch.Tensor:
+        return torch.tensor([s.slot for s in seqs], dtype=torch.long, device=self.device)
+
+    @torch.inference_mode()
+    def prefill(self, seqs: list[Sequence], chunks: list[list[int]], all_logits: bool = False) -> torch.Tensor:
+        """Feed `chunks[i]` into `seqs[i]`'s state (one packed call). Returns logits `[B, V]` of each chunk's last
+        token (`[T, V]` for every token with `all_logits`)."""
+        ids = torch.tensor([t for chunk in chunks for t in chunk], dtype=torch.long, device=self.device)
+        batch = PrefillBatch(slots=self._slots(seqs), lens=[len(c) for c in chunks])
+        return self.model.prefill(ids, self.pool.tensors, batch, all_logits=all_logits)
+
+    @torch.inference_mode()
+    def decode(self, seqs: list[Sequence]) -> torch.Tensor:
+        """Feed each sequence's last sampled token. Returns logits `[B, V]`."""
+        ids = torch.tensor([s.output_token_ids[-1] for s in seqs], dtype=torch.long, device=self.device)
+        return self.model.decode(ids, self.pool.tensors, self._slots(seqs))
+
+    @torch.inference_mode()
+    def sample(self, seqs: list[Sequence], logits: torch.Tensor) -> None:
+        """Sample one token for each sequence from `logits` `[B, V]` and append it."""
+        params = [s.params for s in seqs]
+        counts = prompt_mask = None
+        if any(p.uses_penalties for p in params):
+            zeros = torch.zeros(logits.shape[-1], device=self.device)
+            counts = torch.stack([s.counts if s.counts is not None else zeros for s in seqs])
+            prompt_mask = torch.stack([s.prompt_mask if s.prompt_mask is not None else zeros.bool() for s in seqs])
+        out = sample(logits, params, [s.generator for s in seqs], counts, prompt_mask)
+        for row, (seq, token) in enumerate(zip(seqs, out.token_ids.tolist(), strict=True)):
+            seq.append(token, self._logprob(out, row, seq))
+
+    @staticmethod
+    def _logprob(out: SampleOutput, row: int, seq: Sequence) -> TokenLogprob | None:
+        k = seq.params.logprobs
+        if k is None or out.logprobs is None:
+            return None
+        top = []
+        if k > 0 and out.top_ids is not None:
+            top = list(zip(out.top_ids[row, :k].tolist(), out.top_logprobs[row, :k].tolist(), strict=True))
+        return TokenLogprob(int(out.token_ids[row]), float(out.logprobs[row]), top)

@@ -1,0 +1,97 @@
+"""Tokenizer: a `tokenizers` tokenizer from `tokenizer.json` plus the chat template of `tokenizer_config.json`."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Any
+
+from jinja2.sandbox import ImmutableSandboxedEnvironment
+from tokenizers import Tokenizer as HFTokenizer
+
+from checkpoints import TOKENIZER_CONFIG_FILE, TOKENIZER_FILE, CheckpointError
+
+
+def _token_text(value: Any) -> str | None:
+    # tokenizer_config.json writes special tokens either as strings or as {"content": ...} objects.
+    if isinstance(value, dict):
+        return value.get("content")
+    return value
+
+
+class Tokenizer:
+    """Encode/decode text and render chat messages with the checkpoint's template."""
+
+    def __init__(self, path: str | Path) -> None:
+        path = Path(path)
+        try:
+            self._tok = HFTokenizer.from_file(str(path / TOKENIZER_FILE))
+        except Exception as e:  # the tokenizers library raises a bare Exception on a bad file
+            raise CheckpointError(f"{path / TOKENIZER_FILE}: cannot load tokenizer ({e})") from None
+        cfg_path = path / TOKENIZER_CONFIG_FILE
+        self.config: dict[str, Any] = json.loads(cfg_path.read_text()) if cfg_path.is_file() else {}
+        self.chat_template: str | None = self.config.get("chat_template")
+        self.bos_token = _token_text(self.config.get("bos_token"))
+        self.eos_token = _token_text(self.config.get("eos_token"))
+        self.eos_token_id = self._tok.token_to_id(self.eos_token) if self.eos_token else None
+        self.bos_token_id = self._tok.token_to_id(self.bos_token) if self.bos_token else None
+        self._env = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True)
+        self._env.filters["tojson"] = lambda v, indent=None: json.dumps(v, indent=indent, ensure_ascii=False)
+
+    @property
+    def vocab_size(self) -> int:
+        return self._tok.get_vocab_size(with_added_tokens=True)
+
+    def encode(self, text: str) -> list[int]:
+        """Text -> token ids (special-token strings in the text are recognised as special tokens)."""
+        return self._tok.encode(text, add_special_tokens=False).ids
+
+    def decode(self, ids: list[int], skip_special_tokens: bool = True) -> str:
+        return self._tok.decode(ids, skip_special_tokens=skip_special_tokens)
+
+    def token_to_id(self, token: str) -> int | None:
+        return self._tok.token_to_id(token)
+
+    def apply_chat_template(
+        self, messages: list[dict[str, Any]], add_generation_prompt: bool = True, tools: list[dict] | None = None
+    ) -> str:
+        """Render a chat as the prompt text the model was trained on."""
+        if not self.chat_template:
+            raise CheckpointError("this checkpoint's tokenizer_config.json has no chat_template")
+        template = self._env.from_string(self.chat_template)
+        return template.render(
+            messages=messages,
+            add_generation_prompt=add_generation_prompt,
+            tools=tools,
+            bos_token=self.bos_token or "",
+            eos_token=self.eos_token or "",
+        )
+
+
+class IncrementalDetokenizer:
+    """Turns a growing list of token ids into text deltas without re-decoding everything.
+
+    A byte-level token can end in the middle of a UTF-8 character; such a tail is held back (it decodes to
+    U+FFFD) until the token that completes it arrives.
+    """
+
+    def __init__(self, tokenizer: Tokenizer, skip_special_tokens: bool = True) -> None:
+        self.tokenizer = tokenizer
+        self.skip_special_tokens = skip_special_tokens
+        self.ids: list[int] = []
+        self._prefix = 0  # ids[_prefix:_read] decode to text already emitted; it gives merges context
+        self._read = 0
+        self.text = ""
+
+    def add(self, token_id: int) -> str:
+        """Append one token; returns the newly completed text (possibly empty)."""
+        self.ids.append(token_id)
+        decode = self.tokenizer.decode
+        prefix_text = decode(self.ids[self._prefix : self._read], self.skip_special_tokens)
+        full_text = decode(self.ids[self._prefix :], self.skip_special_tokens)
+        if full_text.endswith("\ufffd") or len(full_text) <= len(prefix_text):
+            return ""
+        delta = full_text[len(prefix_text) :]
+        self._prefix, self._read = self._read, len(self.ids)
+        self.text += delta
+        return delta
