@@ -1,0 +1,184 @@
+"""StatePool: session isolation, slot reuse, export/import (also across processes), memory accounting."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+import textwrap
+
+import pytest
+import torch
+from safetensors.torch import save_file
+
+from engine.layers import PrefillBatch
+from engine.state_pool import SnapshotMismatchError, StatePool
+from tests.conftest import make_model, rel_err
+
+MODELS = [["mamba2", "mamba2"], ["attention"], ["swa", "mamba2"], ["mamba2", "attention", "swa"]]
+
+
+def prefill(model, pool, slot: int, ids: list[int], chunk: int = 4096) -> torch.Tensor:
+    logits = None
+    for start in range(0, len(ids), chunk):
+        piece = torch.tensor(ids[start : start + chunk])
+        logits = model.prefill(piece, pool.tensors, PrefillBatch(torch.tensor([slot]), [len(piece)]))
+    return logits[0]
+
+
+def greedy(model, pool, slots: list[int], first: list[int], steps: int) -> tuple[list[list[int]], torch.Tensor]:
+    """Greedy-decode `steps` tokens for sessions in `slots`, feeding `first` first. Returns tokens and logits."""
+    tokens, ids, all_logits = [[] for _ in slots], torch.tensor(first), []
+    for _ in range(steps):
+        logits = model.decode(ids, pool.tensors, torch.tensor(slots))
+        all_logits.append(logits)
+        ids = logits.argmax(-1)
+        for row, t in enumerate(ids.tolist()):
+            tokens[row].append(t)
+    return tokens, torch.stack(all_logits, 1)
+
+
+def random_ids(n: int, seed: int) -> list[int]:
+    return torch.randint(0, 256, (n,), generator=torch.Generator().manual_seed(seed)).tolist()
+
+
+@pytest.mark.parametrize("layers", MODELS)
+def test_interleaved_sessions_match_each_alone(layers) -> None:
+    model = make_model(layers, mlp=True)
+    prompts = [random_ids(13, 1), random_ids(30, 2)]
+    pool = StatePool(model, capacity=3, max_context=128)
+    firsts = [int(prefill(model, pool, slot, p).argmax()) for slot, p in zip([2, 0], prompts, strict=True)]
+    together, logits_together = greedy(model, pool, [2, 0], firsts, 12)
+    for row, prompt in enumerate(prompts):
+        alone_pool = StatePool(model, capacity=1, max_context=128)
+        first = int(prefill(model, alone_pool, 0, prompt).argmax())
+        alone, logits_alone = greedy(model, alone_pool, [0], [first], 12)
+        assert together[row] == alone[0]
+        assert rel_err(logits_together[row], logits_alone[0]) <= 1e-5  # BLAS picks other paths per batch size
+
+
+@pytest.mark.parametrize("layers", MODELS)
+def test_freed_slot_keeps_nothing_of_the_old_session(layers) -> None:
+    model = make_model(layers)
+    pool = StatePool(model, capacity=2, max_context=128)
+    fresh = {k: v.clone() for k, v in pool.export(0).items()}
+    slot = pool.alloc()
+    prefill(model, pool, slot, random_ids(40, 3))
+    pool.free(slot)
+    again = pool.alloc()
+    assert again == slot
+    for key, tensor in pool.export(again).items():
+        assert torch.equal(tensor, fresh[key]), key
+    # And the reused slot continues exactly like a brand-new pool.
+    new_pool = StatePool(model, capacity=1, max_context=128)
+    prompt = random_ids(9, 4)
+    assert torch.equal(prefill(model, pool, again, prompt), prefill(model, new_pool, 0, prompt))
+
+
+def test_alloc_and_free_errors() -> None:
+    model = make_model(["mamba2"])
+    pool = StatePool(model, capacity=1)
+    slot = pool.alloc()
+    with pytest.raises(RuntimeError, match="in use"):
+        pool.alloc()
+    pool.free(slot)
+    with pytest.raises(ValueError, match="not allocated"):
+        pool.free(slot)
+
+
+@pytest.mark.parametrize("layers", MODELS)
+def test_export_import_continues_bit_identically(layers) -> None:
+    model = make_model(layers, seed=7)
+    pool = StatePool(model, capacity=2, max_context=128)
+    first = int(prefill(model, pool, 1, random_ids(25, 5)).argmax())
+    warm, _ = greedy(model, pool, [1], [first], 5)
+    snapshot = pool.export(1)
+    expected, _ = greedy(model, pool, [1], [warm[0][-1]], 15)
+
+    other = StatePool(model, capacity=3, max_context=128)
+    other.import_(2, snapshot)
+    got, _ = greedy(model, other, [2], [warm[0][-1]], 15)
+    assert got == expected
+
+
+def test_export_import_across_processes(tmp_path) -> None:
+    """A state saved to a file in this process continues identically in a new Python process."""
+    from engine.loader import load_model
+    from engine.presets import init_checkpoint
+
+    ckpt = init_checkpoint("tiny-hybrid", tmp_path / "ckpt", seed=3)
+    model = load_model(ckpt, device="cpu")
+    pool = StatePool(model, capacity=1, max_context=256)
+    first = int(prefill(model, pool, 0, random_ids(40, 6)).argmax())
+    save_file(pool.export(0), tmp_path / "state.safetensors")
+    expected, _ = greedy(model, pool, [0], [first], 20)
+
+    script = textwrap.dedent(f"""
+        import torch
+        from safetensors.torch import load_file
+        from engine.loader import load_model
+        from engine.state_pool import StatePool
+        model = load_model({str(ckpt)!r}, device="cpu")
+        pool = StatePool(model, capacity=4, max_context=256)
+        pool.import_(3, load_file({str(tmp_path / "state.safetensors")!r}))
+        ids, out = torch.tensor([{first}]), []
+        with torch.inference_mode():
+            for _ in range(20):
+                ids = model.decode(ids, pool.tensors, torch.tensor([3])).argmax(-1)
+                out.append(int(ids))
+        print(out)
+    """)
+    result = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=120)
+    assert result.returncode == 0, result.stderr
+    assert result.stdout.strip() == str(expected[0])
+
+
+def test_import_rejects_mismatched_state() -> None:
+    model = make_model(["mamba2", "attention"])
+    pool = StatePool(model, capacity=1, max_context=32)
+    good = pool.export(0)
+    missing = {k: v for k, v in good.items() if k != "layers.0.ssm"}
+    with pytest.raises(SnapshotMismatchError, match="layers.0.ssm"):
+        pool.import_(0, missing)
+    wrong_shape = dict(good, **{"layers.0.ssm": torch.zeros(3, 3)})
+    with pytest.raises(SnapshotMismatchError, match="layers.0.ssm"):
+        pool.import_(0, wrong_shape)
+    wrong_dtype = dict(good, **{"layers.0.ssm": good["layers.0.ssm"].double()})
+    with pytest.raises(SnapshotMismatchError, match="dtype"):
+        pool.import_(0, wrong_dtype)
+    too_long = dict(good, **{"layers.1.k": torch.zeros(33, 2, 8)})
+    with pytest.raises(SnapshotMismatchError, match="layers.1.k"):
+        pool.import_(0, too_long)
+
+
+def test_bytes_per_session_constant_for_mamba2() -> None:
+    model = make_model(["mamba2", "mamba2"])
+    pool = StatePool(model, capacity=2, max_context=64)
+    prefill(model, pool, 0, random_ids(100, 8))
+    prefill(model, pool, 1, random_ids(10_000, 9))
+    assert pool.session_bytes(0) == pool.session_bytes(1) == pool.bytes_per_session(100)
+    assert pool.bytes_per_session(100) == pool.bytes_per_session(10_000) == pool.bytes_per_session()
+    assert pool.bytes_per_token() == 0
+    # The formula: per layer, the conv tail (K-1) x conv_dim and the SSM state H x P x N, fp32.
+    cfg = model.config.mamba2
+    conv_dim = cfg.num_heads * cfg.head_dim + 2 * cfg.n_groups * cfg.state_size
+    per_layer = ((cfg.conv_kernel - 1) * conv_dim + cfg.num_heads * cfg.head_dim * cfg.state_size) * 4
+    assert pool.bytes_per_session() == 2 * per_layer
+    assert pool.reserved_bytes() == 2 * pool.bytes_per_session()
+    # The state survives 10k tokens with finite values.
+    assert all(torch.isfinite(t).all() for t in pool.export(1).values())
+
+
+def test_bytes_per_session_grows_linearly_for_attention() -> None:
+    model = make_model(["attention", "attention"])
+    pool = StatePool(model, capacity=3, max_context=10_000)
+    for slot, n in enumerate([100, 5_000, 10_000]):
+        prefill(model, pool, slot, random_ids(n, 10 + slot), chunk=1024)
+    sizes = [pool.session_bytes(slot) for slot in range(3)]
+    cfg = model.config.attention
+    per_token = 2 * 2 * cfg.num_kv_heads * cfg.head_dim * 4  # layers x (k, v) x heads x dim x fp32
+    assert pool.bytes_per_token() == per_token
+    assert sizes[1] - sizes[0] == 4_900 * per_token
+    assert sizes[2] - sizes[0] == 9_900 * per_token
+    assert sizes == [pool.bytes_per_session(n) for n in (100, 5_000, 10_000)]
+    # Reserved memory is sized by max_context, whatever the sessions hold.
+    assert pool.bytes_per_session() == pool.bytes_per_session(10_000)
