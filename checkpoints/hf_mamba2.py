@@ -135,6 +135,21 @@ def load_hf_tensors(src: Path) -> dict[str, torch.Tensor]:
 
 
 # -- config ------------------------------------------------------------------------------------------------------
+# transformers >= 5 writes non-finite floats in config.json as {"__float__": "Infinity"} (older versions: Infinity).
+_SPECIAL_FLOATS = {"Infinity": math.inf, "-Infinity": -math.inf, "NaN": math.nan}
+
+
+def decode_special_floats(obj: Any) -> Any:
+    """Undo transformers' JSON encoding of non-finite floats, recursively."""
+    if isinstance(obj, dict):
+        if set(obj) == {"__float__"} and obj["__float__"] in _SPECIAL_FLOATS:
+            return _SPECIAL_FLOATS[obj["__float__"]]
+        return {k: decode_special_floats(v) for k, v in obj.items()}
+    if isinstance(obj, list):
+        return [decode_special_floats(v) for v in obj]
+    return obj
+
+
 def _value(hf: dict[str, Any], key: str) -> Any:
     return hf.get(key, HF_DEFAULTS.get(key))
 
@@ -386,10 +401,12 @@ def convert_hf_mamba2(src: str | Path, dst: str | Path, tokenizer_from: str | Pa
         raise CheckpointError(f"{src}: no such HF checkpoint directory")
     if not (src / CONFIG_FILE).is_file():
         raise CheckpointError(f"{src}: missing {CONFIG_FILE}")
+    if dst.resolve() == src.resolve():
+        raise CheckpointError(f"{dst}: the destination must differ from the HF source directory")
     hf_config = _read_json(src / CONFIG_FILE)
     if not isinstance(hf_config, dict):
         raise CheckpointError(f"{src / CONFIG_FILE}: expected a JSON object")
-    config = convert_config(hf_config, src)
+    config = convert_config(decode_special_floats(hf_config), src)
     with tempfile.TemporaryDirectory(prefix="kvfree-hf-mamba2-") as staging:
         tok_dir = _tokenizer_dir(src, tok_src, config, Path(staging))
         tensors = convert_tensors(load_hf_tensors(src), config, src)
