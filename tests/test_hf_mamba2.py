@@ -23,6 +23,7 @@ from engine.layers.base import PrefillBatch
 from engine.loader import load_model
 from engine.model import HybridLM
 from engine.state_pool import StatePool
+from tests.conftest import rel_err
 
 transformers = pytest.importorskip("transformers")
 
@@ -46,12 +47,6 @@ TINY = dict(
     eos_token_id=256,
     pad_token_id=256,
 )
-
-
-def rel_err(a: torch.Tensor, b: torch.Tensor) -> float:
-    """||a - b|| / ||b|| in float64."""
-    a, b = a.double(), b.double()
-    return ((a - b).norm() / b.norm()).item()
 
 
 @torch.no_grad()
