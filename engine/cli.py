@@ -3,9 +3,11 @@
 from __future__ import annotations
 
 import argparse
+import json
 import sys
 import time
 from pathlib import Path
+from typing import Any
 
 from engine.presets import PRESETS
 
@@ -14,12 +16,41 @@ def _add_model_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--model", "-m", default=None, help="checkpoint directory (default: the one shipped with kvfree)")
     p.add_argument("--device", default="auto", help="cpu, cuda, cuda:1, ... (default: cuda if available)")
     p.add_argument("--dtype", default="auto", help="float32, bfloat16 or float16 (default: bf16 on GPU, fp32 on CPU)")
+    p.add_argument(
+        "--set",
+        dest="overrides",
+        action="append",
+        default=[],
+        metavar="KEY=VALUE",
+        help="override a config value at load, e.g. --set gka.num_iter=10 (VALUE is JSON; repeatable)",
+    )
+
+
+def parse_overrides(items: list[str]) -> dict[str, Any]:
+    """["gka.num_iter=10", ...] -> {"gka.num_iter": 10}; VALUE is read as JSON, else kept as a string."""
+    out: dict[str, Any] = {}
+    for item in items:
+        key, sep, value = item.partition("=")
+        if not sep or not key:
+            raise ValueError(f"--set {item!r}: expected KEY=VALUE, e.g. gka.num_iter=10")
+        try:
+            out[key] = json.loads(value)
+        except json.JSONDecodeError:
+            out[key] = value
+    return out
 
 
 def cmd_generate(args: argparse.Namespace) -> int:
     from engine import LLM, SamplingParams
 
-    llm = LLM(args.model, device=args.device, dtype=args.dtype, max_sessions=1, max_context=args.max_context)
+    llm = LLM(
+        args.model,
+        device=args.device,
+        dtype=args.dtype,
+        max_sessions=1,
+        max_context=args.max_context,
+        config_overrides=parse_overrides(args.overrides),
+    )
     prompt = args.prompt
     if args.chat:
         prompt = llm.tokenizer.apply_chat_template([{"role": "user", "content": prompt}])

@@ -83,8 +83,75 @@ class MLPConfig:
             raise ConfigError(f"{where}.kind: unknown MLP kind {self.kind!r}; known: ['swiglu']")
 
 
+@dataclass
+class SKAConfig:
+    """Spectral Koopman Attention (Echo; shared/design/ska.md)."""
+
+    num_heads: int
+    rank: int  # r: Koopman rank per head (key/query width per head)
+    head_dim: int  # P: value width per head
+    chunk_size: int = 64
+    power_order: int = 2  # K
+    ridge_eps: float = 1e-3
+    power_iters: int = 6
+    eta_init: float = 1.5
+    gamma_init: float = 1.0
+    decode_mode: str = "C"  # "C": chunk-causal (exact parity with the chunked forward); "P": the paper's prefix mode
+
+    def check(self, where: str) -> None:
+        _positive(self, where, "num_heads", "rank", "head_dim", "chunk_size", "power_iters")
+        if self.decode_mode not in ("C", "P"):
+            raise ConfigError(f"{where}.decode_mode: must be 'C' or 'P', got {self.decode_mode!r}")
+
+
+@dataclass
+class GKAConfig:
+    """Gated KalmaNet (shared/design/gka.md)."""
+
+    num_heads: int
+    head_dim: int
+    conv_kernel: int = 4
+    chunk_size: int = 64
+    num_iter: int = 30
+    ridge_strength: float = 0.02
+    norm_eps: float = 1e-6
+
+    def check(self, where: str) -> None:
+        _positive(self, where, "num_heads", "head_dim", "conv_kernel", "chunk_size", "num_iter")
+
+
+@dataclass
+class LatticeConfig:
+    """Lattice memory slots (shared/design/lattice.md)."""
+
+    num_heads: int
+    head_dim: int
+
+    def check(self, where: str) -> None:
+        _positive(self, where, "num_heads", "head_dim")
+
+
+@dataclass
+class BMojoConfig:
+    """B'MOJO fading + eidetic memory (shared/design/bmojo.md)."""
+
+    num_heads: int
+    head_dim: int
+
+    def check(self, where: str) -> None:
+        _positive(self, where, "num_heads", "head_dim")
+
+
 # Which sub-config each mixer kind reads. `swa` is attention with a mandatory window.
-MIXER_CONFIG_KEYS: dict[str, str] = {"mamba2": "mamba2", "attention": "attention", "swa": "swa"}
+MIXER_CONFIG_KEYS: dict[str, str] = {
+    "mamba2": "mamba2",
+    "attention": "attention",
+    "swa": "swa",
+    "ska": "ska",
+    "gka": "gka",
+    "lattice": "lattice",
+    "bmojo": "bmojo",
+}
 
 
 @dataclass
@@ -100,6 +167,10 @@ class ModelConfig:
     mamba2: Mamba2Config | None = None
     attention: AttentionConfig | None = None
     swa: AttentionConfig | None = None
+    ska: SKAConfig | None = None
+    gka: GKAConfig | None = None
+    lattice: LatticeConfig | None = None
+    bmojo: BMojoConfig | None = None
     bos_token_id: int | None = None
     eos_token_id: int | None = None
     pad_token_id: int | None = None
@@ -122,7 +193,7 @@ class ModelConfig:
                 raise ConfigError(
                     f"config.{MIXER_CONFIG_KEYS[kind]}: layer {i} is {kind!r} but this sub-config is missing"
                 )
-        for key in ("mamba2", "attention", "swa", "mlp"):
+        for key in (*sorted(set(MIXER_CONFIG_KEYS.values())), "mlp"):
             sub = getattr(self, key)
             if sub is not None:
                 sub.check(f"config.{key}")
@@ -146,6 +217,20 @@ class ModelConfig:
     @classmethod
     def from_dict(cls, data: Any) -> ModelConfig:
         return _build(cls, data, "config")
+
+    @staticmethod
+    def apply_overrides(data: dict[str, Any], overrides: dict[str, Any]) -> dict[str, Any]:
+        """A copy of config `data` with dotted keys replaced, e.g. `{"gka.num_iter": 10}` (validated later)."""
+        data = json.loads(json.dumps(data))
+        for dotted, value in overrides.items():
+            *parents, leaf = dotted.split(".")
+            node = data
+            for i, key in enumerate(parents):
+                if not isinstance(node.get(key), dict):
+                    raise ConfigError(f"override {dotted!r}: config has no section {'.'.join(parents[: i + 1])!r}")
+                node = node[key]
+            node[leaf] = value
+        return data
 
     @classmethod
     def load(cls, path: str | Path) -> ModelConfig:

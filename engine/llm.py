@@ -6,6 +6,7 @@ from collections import deque
 from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 import torch
 
@@ -40,6 +41,7 @@ class LLM:
         max_sessions: state-pool slots, i.e. sequences decoded at once.
         max_context: tokens of context per session for models with full attention (sizes the KV cache).
         prefill_chunk: most prompt tokens fed per prefill call (bounds activation memory for long prompts).
+        config_overrides: config values to replace at load, by dotted key, e.g. `{"gka.num_iter": 10}`.
     """
 
     def __init__(
@@ -51,9 +53,10 @@ class LLM:
         max_sessions: int = 64,
         max_context: int = 4096,
         prefill_chunk: int = 4096,
+        config_overrides: dict[str, Any] | None = None,
     ) -> None:
         path = Path(model) if model is not None else default_checkpoint_path()
-        self.model = load_model(path, device=device, dtype=dtype)
+        self.model = load_model(path, device=device, dtype=dtype, config_overrides=config_overrides)
         self.tokenizer = Tokenizer(path)
         self.pool = StatePool(self.model, max_sessions, max_context)
         self.runner = ModelRunner(self.model, self.pool)

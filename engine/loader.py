@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from pathlib import Path
+from typing import Any
 
 import torch
 
@@ -49,16 +50,21 @@ def resolve_device(device: str | torch.device | None) -> torch.device:
 
 
 def load_model(
-    path: str | Path | None = None, device: str | torch.device | None = None, dtype: str | torch.dtype | None = None
+    path: str | Path | None = None,
+    device: str | torch.device | None = None,
+    dtype: str | torch.dtype | None = None,
+    config_overrides: dict[str, Any] | None = None,
 ) -> HybridLM:
     """Load a checkpoint (the embedded default when `path` is None) onto `device` in `dtype`.
 
+    `config_overrides` replaces config values that do not change the weights, by dotted key (e.g.
+    `{"gka.num_iter": 10}` for fewer solver iterations at serving time).
     Raises CheckpointError naming the config key or tensor when the checkpoint does not describe a valid model.
     """
     path = Path(path) if path is not None else default_checkpoint_path()
     raw = read_checkpoint(path)
     try:
-        config = ModelConfig.from_dict(raw.config)
+        config = ModelConfig.from_dict(ModelConfig.apply_overrides(raw.config, config_overrides or {}))
     except ConfigError as e:
         raise CheckpointError(f"{path / 'config.json'}: {e}") from None
     dev = resolve_device(device)
@@ -83,6 +89,8 @@ def load_model(
         if not torch.isfinite(got).all():
             raise CheckpointError(f"{path}: tensor {name!r} holds NaN or Inf values")
     model.load_state_dict(raw.tensors)
+    for layer in model.layers:
+        layer.mixer.on_load()
     model.checkpoint_path = path  # type: ignore[attr-defined]
     return model.to(device=dev, dtype=resolve_dtype(dtype, dev)).eval()
 

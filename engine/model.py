@@ -28,6 +28,9 @@ class Block(nn.Module):
             return x
         return x + self.mlp(self.mlp_norm(x)).float()
 
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self._mlp(x + self.mixer(self.norm(x)).float())
+
     def prefill(self, x: torch.Tensor, state: dict[str, torch.Tensor], batch: PrefillBatch) -> torch.Tensor:
         return self._mlp(x + self.mixer.prefill(self.norm(x), state, batch).float())
 
@@ -73,6 +76,13 @@ class HybridLM(nn.Module):
         h = self.norm(h)
         weight = self.embed.weight if self.lm_head is None else self.lm_head.weight
         return (h @ weight.t()).float()
+
+    def forward(self, input_ids: torch.Tensor) -> torch.Tensor:
+        """Training forward: input_ids `[B, T]` -> fp32 logits `[B, T, vocab]`, every sequence from a new state."""
+        h = self.embed(input_ids).float()
+        for layer in self.layers:
+            h = layer(h)
+        return self.logits(h)
 
     def prefill(
         self, input_ids: torch.Tensor, state: State, batch: PrefillBatch, all_logits: bool = False

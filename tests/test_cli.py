@@ -172,3 +172,15 @@ def test_generate_bad_device_returns_2(capsys, device):
     assert main(["generate", "Hi", "--device", device, "--max-tokens", "2"]) == 2
     err = capsys.readouterr().err
     assert repr(device) in err and "error" in err
+
+
+def test_set_overrides_config_values(capsys) -> None:
+    from engine.cli import main, parse_overrides
+
+    assert parse_overrides(["mamba2.chunk_size=16", "notes.x=abc"]) == {"mamba2.chunk_size": 16, "notes.x": "abc"}
+    assert main(["generate", "Hi", "--max-tokens", "3", "--temperature", "0", "--set", "mamba2.chunk_size=16"]) == 0
+    assert main(["generate", "Hi", "--set", "mamba2.chunk_size=0"]) == 2
+    assert "mamba2.chunk_size" in capsys.readouterr().err
+    assert main(["generate", "Hi", "--set", "nosuch.key=1"]) == 2
+    assert "nosuch" in capsys.readouterr().err
+    assert main(["generate", "Hi", "--set", "oops"]) == 2

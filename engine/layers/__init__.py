@@ -2,17 +2,31 @@
 
 from __future__ import annotations
 
-from engine.config import ModelConfig
-from engine.layers.attention import AttentionMixer, SlidingWindowMixer
-from engine.layers.base import ContextOverflowError, Mixer, PrefillBatch, StateSpec
-from engine.layers.mamba2 import Mamba2Mixer
+import importlib
 
-MIXERS: dict[str, type[Mixer]] = {cls.kind: cls for cls in (Mamba2Mixer, AttentionMixer, SlidingWindowMixer)}
+from engine.config import ModelConfig
+from engine.layers.base import ContextOverflowError, Mixer, PrefillBatch, StateSpec
+
+# kind -> "module:class". Imported on first use, so a model only loads the mixers it has.
+MIXERS: dict[str, str] = {
+    "mamba2": "engine.layers.mamba2:Mamba2Mixer",
+    "attention": "engine.layers.attention:AttentionMixer",
+    "swa": "engine.layers.attention:SlidingWindowMixer",
+    "ska": "engine.layers.ska:SKAMixer",
+    "gka": "engine.layers.gka:GKAMixer",
+    "lattice": "engine.layers.lattice:LatticeMixer",
+    "bmojo": "engine.layers.bmojo:BMojoMixer",
+}
+
+
+def mixer_class(kind: str) -> type[Mixer]:
+    module, name = MIXERS[kind].split(":")
+    return getattr(importlib.import_module(module), name)
 
 
 def build_mixer(kind: str, config: ModelConfig) -> Mixer:
     """The mixer of `kind` for a model of `config` (the kind's sub-config is read from `config`)."""
-    return MIXERS[kind](config.hidden_size, config.mixer_config(kind))
+    return mixer_class(kind)(config.hidden_size, config.mixer_config(kind))
 
 
-__all__ = ["MIXERS", "ContextOverflowError", "Mixer", "PrefillBatch", "StateSpec", "build_mixer"]
+__all__ = ["MIXERS", "ContextOverflowError", "Mixer", "PrefillBatch", "StateSpec", "build_mixer", "mixer_class"]

@@ -46,6 +46,16 @@ class AttentionMixer(Mixer):
         v = self.v_proj(x).unflatten(-1, (c.num_kv_heads, c.head_dim))
         return q, k, v
 
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        B, T, _ = x.shape
+        q, k, v = self._qkv(x)
+        pos = torch.arange(T, device=x.device)
+        q, k = apply_rope(q, pos, self.cfg.rope_theta), apply_rope(k, pos, self.cfg.rope_theta)
+        mask = pos[None, :] <= pos[:, None]
+        if self.window is not None:
+            mask &= pos[None, :] > pos[:, None] - self.window
+        return self.o_proj(attend(q, k, v, mask.expand(B, T, T)).flatten(-2))
+
     def _cache_index(self, positions: torch.Tensor) -> torch.Tensor:
         return positions if self.window is None else positions % self.window
 

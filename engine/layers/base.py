@@ -1,10 +1,12 @@
 """The mixer interface every sequence layer implements (architecture.md §3).
 
 A mixer owns no per-session memory itself. It declares the state one session needs (`state_specs`), and its two
-entry points read and write that state in pool tensors of shape `[capacity, *shape]`, addressed by slot index:
+serving entry points read and write that state in pool tensors of shape `[capacity, *shape]`, addressed by slot:
 
 - `prefill(x, state, batch)`: a packed chunk of tokens of one or more sessions, continuing from their states;
 - `decode(x, state, slots)`: one token for each of B sessions.
+
+`forward(x)` is the training path: whole `[B, T, D]` sequences from a fresh state, differentiable.
 """
 
 from __future__ import annotations
@@ -76,5 +78,15 @@ class Mixer(nn.Module):
         """x: `[B, D]` one token per session in `slots` -> `[B, D]`; updates their state rows in place."""
         raise NotImplementedError
 
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        """Training forward: x `[B, T, D]` -> `[B, T, D]` for B whole sequences from a new session's state.
+
+        Differentiable and batched; computes the same function as `prefill` (tested), without a state pool.
+        """
+        raise NotImplementedError
+
     def reset_parameters(self) -> None:
         """Random initialisation for a new checkpoint (projections are initialised by the model)."""
+
+    def on_load(self) -> None:
+        """Called once after checkpoint weights are loaded (e.g. to fold a gate into a parameter for serving)."""

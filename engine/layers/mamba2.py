@@ -77,21 +77,33 @@ class Mamba2Mixer(Mixer):
         return self.out_proj(self.norm(y.flatten(-2), gate).to(self.out_proj.weight.dtype))
 
     # -- entry points ------------------------------------------------------------------------------------------
-    def prefill(self, x: torch.Tensor, state: dict[str, torch.Tensor], batch: PrefillBatch) -> torch.Tensor:
+    def _mix(
+        self, x: torch.Tensor, conv_tail: torch.Tensor, ssm: torch.Tensor
+    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """Whole sequences x `[B, T, D]` from the given states -> (y `[B, T, D]`, new conv tail, new ssm state)."""
         gate, xbc, dt = self.in_proj(x).split([self.d_inner, self.conv_dim, self.cfg.num_heads], dim=-1)
+        conv_out, tail = self.conv(xbc, conv_tail)
+        xs, Bs, Cs = self._split(conv_out)
         A = -torch.exp(self.A_log.float())
+        y, ssm = ssd_chunked(xs, self._dt(dt), A, Bs, Cs, self.D, ssm, self.cfg.chunk_size)
+        return self._out(y, gate), tail, ssm
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        B = x.shape[0]
+        c = self.cfg
+        tail = x.new_zeros(B, c.conv_kernel - 1, self.conv_dim)
+        ssm = x.new_zeros(B, c.num_heads, c.head_dim, c.state_size, dtype=torch.float32)
+        return self._mix(x, tail, ssm)[0]
+
+    def prefill(self, x: torch.Tensor, state: dict[str, torch.Tensor], batch: PrefillBatch) -> torch.Tensor:
         ys = []
         for i, (start, end) in enumerate(batch.offsets):
             slot = batch.slots[i : i + 1]
-            conv_out, tail = self.conv(xbc[start:end].unsqueeze(0), state["conv"][slot])
-            xs, Bs, Cs = self._split(conv_out[0])
-            y, ssm = ssd_chunked(
-                xs, self._dt(dt[start:end]), A, Bs, Cs, self.D, state["ssm"][slot][0], self.cfg.chunk_size
-            )
+            y, tail, ssm = self._mix(x[start:end].unsqueeze(0), state["conv"][slot], state["ssm"][slot])
             state["conv"].index_copy_(0, slot, tail.to(state["conv"].dtype))
-            state["ssm"].index_copy_(0, slot, ssm.unsqueeze(0))
-            ys.append(y)
-        return self._out(torch.cat(ys), gate)
+            state["ssm"].index_copy_(0, slot, ssm)
+            ys.append(y[0])
+        return torch.cat(ys)
 
     def decode(self, x: torch.Tensor, state: dict[str, torch.Tensor], slots: torch.Tensor) -> torch.Tensor:
         gate, xbc, dt = self.in_proj(x).split([self.d_inner, self.conv_dim, self.cfg.num_heads], dim=-1)

@@ -23,19 +23,29 @@ class RMSNorm(nn.Module):
 
 
 class GatedRMSNorm(nn.Module):
-    """RMSNorm of `x * silu(gate)`, normalised over groups of `group_size` channels (Mamba-2's output norm)."""
+    """Gated RMSNorm over groups of `group_size` channels.
 
-    def __init__(self, dim: int, group_size: int, eps: float = 1e-5) -> None:
+    norm_before_gate=False (Mamba-2): rmsnorm(x * silu(gate)) * w.
+    norm_before_gate=True (GKA, FLA's FusedRMSNormGated): rmsnorm(x) * w * silu(gate).
+    """
+
+    def __init__(self, dim: int, group_size: int, eps: float = 1e-5, norm_before_gate: bool = False) -> None:
         super().__init__()
         if dim % group_size:
             raise ValueError(f"group_size {group_size} must divide dim {dim}")
         self.weight = nn.Parameter(torch.ones(dim))
         self.group_size = group_size
         self.eps = eps
+        self.norm_before_gate = norm_before_gate
 
     def forward(self, x: torch.Tensor, gate: torch.Tensor) -> torch.Tensor:
         """x, gate: `[..., dim]` -> `[..., dim]` in the weight's dtype."""
-        xf = x.float() * F.silu(gate.float())
+        xf, gf = x.float(), F.silu(gate.float())
+        if not self.norm_before_gate:
+            xf = xf * gf
         grouped = xf.unflatten(-1, (-1, self.group_size))
         grouped = grouped * torch.rsqrt(grouped.pow(2).mean(-1, keepdim=True) + self.eps)
-        return self.weight * grouped.flatten(-2).to(self.weight.dtype)
+        out = self.weight.float() * grouped.flatten(-2)
+        if self.norm_before_gate:
+            out = out * gf
+        return out.to(self.weight.dtype)

@@ -40,51 +40,51 @@ def ssd_chunked(
     state: torch.Tensor,
     chunk_size: int,
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """SSD over one sequence of T tokens, starting from `state`.
+    """SSD over a batch of sequences of T tokens each, starting from `state`.
 
     Args:
-        x: `[T, H, P]` inputs.  dt: `[T, H]` step sizes (after softplus and clamp).  A: `[H]` (negative).
-        B, C: `[T, G, N]` with G dividing H.  D: `[H]` skip.  state: `[H, P, N]` initial state.
+        x: `[Bt, T, H, P]` inputs.  dt: `[Bt, T, H]` step sizes (after softplus and clamp).  A: `[H]` (negative).
+        B, C: `[Bt, T, G, N]` with G dividing H.  D: `[H]` skip.  state: `[Bt, H, P, N]` initial states.
         chunk_size: tokens per chunk of the quadratic form.
 
     Returns:
-        y: `[T, H, P]` fp32 outputs; final_state: `[H, P, N]` fp32.
+        y: `[Bt, T, H, P]` fp32 outputs; final_state: `[Bt, H, P, N]` fp32.
     """
-    T, H, P = x.shape
-    G, N = B.shape[1], B.shape[2]
+    Bt, T, H, P = x.shape
+    G, N = B.shape[2], B.shape[3]
     L = chunk_size
     pad = (-T) % L
     nc = (T + pad) // L
     f32 = torch.float32
     # Padding with dt = 0 and x = 0 leaves the state unchanged (decay exp(0) = 1, no input).
-    xs = F.pad(x.to(f32), (0, 0, 0, 0, 0, pad)).view(nc, L, H, P)
-    dts = F.pad(dt.to(f32), (0, 0, 0, pad)).view(nc, L, H)
-    Bs = F.pad(B.to(f32), (0, 0, 0, 0, 0, pad)).repeat_interleave(H // G, dim=1).view(nc, L, H, N)
-    Cs = F.pad(C.to(f32), (0, 0, 0, 0, 0, pad)).repeat_interleave(H // G, dim=1).view(nc, L, H, N)
+    xs = F.pad(x.to(f32), (0, 0, 0, 0, 0, pad)).view(Bt, nc, L, H, P)
+    dts = F.pad(dt.to(f32), (0, 0, 0, pad)).view(Bt, nc, L, H)
+    Bs = F.pad(B.to(f32), (0, 0, 0, 0, 0, pad)).repeat_interleave(H // G, dim=2).view(Bt, nc, L, H, N)
+    Cs = F.pad(C.to(f32), (0, 0, 0, 0, 0, pad)).repeat_interleave(H // G, dim=2).view(Bt, nc, L, H, N)
 
-    a = (dts * A.to(f32)).permute(0, 2, 1)  # [nc, H, L] log-decay per token
-    a_cum = torch.cumsum(a, dim=-1)  # [nc, H, L]
-    xdt = xs * dts.unsqueeze(-1)  # [nc, L, H, P]
+    a = (dts * A.to(f32)).permute(0, 1, 3, 2)  # [Bt, nc, H, L] log-decay per token
+    a_cum = torch.cumsum(a, dim=-1)
+    xdt = xs * dts.unsqueeze(-1)  # [Bt, nc, L, H, P]
 
     # 1. Within each chunk: y_t = sum_{s<=t} (C_t . B_s) exp(a_{s+1..t}) dt_s x_s
-    decay = torch.exp(segsum(a))  # [nc, H, L, L]
-    scores = torch.einsum("clhn,cshn->chls", Cs, Bs) * decay
-    y = torch.einsum("chls,cshp->clhp", scores, xdt)
+    decay = torch.exp(segsum(a))  # [Bt, nc, H, L, L]
+    scores = torch.einsum("bclhn,bcshn->bchls", Cs, Bs) * decay
+    y = torch.einsum("bchls,bcshp->bclhp", scores, xdt)
 
     # 2. Each chunk's contribution to the state at its end, starting from zero.
-    to_end = torch.exp(a_cum[..., -1:] - a_cum)  # [nc, H, L]
-    chunk_states = torch.einsum("chl,clhn,clhp->chpn", to_end, Bs, xdt)  # [nc, H, P, N]
+    to_end = torch.exp(a_cum[..., -1:] - a_cum)  # [Bt, nc, H, L]
+    chunk_states = torch.einsum("bchl,bclhn,bclhp->bchpn", to_end, Bs, xdt)  # [Bt, nc, H, P, N]
 
-    # 3. Pass states across chunks: S_start[c] = sum_{c' < c} decay(c'..c) chunk_state[c'] + decay(0..c) state.
-    states = torch.cat([state.to(f32).unsqueeze(0), chunk_states], dim=0)  # [nc+1, H, P, N]
-    chunk_decay = torch.exp(segsum(F.pad(a_cum[..., -1].transpose(0, 1), (1, 0))))  # [H, nc+1, nc+1]
-    states = torch.einsum("hzc,chpn->zhpn", chunk_decay, states)  # state at the start of chunk z (z = nc: final)
-    start_states, final_state = states[:-1], states[-1]
+    # 3. Pass states across chunks: S_start[z] = sum_{c <= z} decay(chunks c..z-1) S_end[c-1], S_end[-1] = state.
+    states = torch.cat([state.to(f32).unsqueeze(1), chunk_states], dim=1)  # [Bt, nc+1, H, P, N]
+    chunk_decay = torch.exp(segsum(F.pad(a_cum[..., -1].transpose(1, 2), (1, 0))))  # [Bt, H, nc+1, nc+1]
+    states = torch.einsum("bhzc,bchpn->bzhpn", chunk_decay, states)  # z = nc is the final state
+    start_states, final_state = states[:, :-1], states[:, -1]
 
     # 4. The carried state's contribution inside each chunk.
-    y = y + torch.einsum("clhn,chpn,chl->clhp", Cs, start_states, torch.exp(a_cum))
+    y = y + torch.einsum("bclhn,bchpn,bchl->bclhp", Cs, start_states, torch.exp(a_cum))
 
-    y = y.reshape(nc * L, H, P)[:T] + x.to(f32) * D.to(f32)[:, None]
+    y = y.reshape(Bt, nc * L, H, P)[:, :T] + x.to(f32) * D.to(f32)[:, None]
     return y, final_state
 
 
