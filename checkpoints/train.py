@@ -1,0 +1,228 @@
+"""Train a small model of one family on MQAR and evaluate it through the engine's prefill/decode path.
+
+    python -m checkpoints.train --family mamba2-ska --out runs/mamba2-ska --device cuda --time-limit 420
+
+Training uses the differentiable `HybridLM.forward` on fresh MQAR batches. Evaluation does not: for each held-out
+sequence it prefills the prompt (pairs + gap) into a StatePool slot and then decodes the query block token by token
+(teacher-forced), as a server would, and scores the prediction at every query key. The result is a native
+checkpoint (byte-level tokenizer; MQAR uses token ids 0..127) plus `mqar.json` with the accuracy grid.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import tempfile
+import time
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+
+from checkpoints.byte_tokenizer import write_byte_tokenizer
+from checkpoints.mqar import IGNORE, VOCAB, held_out, make_mqar
+from engine.config import ModelConfig
+from engine.layers import PrefillBatch
+from engine.loader import save_model
+from engine.model import HybridLM
+from engine.state_pool import StatePool
+
+BYTE_VOCAB = 261
+HIDDEN = 128
+
+# The small hybrid of ska.md §7.3: [Mamba-2, Mamba-2, X, X] with SwiGLU, d = 128; X is the family's recall layer.
+MAMBA2 = {"num_heads": 8, "head_dim": 32, "state_size": 16, "n_groups": 1, "conv_kernel": 4, "chunk_size": 64}
+RECALL_LAYERS: dict[str, dict[str, Any]] = {
+    "mamba2": {},
+    "attention": {"attention": {"num_heads": 4, "num_kv_heads": 4, "head_dim": 32}},
+    "ska": {"ska": {"num_heads": 4, "rank": 24, "head_dim": 32, "chunk_size": 64}},
+}
+FAMILIES: dict[str, list[str]] = {
+    "mamba2": ["mamba2"] * 4,
+    "mamba2-attention": ["mamba2", "mamba2", "attention", "attention"],
+    "mamba2-ska": ["mamba2", "mamba2", "ska", "ska"],
+}
+
+TRAIN_PAIRS = [4, 8, 16, 32]
+TRAIN_GAPS = [64, 128, 256, 512, 1024]
+EVAL_PAIRS = [4, 8, 16, 32]
+EVAL_GAPS = [64, 256, 1024, 4096]
+
+
+def family_config(family: str) -> ModelConfig:
+    """The ModelConfig of a family name from FAMILIES."""
+    if family not in FAMILIES:
+        raise ValueError(f"unknown family {family!r}; known: {sorted(FAMILIES)}")
+    layers = FAMILIES[family]
+    data: dict[str, Any] = {
+        "vocab_size": BYTE_VOCAB,
+        "hidden_size": HIDDEN,
+        "layers": layers,
+        "tie_word_embeddings": True,
+        "mlp": {"intermediate_size": 3 * HIDDEN},
+        "notes": {"trained_on": "MQAR (ska.md §7.3): token ids 0..127", "family": family},
+    }
+    for kind in set(layers):
+        data.update({"mamba2": MAMBA2} if kind == "mamba2" else RECALL_LAYERS[kind])
+    return ModelConfig.from_dict(data)
+
+
+def lr_at(step: int, steps: int, peak: float, warmup: int) -> float:
+    """Linear warm-up, then cosine decay to 10% of the peak."""
+    if step < warmup:
+        return peak * (step + 1) / warmup
+    progress = min(1.0, (step - warmup) / max(1, steps - warmup))
+    return peak * (0.1 + 0.9 * 0.5 * (1 + math.cos(math.pi * progress)))
+
+
+def train(
+    model: HybridLM,
+    steps: int,
+    batch: int,
+    lr: float,
+    time_limit: float,
+    seed: int,
+    pairs: list[int],
+    gaps: list[int],
+    log_every: int = 100,
+) -> list[dict[str, float]]:
+    """AdamW on fresh MQAR batches of a random (pairs, gap) cell per step; stops at `steps` or `time_limit`.
+
+    `pairs` and `gaps` are sorted easiest first; the curriculum samples from a growing prefix of each.
+    """
+    device = model.device
+    decay = [p for n, p in model.named_parameters() if p.ndim >= 2 and "embed" not in n]
+    other = [p for n, p in model.named_parameters() if not (p.ndim >= 2 and "embed" not in n)]
+    opt = torch.optim.AdamW(
+        [{"params": decay, "weight_decay": 0.01}, {"params": other, "weight_decay": 0.0}], lr=lr, betas=(0.9, 0.95)
+    )
+    gen = torch.Generator().manual_seed(seed)
+    autocast = torch.autocast(device.type, dtype=torch.bfloat16, enabled=device.type == "cuda")
+    log, start, running = [], time.perf_counter(), []
+    model.train()
+    for step in range(steps):
+        elapsed = time.perf_counter() - start
+        if elapsed > time_limit:
+            break
+        # Curriculum: the harder cells (more pairs, longer gaps) open up over the first half of training.
+        opened = min(1.0, 0.25 + 1.5 * step / steps)
+        M = pairs[int(torch.randint(max(1, math.ceil(opened * len(pairs))), (1,), generator=gen))]
+        gap = gaps[int(torch.randint(max(1, math.ceil(opened * len(gaps))), (1,), generator=gen))]
+        data = make_mqar(M, gap, batch, gen)
+        ids, targets = data.input_ids.to(device), data.targets.to(device)
+        for group in opt.param_groups:
+            group["lr"] = lr_at(step, steps, lr, warmup=min(200, steps // 10 + 1))
+        with autocast:
+            logits = model(ids)
+        loss = F.cross_entropy(logits[..., :VOCAB].float().flatten(0, 1), targets.flatten(), ignore_index=IGNORE)
+        opt.zero_grad(set_to_none=True)
+        loss.backward()
+        torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+        opt.step()
+        running.append(loss.detach())
+        if (step + 1) % log_every == 0:
+            mean_loss = float(torch.stack(running).mean())
+            entry = {"step": step + 1, "loss": mean_loss, "seconds": time.perf_counter() - start}
+            log.append(entry)
+            print(json.dumps(entry), flush=True)
+            running = []
+    model.eval()
+    return log
+
+
+@torch.inference_mode()
+def evaluate_cell(model: HybridLM, num_pairs: int, gap: int, sequences: int, batch: int) -> float:
+    """Held-out accuracy of one cell, through StatePool + prefill + teacher-forced decode (the serving path)."""
+    correct = total = 0
+    pool = StatePool(model, capacity=batch, max_context=4 * num_pairs + gap + 1)
+    for index in range(math.ceil(sequences / batch)):
+        data = held_out(num_pairs, gap, batch, index)
+        ids = data.input_ids.to(model.device)
+        B, T = ids.shape
+        slots = torch.tensor([pool.alloc() for _ in range(B)], device=model.device)
+        prefix = data.prefix_len
+        model.prefill(ids[:, :prefix].flatten(), pool.tensors, PrefillBatch(slots, [prefix] * B))
+        for pos in range(prefix, T - 1):
+            logits = model.decode(ids[:, pos], pool.tensors, slots)
+            if data.targets[0, pos] != IGNORE:
+                pred = logits[:, :VOCAB].argmax(-1)
+                correct += int((pred == ids[:, pos + 1]).sum())
+                total += B
+        for slot in slots.tolist():
+            pool.free(slot)
+    return correct / total
+
+
+def evaluate(model: HybridLM, pairs: list[int], gaps: list[int], sequences: int, batch: int) -> dict[str, float]:
+    """Accuracy per cell, keyed "M=<pairs>,gap=<gap>"."""
+    return {f"M={M},gap={g}": evaluate_cell(model, M, g, sequences, batch) for g in gaps for M in pairs}
+
+
+def format_table(grid: dict[str, float], pairs: list[int], gaps: list[int]) -> str:
+    """Markdown table: one row per gap, one column per number of pairs, accuracy in %."""
+    lines = ["| gap \\ pairs | " + " | ".join(str(M) for M in pairs) + " |", "|---" * (len(pairs) + 1) + "|"]
+    for g in gaps:
+        cells = [f"{100 * grid[f'M={M},gap={g}']:.1f}" for M in pairs]
+        lines.append(f"| {g} | " + " | ".join(cells) + " |")
+    return "\n".join(lines)
+
+
+def main(argv: list[str] | None = None) -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--family", required=True, choices=sorted(FAMILIES))
+    parser.add_argument("--out", type=Path, required=True, help="checkpoint directory to write")
+    parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
+    parser.add_argument("--steps", type=int, default=4000)
+    parser.add_argument("--batch", type=int, default=32)
+    parser.add_argument("--lr", type=float, default=1e-3)
+    parser.add_argument("--time-limit", type=float, default=420.0, help="seconds of training at most")
+    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--train-pairs", type=int, nargs="+", default=TRAIN_PAIRS)
+    parser.add_argument("--train-gaps", type=int, nargs="+", default=TRAIN_GAPS)
+    parser.add_argument("--eval-pairs", type=int, nargs="+", default=EVAL_PAIRS)
+    parser.add_argument("--eval-gaps", type=int, nargs="+", default=EVAL_GAPS)
+    parser.add_argument("--eval-sequences", type=int, default=1024)
+    parser.add_argument("--eval-batch", type=int, default=256)
+    args = parser.parse_args(argv)
+
+    torch.manual_seed(args.seed)
+    config = family_config(args.family)
+    model = HybridLM(config)
+    model.init_weights(args.seed)
+    model.to(args.device)
+    params = sum(p.numel() for p in model.parameters())
+    print(f"family={args.family} params={params} device={args.device}", flush=True)
+    start = time.perf_counter()
+    log = train(model, args.steps, args.batch, args.lr, args.time_limit, args.seed, args.train_pairs, args.train_gaps)
+    train_seconds = time.perf_counter() - start
+    grid = evaluate(model, args.eval_pairs, args.eval_gaps, args.eval_sequences, args.eval_batch)
+    table = format_table(grid, args.eval_pairs, args.eval_gaps)
+    print(table, flush=True)
+
+    model.to("cpu", torch.float32)
+    with tempfile.TemporaryDirectory() as tok:
+        write_byte_tokenizer(tok)
+        save_model(model, args.out, tokenizer_from=tok)
+    report = {
+        "family": args.family,
+        "layers": config.layers,
+        "params": params,
+        "device": torch.cuda.get_device_name() if args.device.startswith("cuda") else "cpu",
+        "torch": torch.__version__,
+        "steps": log[-1]["step"] if log else 0,
+        "batch": args.batch,
+        "lr": args.lr,
+        "train_seconds": train_seconds,
+        "train_pairs": args.train_pairs,
+        "train_gaps": args.train_gaps,
+        "eval_sequences": args.eval_sequences,
+        "accuracy": grid,
+        "log": log,
+    }
+    (args.out / "mqar.json").write_text(json.dumps(report, indent=2) + "\n")
+
+
+if __name__ == "__main__":
+    main()
