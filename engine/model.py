@@ -7,21 +7,27 @@ from torch import nn
 
 from engine.config import ModelConfig
 from engine.layers import Mixer, PrefillBatch, build_mixer
-from engine.layers.mlp import SwiGLU
+from engine.layers.mlp import KoopmanMLP, build_mlp
 from engine.layers.norms import RMSNorm
 
 State = list[dict[str, torch.Tensor]]  # per layer: name -> pool tensor [capacity, *shape]
 
 
 class Block(nn.Module):
-    """x = x + mixer(norm(x)); then, if the model has MLPs, x = x + mlp(mlp_norm(x))."""
+    """x = x + mixer(norm(x)); then, if the model has MLPs, x = x + mlp(mlp_norm(x)).
+
+    The MLP kind picks its own pre-norm (`build_mlp`): RMSNorm for SwiGLU, LayerNorm for the Koopman MLP. Either
+    way the tensors are `mlp_norm.*` and `mlp.*`, and the block (not the MLP) adds the residual.
+    """
 
     def __init__(self, config: ModelConfig, kind: str) -> None:
         super().__init__()
         self.norm = RMSNorm(config.hidden_size, config.norm_eps)
         self.mixer: Mixer = build_mixer(kind, config)
-        self.mlp_norm = RMSNorm(config.hidden_size, config.norm_eps) if config.mlp else None
-        self.mlp = SwiGLU(config.hidden_size, config.mlp.intermediate_size) if config.mlp else None
+        self.mlp_norm: nn.Module | None = None
+        self.mlp: nn.Module | None = None
+        if config.mlp is not None:
+            self.mlp_norm, self.mlp = build_mlp(config.hidden_size, config.mlp, config.norm_eps)
 
     def _mlp(self, x: torch.Tensor) -> torch.Tensor:
         if self.mlp is None:
@@ -61,14 +67,20 @@ class HybridLM(nn.Module):
         return self.embed.weight.device
 
     def init_weights(self, seed: int = 0, std: float = 0.02) -> None:
-        """Random initialisation for a new checkpoint: N(0, std) projections, unit norms, mixer-specific rest."""
+        """Random initialisation for a new checkpoint: N(0, std) projections, unit norms, mixer-specific rest.
+
+        Two passes, so that a mixer's own init of its projections (e.g. SKA's orthogonal keys and zero W_o) is
+        applied after, and not overwritten by, the generic N(0, std) of every Linear (modules() visits a mixer
+        before its child Linears).
+        """
         torch.manual_seed(seed)
         for module in self.modules():
             if isinstance(module, nn.Linear | nn.Embedding):
                 nn.init.normal_(module.weight, std=std)
                 if getattr(module, "bias", None) is not None:
                     nn.init.zeros_(module.bias)
-            elif isinstance(module, Mixer):
+        for module in self.modules():
+            if isinstance(module, Mixer | KoopmanMLP):
                 module.reset_parameters()
 
     def logits(self, h: torch.Tensor) -> torch.Tensor:

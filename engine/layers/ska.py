@@ -1,0 +1,146 @@
+"""The SKA mixer: Spectral Koopman Attention from Echo (shared/design/ska.md), a KV-cache-free retrieval layer.
+
+Keys z, queries q (H heads of width r) and values v (H heads of width P) are projected from the (block-normed)
+residual stream; the kernel keeps their raw second-order sums and reads each query out through the ridge /
+Koopman power-filter operator J (kernels/ska). Output: o_proj(concat_h y_h), added to the residual by the block
+(ungated, W_o zero-initialised: the layer starts as an exact identity; ska.md §2.7).
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from engine.config import SKAConfig
+from engine.layers.base import Mixer, PrefillBatch, StateSpec
+from kernels.ska import SKAState, ska_chunked, ska_empty_state, ska_prefix, ska_step
+
+_ACC = {"float32": torch.float32, "float64": torch.float64}
+
+
+class SKAMixer(Mixer):
+    """k_proj, q_proj `[H*r, D]` (orthogonal init), v_proj `[H*P, D]` (xavier), o_proj `[D, H*P]` (zeros), and two
+    learnable scalars: eta (output scale, init 1.5) and gamma (spectral gain, used as clamp(gamma, 1, 1.5)).
+
+    Session state per head (ska.md §3.2): `G`, `M` `[H, r, r]` and `C` `[H, P, r]` in `accum_dtype`; `z_prev`
+    `[H, r]`, `m` `[H]` and the cached readout `J` `[H, P, r]` in fp32; `pos` `[]` int64 (the chunk grid is
+    absolute). Bytes per head: s*(2r^2 + P r) + 4*(r + 1) + 4*P r with s = 8 (float64) or 4; plus 8 per layer.
+
+    `decode_mode` "C" (default): prefill is the chunk-causal extend and decode its token-by-token form, so
+    forward == prefill (any split) == decode. "P": the paper's prefix mode (each prefill segment reads one operator
+    built from everything up to its end; decode re-estimates inclusively), which intentionally differs from the
+    chunk-causal training forward.
+    """
+
+    kind = "ska"
+
+    def __init__(self, hidden_size: int, cfg: SKAConfig) -> None:
+        super().__init__()
+        self.cfg = cfg
+        H, r, P = cfg.num_heads, cfg.rank, cfg.head_dim
+        self.k_proj = nn.Linear(hidden_size, H * r, bias=False)
+        self.q_proj = nn.Linear(hidden_size, H * r, bias=False)
+        self.v_proj = nn.Linear(hidden_size, H * P, bias=False)
+        self.o_proj = nn.Linear(H * P, hidden_size, bias=False)
+        # Shape (1,) rather than 0-d: scalar tensors trip generic per-parameter code (e.g. shape[-1]).
+        self.eta = nn.Parameter(torch.empty(1))
+        self.gamma = nn.Parameter(torch.empty(1))
+        self.acc_dtype = _ACC[cfg.accum_dtype]
+        self.reset_parameters()
+
+    def reset_parameters(self) -> None:
+        # ska.md §2.1: orthogonal W_k / W_q, W_v xavier_uniform [PROPOSAL], W_o zeros (SKA starts as an identity).
+        nn.init.orthogonal_(self.k_proj.weight)
+        nn.init.orthogonal_(self.q_proj.weight)
+        nn.init.xavier_uniform_(self.v_proj.weight)
+        nn.init.zeros_(self.o_proj.weight)
+        with torch.no_grad():
+            self.eta.fill_(self.cfg.eta_init)
+            self.gamma.fill_(self.cfg.gamma_init)
+
+    def state_specs(self, max_context: int) -> dict[str, StateSpec]:
+        H, r, P = self.cfg.num_heads, self.cfg.rank, self.cfg.head_dim
+        return {
+            "G": StateSpec((H, r, r), dtype=self.acc_dtype),
+            "M": StateSpec((H, r, r), dtype=self.acc_dtype),
+            "C": StateSpec((H, P, r), dtype=self.acc_dtype),
+            "z_prev": StateSpec((H, r), dtype=torch.float32),
+            "m": StateSpec((H,), dtype=torch.float32),
+            "J": StateSpec((H, P, r), dtype=torch.float32),
+            "pos": StateSpec((), dtype=torch.int64),
+        }
+
+    # -- shared pieces -----------------------------------------------------------------------------------------
+    def _proj(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """x `[..., D]` -> raw keys, queries `[..., H, r]` and values `[..., H, P]`, fp32 (ska.md §2.2 [PROPOSAL])."""
+        c = self.cfg
+        z = self.k_proj(x).float().unflatten(-1, (c.num_heads, c.rank))
+        q = self.q_proj(x).float().unflatten(-1, (c.num_heads, c.rank))
+        v = self.v_proj(x).float().unflatten(-1, (c.num_heads, c.head_dim))
+        return z, q, v
+
+    def _kw(self) -> dict:
+        c = self.cfg
+        return {
+            "eps": c.ridge_eps,
+            "eta": self.eta.float()[0],
+            "gamma": self.gamma.float()[0].clamp(1.0, 1.5),  # ska.md §2.1 [PROPOSAL]: clamp, init 1
+            "order": c.power_order,
+            "power_iters": c.power_iters,
+            "key_norm": c.key_norm,
+        }
+
+    def _out(self, y: torch.Tensor) -> torch.Tensor:
+        """y `[..., H, P]` fp32 -> `[..., D]` (cast to the weight dtype before W_o, ska.md §2.7)."""
+        return self.o_proj(y.flatten(-2).to(self.o_proj.weight.dtype))
+
+    @staticmethod
+    def _rows(state: dict[str, torch.Tensor], slots: torch.Tensor) -> SKAState:
+        return SKAState(*(state[name].index_select(0, slots) for name in SKAState._fields))
+
+    @staticmethod
+    def _write(state: dict[str, torch.Tensor], slots: torch.Tensor, new: SKAState) -> None:
+        for name, value in zip(SKAState._fields, new, strict=True):
+            state[name].index_copy_(0, slots, value.to(state[name].dtype))
+
+    # -- entry points ------------------------------------------------------------------------------------------
+    def forward(self, x: torch.Tensor, mask: torch.Tensor | None = None) -> torch.Tensor:
+        """Training forward (chunk-causal, ska.md §2.8): x `[B, T, D]` -> `[B, T, D]`.
+
+        mask: optional `[B, T]` action mask a_t in {0, 1}; tokens with a_t = 0 (e.g. padding) are still read out but
+        are not written into the statistics (eq. 53).
+        """
+        B = x.shape[0]
+        c = self.cfg
+        z, q, v = self._proj(x)
+        state = ska_empty_state(B, c.num_heads, c.rank, c.head_dim, self.acc_dtype, x.device)
+        y, _ = ska_chunked(z, q, v, state, 0, chunk_size=c.chunk_size, a=mask, **self._kw())
+        return self._out(y)
+
+    def prefill(self, x: torch.Tensor, state: dict[str, torch.Tensor], batch: PrefillBatch) -> torch.Tensor:
+        c = self.cfg
+        z, q, v = self._proj(x)
+        starts = state["pos"].index_select(0, batch.slots).tolist()  # host ints: the chunk grid of each session
+        extend = ska_prefix if c.decode_mode == "P" else ska_chunked
+        ys = []
+        for i, (start, end) in enumerate(batch.offsets):
+            slot = batch.slots[i : i + 1]
+            y, new = extend(
+                z[None, start:end],
+                q[None, start:end],
+                v[None, start:end],
+                self._rows(state, slot),
+                starts[i],
+                chunk_size=c.chunk_size,
+                **self._kw(),
+            )
+            self._write(state, slot, new)
+            ys.append(y[0])
+        return self._out(torch.cat(ys))
+
+    def decode(self, x: torch.Tensor, state: dict[str, torch.Tensor], slots: torch.Tensor) -> torch.Tensor:
+        c = self.cfg
+        z, q, v = self._proj(x)
+        y, new = ska_step(z, q, v, self._rows(state, slots), chunk_size=c.chunk_size, mode=c.decode_mode, **self._kw())
+        self._write(state, slots, new)
+        return self._out(y)

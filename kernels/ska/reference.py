@@ -1,0 +1,412 @@
+"""Reference SKA (Spectral Koopman Attention, Echo; shared/design/ska.md) in pure PyTorch.
+
+Per (session, head) SKA keeps raw second-order sums of its own keys z (width r) and values v (width P):
+
+    G = sum_t a_t z_t z_t^T        M = sum_t a_t a_{t-1} z_t z_{t-1}^T        C = sum_t a_t v_t z_t^T
+
+and reads a query q out through one linear map per operator (ska.md §2.6, "J"):
+
+    J = eta * c^K * C G'^-1 (M G'^-1)^K,     G' = G + eps * m^2 * I = L L^T,
+    c = gamma / max(1, sigma_max(L^-1 M L^-T)),      y = J q.
+
+The stats are kept UNnormalised: dividing keys and queries by the key max-norm m (the paper's eq. 3) is
+exactly the same as using the ridge eps * m^2 on raw stats (ska.md §2.3), so m only enters the ridge and the
+state never needs rescaling when m changes. J equals the paper's App. F pipeline (Cholesky, whitened operator,
+spectral normalisation, value map, whitened query, power filter, unwhitening) for every query (§2.6).
+
+Modes (ska.md §3.3-3.4), all reading and writing the same `SKAState`:
+
+- chunk-causal (`ska_chunked`, training forward and mode-C prefill; `ska_step(mode="C")` for decode): the
+  queries of chunk c = [cS, (c+1)S) on the ABSOLUTE position grid read the operator of all tokens < cS.
+- prefix (`ska_prefix`, mode-P prefill; `ska_step(mode="P")`): the operator of all tokens so far, this
+  segment included, read by every token of the segment (non-causal within a prompt, as the paper's prefix mode).
+
+Key max-norm m (`key_norm`, ska.md §3.3 [PROPOSAL], §8 item 1):
+
+- "causal" (default): the ridge of the operator built at a chunk boundary uses m = max ||a_t z_t|| over the
+  tokens that operator contains. Training forward, prefill (any split) and decode are then the same function.
+- "frozen" (the paper): m = max key norm of a session's FIRST segment (the whole sequence in training, the
+  first prefill when serving), then frozen. Non-causal inside that first segment, and a split first prefill
+  differs from one prefill.
+
+Precision: keys, queries and values are fp32; the stats G, M, C and everything from them up to J are in the
+dtype of the state's accumulators (`acc_dtype`, fp64 by default in the engine: ska.md §5 recommends fp64
+accumulators for sessions beyond ~16K tokens, and at r <= 64 the r^3 work per chunk is cheap); J is cast to fp32
+for the per-token readout y = J q.
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+from typing import NamedTuple
+
+import torch
+import torch.nn.functional as F
+
+from kernels.common import state_math
+
+logger = logging.getLogger(__name__)
+
+M_FLOOR = 1e-6  # ska.md §2.3: m = max(max ||z||, 1e-6)
+JITTERS = (1e-4, 1e-3, 1e-2)  # ska.md §3.3/§5: Cholesky retries with (jitter * m^2) I added
+_FALLBACKS = [0]
+
+
+def cholesky_fallback_count() -> int:
+    """How many Cholesky factorisations needed the jitter fallback since the process started (a diagnostic)."""
+    return _FALLBACKS[0]
+
+
+class SKAState(NamedTuple):
+    """The per-session state of one SKA layer, batched over B sessions (ska.md §3.2).
+
+    G: `[B, H, r, r]` acc dtype, sum a_t z_t z_t^T (raw keys, no ridge inside).
+    M: `[B, H, r, r]` acc dtype, sum a_t a_{t-1} z_t z_{t-1}^T.
+    C: `[B, H, P, r]` acc dtype, sum a_t v_t z_t^T.
+    z_prev: `[B, H, r]` fp32, a_{t-1} z_{t-1} of the last token consumed (0 for a new session); storing the
+        masked key makes a separate a_prev flag unnecessary.
+    m: `[B, H]` fp32, key max-norm (see `key_norm`); 0 for a new session.
+    J: `[B, H, P, r]` fp32, cached readout of the operator that the last consumed token's chunk reads
+        (mode C) or of all tokens so far (mode P); 0 for a new session.
+    pos: `[B]` int64, tokens consumed (absolute position of the next token).
+    """
+
+    G: torch.Tensor
+    M: torch.Tensor
+    C: torch.Tensor
+    z_prev: torch.Tensor
+    m: torch.Tensor
+    J: torch.Tensor
+    pos: torch.Tensor
+
+
+def ska_empty_state(
+    batch: int,
+    heads: int,
+    rank: int,
+    head_dim: int,
+    acc_dtype: torch.dtype = torch.float64,
+    device: torch.device | str | None = None,
+) -> SKAState:
+    """The state of B new sessions (all zeros)."""
+    B, H, r, P = batch, heads, rank, head_dim
+    f32 = torch.float32
+    return SKAState(
+        G=torch.zeros(B, H, r, r, dtype=acc_dtype, device=device),
+        M=torch.zeros(B, H, r, r, dtype=acc_dtype, device=device),
+        C=torch.zeros(B, H, P, r, dtype=acc_dtype, device=device),
+        z_prev=torch.zeros(B, H, r, dtype=f32, device=device),
+        m=torch.zeros(B, H, dtype=f32, device=device),
+        J=torch.zeros(B, H, P, r, dtype=f32, device=device),
+        pos=torch.zeros(B, dtype=torch.int64, device=device),
+    )
+
+
+# -- the operator: G, M, C, m -> J ------------------------------------------------------------------------------
+def robust_cholesky(G: torch.Tensor, unit: torch.Tensor) -> torch.Tensor:
+    """Lower Cholesky factor of symmetric G `[..., r, r]`; where it fails, retry with (1e-4, 1e-3, 1e-2) * unit * I.
+
+    unit: `[...]` the jitter unit (m^2, so the jitter is relative to the raw key scale; ska.md §3.3).
+    Each fallback is counted (`cholesky_fallback_count`) and logged. Raises FloatingPointError if all fail.
+    """
+    L, info = torch.linalg.cholesky_ex(G)
+    if not bool((info > 0).any()):
+        return L
+    eye = torch.eye(G.shape[-1], dtype=G.dtype, device=G.device)
+    jitter = torch.zeros_like(unit)
+    for scale in JITTERS:
+        bad = info > 0
+        _FALLBACKS[0] += int(bad.sum())
+        logger.warning("SKA: Cholesky failed for %d operator(s); retrying with jitter %g*m^2", int(bad.sum()), scale)
+        jitter = torch.where(bad, scale * unit, jitter)
+        L, info = torch.linalg.cholesky_ex(G + jitter[..., None, None] * eye)
+        if not bool((info > 0).any()):
+            return L
+    raise FloatingPointError("SKA: Cholesky failed even with jitter 1e-2*m^2 (non-finite statistics?)")
+
+
+@torch.no_grad()
+def power_iteration_sigma(A: torch.Tensor, iters: int) -> torch.Tensor:
+    """sigma_max estimate of A `[..., r, r]` -> `[...]` (detached; ska.md §2.5 [PROPOSAL], matching REPO).
+
+    v0 = 1/sqrt(r); repeat `iters` times: u = A v / ||A v||, v = A^T u / ||A^T u|| (norms clamped at 1e-8);
+    sigma = ||A v||. A few steps under-estimate sigma; the paper uses 6.
+    """
+    r = A.shape[-1]
+    v = torch.full((*A.shape[:-1],), 1.0 / math.sqrt(r), dtype=A.dtype, device=A.device)
+    for _ in range(iters):
+        u = (A @ v.unsqueeze(-1)).squeeze(-1)
+        u = u / u.norm(dim=-1, keepdim=True).clamp_min(1e-8)
+        v = (A.mT @ u.unsqueeze(-1)).squeeze(-1)
+        v = v / v.norm(dim=-1, keepdim=True).clamp_min(1e-8)
+    return (A @ v.unsqueeze(-1)).squeeze(-1).norm(dim=-1)
+
+
+@state_math
+def ska_readout(
+    G: torch.Tensor,
+    M: torch.Tensor,
+    C: torch.Tensor,
+    m: torch.Tensor,
+    *,
+    eps: float,
+    eta: torch.Tensor | float,
+    gamma: torch.Tensor | float,
+    order: int,
+    power_iters: int,
+) -> torch.Tensor:
+    """The readout J = eta c^K C G'^-1 (M G'^-1)^K of raw stats (ska.md §2.6, §3.3 make_J).
+
+    G, M: `[..., r, r]`; C: `[..., P, r]` (all one dtype, the compute dtype); m: `[...]` key max-norm (floored at
+    1e-6), which sets the ridge G' = G + eps m^2 I. eta, gamma: scalars (gamma already constrained to [1, 1.5]).
+    order: K. Returns J `[..., P, r]` in G's dtype; differentiable in G, M, C, eta, gamma (sigma is detached).
+    """
+    dt = G.dtype
+    r = G.shape[-1]
+    unit = m.to(dt).clamp_min(M_FLOOR).square()
+    eye = torch.eye(r, dtype=dt, device=G.device)
+    Gt = G + (eps * unit)[..., None, None] * eye
+    Gt = 0.5 * (Gt + Gt.mT)  # exact symmetry for the factorisation ([PROPOSAL] §2.8)
+    L = robust_cholesky(Gt, unit)
+    with torch.no_grad():  # whitened operator A_w = L^-1 M L^-T only serves the (detached) spectral norm
+        Ld = L.detach()
+        Y = torch.linalg.solve_triangular(Ld, M.detach(), upper=False)
+        Aw = torch.linalg.solve_triangular(Ld, Y.mT, upper=False).mT
+        sigma = power_iteration_sigma(Aw, power_iters)
+    c = torch.as_tensor(gamma, dtype=dt, device=G.device) / sigma.clamp_min(1.0)
+    # X <- C G'^-1, then K times X <- X M G'^-1 (G' symmetric, so (X M G'^-1)^T = G'^-1 M^T X^T).
+    X = torch.cholesky_solve(C.mT, L).mT
+    for _ in range(order):
+        X = torch.cholesky_solve((X @ M).mT, L).mT
+    scale = torch.as_tensor(eta, dtype=dt, device=G.device) * c.pow(order)
+    return scale[..., None, None] * X
+
+
+# -- chunk-causal extend (training forward, mode-C prefill) ------------------------------------------------------
+def _grid(x: torch.Tensor, front: int, nc: int, S: int) -> torch.Tensor:
+    """`[B, T, ...]` -> `[B, nc, S, ...]`, zero rows in front (aligning to the absolute chunk grid) and at the end."""
+    B, T = x.shape[:2]
+    back = nc * S - front - T
+    pad = [0, 0] * (x.dim() - 2) + [front, back]
+    return F.pad(x, pad).view(B, nc, S, *x.shape[2:])
+
+
+def _mask_keys(z: torch.Tensor, v: torch.Tensor, a: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor]:
+    if a is None:
+        return z, v
+    w = a.to(z.dtype)[..., None, None]
+    return z * w, v * w
+
+
+def _segment_m(
+    m0: torch.Tensor, norms: torch.Tensor, t0: int, key_norm: str
+) -> tuple[torch.Tensor | None, torch.Tensor]:
+    """Per-chunk running key max (causal) or the frozen m, and the m to store. norms: `[B, nc, S, H]`."""
+    if key_norm == "causal":
+        cm = torch.cummax(norms.amax(dim=2), dim=1).values  # [B, nc, H]: max over chunks <= c
+        starts = torch.cat([m0[:, None], torch.maximum(m0[:, None], cm[:, :-1])], dim=1)  # max over tokens < cS
+        return starts, torch.maximum(m0, cm[:, -1])
+    m = norms.amax(dim=(1, 2)) if t0 == 0 else m0  # paper: seq-max of the first segment, then frozen
+    return None, m
+
+
+@state_math
+def ska_chunked(
+    z: torch.Tensor,
+    q: torch.Tensor,
+    v: torch.Tensor,
+    state: SKAState,
+    t0: int,
+    *,
+    chunk_size: int,
+    eps: float,
+    eta: torch.Tensor | float,
+    gamma: torch.Tensor | float,
+    order: int,
+    power_iters: int,
+    key_norm: str = "causal",
+    a: torch.Tensor | None = None,
+) -> tuple[torch.Tensor, SKAState]:
+    """Chunk-causal SKA (eqs. 7-10) over T new tokens of B sessions that all start at absolute position t0.
+
+    This is `extend` of ska.md §3.3: the first chunk may be partial and continue the stored state (its queries
+    read the stored J); its first lag pair uses the stored z_prev; the totals at each later chunk boundary are
+    stored + exclusive cumsum of the per-chunk sums, and each later chunk gets a fresh J. With a fresh state and
+    t0 = 0 it is the training forward (chunk 0 outputs exactly 0).
+
+    Args:
+        z, q: `[B, T, H, r]` raw keys and queries (fp32).  v: `[B, T, H, P]` values (fp32).
+        state: the sessions' `SKAState` (pos is assumed to equal t0 for every row).
+        t0: host int, the absolute position of the first new token (sets the chunk grid).
+        a: optional `[B, T]` action mask in {0, 1} (0 = the token is not written into the stats, e.g. padding).
+
+    Returns:
+        y `[B, T, H, P]` fp32, and the new state (totals over all tokens < t0 + T, z_prev = a z of the last token,
+        J of the chunk holding the last token, pos = t0 + T).
+    """
+    B, T, H, r = z.shape
+    S = chunk_size
+    acc = state.G.dtype
+    front = t0 % S
+    nc = -(-(front + T) // S)
+    zw, vw = _mask_keys(z, v, a)
+    zl = torch.cat([state.z_prev[:, None].to(zw.dtype), zw[:, :-1]], dim=1)  # lag partner of each token
+    zc = _grid(zw.to(acc), front, nc, S)  # [B, nc, S, H, r]
+    lc = _grid(zl.to(acc), front, nc, S)
+    vc = _grid(vw.to(acc), front, nc, S)
+    # Per-chunk sums; each lag pair z_t z_{t-1}^T belongs to the chunk of its later token t (eqs. 7 + 9).
+    Gc = torch.einsum("bcshr,bcshk->bchrk", zc, zc)
+    Mc = torch.einsum("bcshr,bcshk->bchrk", zc, lc)
+    Cc = torch.einsum("bcshp,bcshr->bchpr", vc, zc)
+    Gcs, Mcs, Ccs = Gc.cumsum(1), Mc.cumsum(1), Cc.cumsum(1)
+    norms = _grid(zw.detach().norm(dim=-1), front, nc, S)  # [B, nc, S, H]; m is detached (ska.md §2.9)
+    m_starts, m_new = _segment_m(state.m, norms, t0, key_norm)
+
+    # Operators to build: every chunk c >= 1 (stats of all tokens < its start), and chunk 0 when it starts at t0 > 0.
+    # Chunk 0 of a continued, partial chunk reads the stored J; chunk 0 of a new session reads J = 0 (empty stats).
+    first = 0 if (front == 0 and t0 > 0) else 1
+    Js = []
+    if front > 0 or t0 == 0:
+        Js.append((state.J if front > 0 else torch.zeros_like(state.J))[:, None])
+    if first < nc:
+
+        def excl(cs: torch.Tensor, base: torch.Tensor) -> torch.Tensor:
+            starts = torch.cat([torch.zeros_like(cs[:, :1]), cs[:, :-1]], dim=1)[:, first:]
+            return base[:, None] + starts
+
+        ms = m_starts[:, first:] if m_starts is not None else m_new[:, None].expand(B, nc - first, H)
+        J = ska_readout(
+            excl(Gcs, state.G),
+            excl(Mcs, state.M),
+            excl(Ccs, state.C),
+            ms,
+            eps=eps,
+            eta=eta,
+            gamma=gamma,
+            order=order,
+            power_iters=power_iters,
+        )
+        Js.append(J.float())
+    Jall = torch.cat(Js, dim=1)  # [B, nc, H, P, r]
+    y = torch.einsum("bcshr,bchpr->bcshp", _grid(q.float(), front, nc, S), Jall)
+    y = y.reshape(B, nc * S, H, -1)[:, front : front + T]
+    new = SKAState(
+        G=state.G + Gcs[:, -1],
+        M=state.M + Mcs[:, -1],
+        C=state.C + Ccs[:, -1],
+        z_prev=zw[:, -1].float(),
+        m=m_new,
+        J=Jall[:, -1],
+        pos=state.pos + T,
+    )
+    return y, new
+
+
+# -- prefix mode extend (mode-P prefill) -------------------------------------------------------------------------
+@state_math
+def ska_prefix(
+    z: torch.Tensor,
+    q: torch.Tensor,
+    v: torch.Tensor,
+    state: SKAState,
+    t0: int,
+    *,
+    eps: float,
+    eta: torch.Tensor | float,
+    gamma: torch.Tensor | float,
+    order: int,
+    power_iters: int,
+    key_norm: str = "causal",
+    a: torch.Tensor | None = None,
+    chunk_size: int = 64,
+) -> tuple[torch.Tensor, SKAState]:
+    """The paper's prefix mode (ska.md §3.4) over T new tokens: add all of them to the stats, build ONE J from the
+    totals, and read every new token through it (y_t = J q_t, non-causal within the segment).
+
+    Shapes as `ska_chunked`. The stats are summed per chunk of `chunk_size` tokens then added (ska.md §5 rec. 1),
+    so mode P and mode C leave the same totals. A one-token call is the paper's inclusive decode step.
+    """
+    B, T, H, r = z.shape
+    acc = state.G.dtype
+    S = chunk_size
+    nc = -(-T // S)
+    zw, vw = _mask_keys(z, v, a)
+    zl = torch.cat([state.z_prev[:, None].to(zw.dtype), zw[:, :-1]], dim=1)
+    zc, lc, vc = (_grid(t.to(acc), 0, nc, S) for t in (zw, zl, vw))
+    G = state.G + torch.einsum("bcshr,bcshk->bchrk", zc, zc).sum(1)
+    M = state.M + torch.einsum("bcshr,bcshk->bchrk", zc, lc).sum(1)
+    C = state.C + torch.einsum("bcshp,bcshr->bchpr", vc, zc).sum(1)
+    m = _update_m(state.m, zw.detach().norm(dim=-1).amax(dim=1), torch.tensor(t0 == 0), key_norm)
+    J = ska_readout(G, M, C, m, eps=eps, eta=eta, gamma=gamma, order=order, power_iters=power_iters).float()
+    y = torch.einsum("bthr,bhpr->bthp", q.float(), J)
+    return y, SKAState(G=G, M=M, C=C, z_prev=zw[:, -1].float(), m=m, J=J, pos=state.pos + T)
+
+
+def _update_m(m0: torch.Tensor, norms: torch.Tensor, first: torch.Tensor, key_norm: str) -> torch.Tensor:
+    """New key max-norm `[B, H]` after new keys of max norm `norms` `[B, H]`: the running max ("causal"), or
+    ("frozen") the new keys' max where this is a session's first segment (`first`, broadcastable bool) else m0."""
+    if key_norm == "causal":
+        return torch.maximum(m0, norms)
+    return torch.where(first.to(norms.device), norms, m0)
+
+
+# -- decode: one token per session, sessions at different positions ---------------------------------------------
+def _accumulate(state: SKAState, z: torch.Tensor, v: torch.Tensor, a: torch.Tensor | None, key_norm: str) -> SKAState:
+    """Add one token per session (z `[B, H, r]`, v `[B, H, P]`) to the stats: three rank-1 updates."""
+    zw, vw = _mask_keys(z, v, a)
+    acc = state.G.dtype
+    za, va, zp = zw.to(acc), vw.to(acc), state.z_prev.to(acc)
+    m = _update_m(state.m, zw.detach().norm(dim=-1), (state.pos == 0)[:, None], key_norm)
+    return SKAState(
+        G=state.G + za[..., :, None] * za[..., None, :],
+        M=state.M + za[..., :, None] * zp[..., None, :],
+        C=state.C + va[..., :, None] * za[..., None, :],
+        z_prev=zw.float(),
+        m=m,
+        J=state.J,
+        pos=state.pos + 1,
+    )
+
+
+@state_math
+def ska_step(
+    z: torch.Tensor,
+    q: torch.Tensor,
+    v: torch.Tensor,
+    state: SKAState,
+    *,
+    chunk_size: int,
+    eps: float,
+    eta: torch.Tensor | float,
+    gamma: torch.Tensor | float,
+    order: int,
+    power_iters: int,
+    key_norm: str = "causal",
+    mode: str = "C",
+    a: torch.Tensor | None = None,
+) -> tuple[torch.Tensor, SKAState]:
+    """One decode token for each of B sessions (each at its own position state.pos).
+
+    z, q: `[B, H, r]`; v: `[B, H, P]`; a: optional `[B]` action mask. Returns y `[B, H, P]` fp32 and the new state.
+
+    mode "C" (ska.md §3.3): a session entering a new chunk (pos % S == 0, pos > 0) first rebuilds J from its stats
+    (exactly the tokens < pos); then y = J q; then the token is added to the stats (it becomes visible from the
+    next chunk on). Equals `ska_chunked` token by token. Cost per token O(r^2 + P r), plus one J build every S.
+    mode "P" (ska.md §3.4): add the token first, rebuild J from the new stats, y = J q (the paper's inclusive
+    re-estimation; equals `ska_prefix` with one token).
+    """
+    kw = {"eps": eps, "eta": eta, "gamma": gamma, "order": order, "power_iters": power_iters}
+    if mode == "P":
+        state = _accumulate(state, z, v, a, key_norm)
+        J = ska_readout(state.G, state.M, state.C, state.m, **kw).float()
+        return torch.einsum("bhpr,bhr->bhp", J, q.float()), state._replace(J=J)
+    J = state.J
+    enter = (state.pos % chunk_size == 0) & (state.pos > 0)
+    if bool(enter.any()):
+        idx = enter.nonzero().squeeze(1)
+        Jn = ska_readout(state.G[idx], state.M[idx], state.C[idx], state.m[idx], **kw).float()
+        J = J.index_copy(0, idx, Jn)
+    y = torch.einsum("bhpr,bhr->bhp", J, q.float())
+    new = _accumulate(state, z, v, a, key_norm)._replace(J=J)
+    return y, new
