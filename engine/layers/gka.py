@@ -1,0 +1,161 @@
+"""The Gated KalmaNet mixer (shared/design/gka.md §3): gated linear attention whose query is first replaced by a
+ridge-regression solution `(H_t + a ||H_t||_F I)^-1 q_t`, computed by a fixed number of Chebyshev steps."""
+
+from __future__ import annotations
+
+import math
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from engine.config import GKAConfig
+from engine.layers.base import Mixer, PrefillBatch, StateSpec
+from engine.layers.conv import ShortConv
+from engine.layers.norms import GatedRMSNorm, RMSNorm
+from kernels.gka import gka_chunked, gka_step
+
+_L2_EPS = 1e-6  # q, k <- q / (||q|| + 1e-6) (gka.md §3 step 4, the HF/FLA form)
+_BETA_EPS = 1e-6  # k, v <- (beta + 1e-6) k, v (gka.md §3 step 5)
+
+
+class GKAMixer(Mixer):
+    """q, k, v projections -> one short causal conv over q|k|v (+ SiLU) -> per-head L2 norm of q, k -> write gate
+    beta on k and v -> forget gate (Mamba-2 style), alpha gate -> GKA state math (kernels.gka) -> per-head RMSNorm
+    (one weight shared by all heads) times SiLU(output gate) -> out projection.
+
+    Heads: He query = key = value heads (no GQA). Session state: `conv` `[K-1, 2 He D + He Dv]` (activation
+    dtype; `2 He D` without the v conv), `h` `[He, D, D]` and `s` `[He, D, Dv]` (fp32; gka.md §5.1).
+    """
+
+    kind = "gka"
+
+    def __init__(self, hidden_size: int, cfg: GKAConfig) -> None:
+        super().__init__()
+        self.cfg = cfg
+        He, D, Dv = cfg.num_heads, cfg.head_dim, cfg.v_head_dim
+        self.q_proj = nn.Linear(hidden_size, He * D, bias=False)
+        self.k_proj = nn.Linear(hidden_size, He * D, bias=False)
+        self.v_proj = nn.Linear(hidden_size, He * Dv, bias=False)
+        self.conv_dim = 2 * He * D + (He * Dv if cfg.use_v_conv else 0)
+        self.conv = ShortConv(self.conv_dim, cfg.conv_kernel, bias=False)
+        self.a_proj = nn.Linear(hidden_size, He, bias=False)  # forget-gate input
+        self.A_log = nn.Parameter(torch.empty(He))
+        self.dt_bias = nn.Parameter(torch.empty(He))
+        self.b_proj = nn.Linear(hidden_size, He, bias=True) if cfg.use_beta_gate else None
+        self.alpha_proj = nn.Linear(hidden_size, He, bias=True) if cfg.use_alpha_connection else None
+        self.g_proj = nn.Linear(hidden_size, He * Dv, bias=False) if cfg.use_gate else None
+        # Per-head norm: Dv channels normalised together, one weight of Dv shared by every head.
+        if cfg.use_gate:
+            self.norm: nn.Module = GatedRMSNorm(Dv, group_size=Dv, eps=cfg.norm_eps, norm_before_gate=True)
+        else:
+            self.norm = RMSNorm(Dv, eps=cfg.norm_eps)
+        self.o_proj = nn.Linear(He * Dv, hidden_size, bias=False)
+        self.scale = D**-0.5 if cfg.gla_rescale else 1.0
+        self.reset_parameters()
+
+    def reset_parameters(self) -> None:
+        He = self.cfg.num_heads
+        with torch.no_grad():
+            # gka.md §3: A ~ U(0, 16), A_log = log A; dt ~ logU(1e-3, 1e-1) floored at 1e-4, dt_bias = softplus^-1(dt).
+            self.A_log.copy_(torch.log(torch.empty(He).uniform_(0, 16).clamp_min(1e-4)))
+            dt = torch.exp(torch.rand(He) * (math.log(0.1) - math.log(1e-3)) + math.log(1e-3)).clamp(min=1e-4)
+            self.dt_bias.copy_(dt + torch.log(-torch.expm1(-dt)))
+            self.norm.weight.fill_(1.0)
+        self.conv.reset_parameters()
+
+    def state_specs(self, max_context: int) -> dict[str, StateSpec]:
+        c = self.cfg
+        return {
+            "conv": StateSpec((c.conv_kernel - 1, self.conv_dim), dtype=None),
+            "h": StateSpec((c.num_heads, c.head_dim, c.head_dim), dtype=torch.float32),
+            "s": StateSpec((c.num_heads, c.head_dim, c.v_head_dim), dtype=torch.float32),
+        }
+
+    # -- shared pieces of prefill and decode -------------------------------------------------------------------
+    def _inputs(
+        self, x: torch.Tensor, conv_tail: torch.Tensor
+    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+        """x `[B, T, d]`, conv tail `[B, K-1, conv_dim]` -> q, k `[B, T, He, D]`, v `[B, T, He, Dv]` (q, k
+        L2-normalised; k, v scaled by the write gate), g, alpha `[B, T, He]` (all fp32), new conv tail."""
+        c = self.cfg
+        He, D, Dv = c.num_heads, c.head_dim, c.v_head_dim
+        q, k, v = self.q_proj(x), self.k_proj(x), self.v_proj(x)
+        if c.use_v_conv:
+            qkv, tail = self.conv(torch.cat([q, k, v], dim=-1), conv_tail)
+            q, k, v = F.silu(qkv).split([He * D, He * D, He * Dv], dim=-1)
+        else:
+            qk, tail = self.conv(torch.cat([q, k], dim=-1), conv_tail)
+            q, k = F.silu(qk).split([He * D, He * D], dim=-1)
+        f = torch.promote_types(x.dtype, torch.float32)  # fp32 gate/state math (fp64 for fp64 reference runs)
+        q = q.to(f).unflatten(-1, (He, D))
+        k = k.to(f).unflatten(-1, (He, D))
+        v = v.to(f).unflatten(-1, (He, Dv))
+        q = q / (q.norm(dim=-1, keepdim=True) + _L2_EPS)
+        k = k / (k.norm(dim=-1, keepdim=True) + _L2_EPS)
+        if self.b_proj is not None:
+            beta = torch.sigmoid(self.b_proj(x).to(f)).unsqueeze(-1) + _BETA_EPS
+            k, v = k * beta, v * beta
+        g = -torch.exp(self.A_log.to(f)) * F.softplus(self.a_proj(x).to(f) + self.dt_bias.to(f))
+        # Without the alpha-connection alpha = 1: the pure ridge solution.
+        alpha = torch.sigmoid(self.alpha_proj(x).to(f)) if self.alpha_proj is not None else torch.ones_like(g)
+        return q, k, v, g, alpha, tail
+
+    def _out(self, o: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
+        """o `[..., He, Dv]` (fp32), x `[..., d]` -> `[..., d]`: per-head norm, output gate, out projection."""
+        if self.g_proj is not None:
+            o = self.norm(o, self.g_proj(x).unflatten(-1, (self.cfg.num_heads, self.cfg.v_head_dim)))
+        else:
+            o = self.norm(o)
+        return self.o_proj(o.flatten(-2).to(self.o_proj.weight.dtype))
+
+    def _mix(
+        self, x: torch.Tensor, conv_tail: torch.Tensor, h: torch.Tensor, s: torch.Tensor
+    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+        """Whole sequences x `[B, T, d]` from the given states -> (y `[B, T, d]`, conv tail, h, s)."""
+        c = self.cfg
+        q, k, v, g, alpha, tail = self._inputs(x, conv_tail)
+        o, h, s = gka_chunked(q, k, v, g, alpha, h, s, c.ridge_strength, c.num_iter, self.scale, c.chunk_size)
+        return self._out(o, x), tail, h, s
+
+    # -- entry points ------------------------------------------------------------------------------------------
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        B = x.shape[0]
+        c = self.cfg
+        tail = x.new_zeros(B, c.conv_kernel - 1, self.conv_dim)
+        h = x.new_zeros(B, c.num_heads, c.head_dim, c.head_dim, dtype=torch.float32)
+        s = x.new_zeros(B, c.num_heads, c.head_dim, c.v_head_dim, dtype=torch.float32)
+        return self._mix(x, tail, h, s)[0]
+
+    def prefill(self, x: torch.Tensor, state: dict[str, torch.Tensor], batch: PrefillBatch) -> torch.Tensor:
+        ys = []
+        for i, (start, end) in enumerate(batch.offsets):
+            slot = batch.slots[i : i + 1]
+            y, tail, h, s = self._mix(
+                x[start:end].unsqueeze(0), state["conv"][slot], state["h"][slot], state["s"][slot]
+            )
+            state["conv"].index_copy_(0, slot, tail.to(state["conv"].dtype))
+            state["h"].index_copy_(0, slot, h.to(state["h"].dtype))
+            state["s"].index_copy_(0, slot, s.to(state["s"].dtype))
+            ys.append(y[0])
+        return torch.cat(ys)
+
+    def decode(self, x: torch.Tensor, state: dict[str, torch.Tensor], slots: torch.Tensor) -> torch.Tensor:
+        c = self.cfg
+        q, k, v, g, alpha, tail = self._inputs(x.unsqueeze(1), state["conv"].index_select(0, slots))
+        o, h, s = gka_step(
+            q[:, 0],
+            k[:, 0],
+            v[:, 0],
+            g[:, 0],
+            alpha[:, 0],
+            state["h"].index_select(0, slots),
+            state["s"].index_select(0, slots),
+            c.ridge_strength,
+            c.num_iter,
+            self.scale,
+        )
+        state["conv"].index_copy_(0, slots, tail.to(state["conv"].dtype))
+        state["h"].index_copy_(0, slots, h.to(state["h"].dtype))
+        state["s"].index_copy_(0, slots, s.to(state["s"].dtype))
+        return self._out(o, x)

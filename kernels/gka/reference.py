@@ -1,0 +1,204 @@
+"""Reference Gated KalmaNet (GKA) state math in pure PyTorch (shared/design/gka.md §4-§6).
+
+Per head, with keys and values already scaled by the write gate and log-decay g_t <= 0 (gamma_t = exp(g_t)):
+
+    H_t  = gamma_t H_{t-1} + k_t k_t^T                 [D, D]   key covariance (symmetric PSD), fp32
+    S_t  = gamma_t S_{t-1} + k_t v_t^T                 [D, Dv]  key-value state, fp32
+    s_t  = ||H_t||_F ,  lambda_t = a s_t
+    x_t  = CH(H_t + lambda_t I, q_t, r)                Chebyshev iteration, r steps (§4.5, omega_0 = 2)
+    q'_t = q_t + alpha_t (x_t - q_t)                   alpha-connection
+    o_t  = scale S_t^T q'_t
+
+`gka_step` is the decode form (one token, the state matrices explicit). `gka_chunked` is the prefill/training
+form: within a chunk of C tokens every H_t is used implicitly as `zeta_t H_0 + sum_j Lambda[t, j] k_j k_j^T`,
+its Frobenius norm comes from the three-term formula of §6.1, the C Chebyshev solves of a chunk run as one
+matrix iteration (§6.2), and the output is chunked gated linear attention (§6.3). All chunks are solved at
+once after a cheap sequential pass that forms the chunk-start states.
+
+State math runs in fp32, or in fp64 when the inputs are fp64 (used by the tests).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+import torch
+import torch.nn.functional as F
+
+from kernels.common import state_math
+from kernels.mamba2.reference import segsum
+
+# Squared Frobenius norms are clamped here before the square root: ||H|| = 0 only when every key seen is exactly
+# zero (gka.md §5.2 / §13.16 guard); the clamp keeps the step size and the sqrt gradient finite.
+_MIN_FRO_SQ = 1e-30
+
+
+def omega_schedule(ridge: float, num_iter: int) -> list[float]:
+    """The Chebyshev weights omega_1..omega_r for ridge ratio a (host floats; data-independent, §4.4).
+
+    omega_0 = 2 (App. B.1, Lemma 3, and the public code; Alg. 1's printed omega_0 = 0 is a typo, §13.2);
+    omega_i = 1 / (1 - (rho^2 / 4) omega_{i-1}) with rho = (L - mu)/(L + mu) = 1/(1 + 2a) for every token.
+    """
+    rho2_4 = (0.5 / (1.0 + 2.0 * ridge)) ** 2
+    out, w = [], 2.0
+    for _ in range(num_iter):
+        w = 1.0 / (1.0 - rho2_4 * w)
+        out.append(w)
+    return out
+
+
+def chebyshev_solve(
+    matvec: Callable[[torch.Tensor], torch.Tensor], q: torch.Tensor, fro: torch.Tensor, ridge: float, num_iter: int
+) -> torch.Tensor:
+    """Approximately solve `(H + a s I) x = q` by `num_iter` Chebyshev steps (gka.md §4.5, code form).
+
+    Args:
+        matvec: X -> H X applied row-wise to a tensor shaped like `q` (H symmetric PSD, one H per row).
+        q: `[..., D]` right-hand sides.
+        fro: `[..., 1]` s = ||H||_F of each row's H (> 0); eigenvalue bounds mu = a s, L = s + a s.
+        ridge: a.  num_iter: r >= 0.
+
+    Returns:
+        x: `[..., D]` the r-th iterate (a fixed polynomial in H applied to q; linear in q).
+    """
+    lam = ridge * fro
+    step = 2.0 / ((1.0 + 2.0 * ridge) * fro)  # 2 / (L + mu)
+    x_prev = torch.zeros_like(q)
+    x = step * q
+    for w in omega_schedule(ridge, num_iter):
+        t = (step * w) * (matvec(x) + lam * x - q) + (w - 1.0) * x_prev
+        x_prev, x = x, w * x - t
+    return x
+
+
+def _work_dtype(*tensors: torch.Tensor) -> torch.dtype:
+    """fp32 state math, or fp64 when any input is fp64."""
+    dtype = torch.float32
+    for t in tensors:
+        dtype = torch.promote_types(dtype, t.dtype)
+    return dtype
+
+
+@state_math
+def gka_step(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    g: torch.Tensor,
+    alpha: torch.Tensor,
+    h: torch.Tensor,
+    s: torch.Tensor,
+    ridge: float,
+    num_iter: int,
+    scale: float,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """One decode step for B sessions (gka.md §5.2, in its exact order).
+
+    Args:
+        q: `[B, He, D]` L2-normalised queries.  k: `[B, He, D]` L2-normalised keys times (beta + 1e-6).
+        v: `[B, He, Dv]` values times (beta + 1e-6).  g: `[B, He]` log forget gate (<= 0).  alpha: `[B, He]`.
+        h: `[B, He, D, D]` key covariance.  s: `[B, He, D, Dv]` key-value state.
+        ridge: a.  num_iter: r.  scale: output scale (D^-1/2).
+
+    Returns:
+        o: `[B, He, Dv]`; new h `[B, He, D, D]`; new s `[B, He, D, Dv]` (fp32, or fp64 for fp64 inputs).
+    """
+    f = _work_dtype(q, h)
+    q, k, v, alpha = q.to(f), k.to(f), v.to(f), alpha.to(f)
+    gamma = torch.exp(g.to(f))[..., None, None]
+    # Outer products by broadcasting (not matmul) so the state update is bitwise independent of the batch.
+    h = gamma * h.to(f) + k.unsqueeze(-1) * k.unsqueeze(-2)
+    fro = h.square().sum((-2, -1)).clamp_min(_MIN_FRO_SQ).sqrt().unsqueeze(-1)  # [B, He, 1], direct norm
+    x = chebyshev_solve(lambda z: (h @ z.unsqueeze(-1)).squeeze(-1), q, fro, ridge, num_iter)
+    qp = q + alpha.unsqueeze(-1) * (x - q)
+    s = gamma * s.to(f) + k.unsqueeze(-1) * v.unsqueeze(-2)
+    o = scale * (qp.unsqueeze(-2) @ s).squeeze(-2)
+    return o, h, s
+
+
+def _to_chunks(x: torch.Tensor, chunk: int) -> torch.Tensor:
+    """`[B, T, He, *rest]` -> `[B, He, nc, chunk, *rest]`, zero-padding T up to a multiple of `chunk`."""
+    B, T = x.shape[:2]
+    pad = (-T) % chunk
+    x = F.pad(x, (0, 0) * (x.dim() - 2) + (0, pad))
+    x = x.view(B, (T + pad) // chunk, chunk, *x.shape[2:])
+    return x.movedim(3, 1)
+
+
+@state_math
+def gka_chunked(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    g: torch.Tensor,
+    alpha: torch.Tensor,
+    h0: torch.Tensor,
+    s0: torch.Tensor,
+    ridge: float,
+    num_iter: int,
+    scale: float,
+    chunk_size: int,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """GKA over B sequences of T tokens each, continuing from states (h0, s0) (gka.md §6). Differentiable.
+
+    Args:
+        q: `[B, T, He, D]` L2-normalised queries.  k: `[B, T, He, D]` normalised keys times (beta + 1e-6).
+        v: `[B, T, He, Dv]` values times (beta + 1e-6).  g: `[B, T, He]` log forget gates (<= 0).
+        alpha: `[B, T, He]` alpha-connection gates.  h0: `[B, He, D, D]`, s0: `[B, He, D, Dv]` initial states.
+        ridge: a.  num_iter: r.  scale: output scale.  chunk_size: C.
+
+    Returns:
+        o: `[B, T, He, Dv]`; final h `[B, He, D, D]`; final s `[B, He, D, Dv]` (fp32, or fp64 for fp64 inputs).
+    """
+    B, T, He, D = q.shape
+    Dv = v.shape[-1]
+    f = _work_dtype(q, h0)
+    h0, s0 = h0.to(f), s0.to(f)
+    if T == 0:
+        return q.new_zeros(B, 0, He, Dv, dtype=f), h0, s0
+    C = chunk_size
+    # Padding tokens have k = v = q = 0 and g = 0 (decay 1): they leave the state unchanged and output zeros.
+    Q, K, V = (_to_chunks(t.to(f), C) for t in (q, k, v))  # [B, He, nc, C, D|Dv]
+    G = _to_chunks(g.to(f), C)  # [B, He, nc, C]
+    A = _to_chunks(alpha.to(f), C)
+    nc = Q.shape[2]
+
+    zeta = torch.exp(torch.cumsum(G, dim=-1))  # decay from the chunk start to token c (inclusive)
+    # Lambda[c, j] = exp(g_{j+1} + ... + g_c) for j <= c, else 0. Summed increments (segsum), not differences
+    # of a cumsum, so that strong decay neither loses precision nor turns into 0/0.
+    lam = torch.exp(segsum(G))  # [B, He, nc, C, C]
+    to_end = lam[..., -1, :]  # decay from token j to the chunk end
+
+    # Chunk-start states: a sequential pass over chunks (cheap elementwise work on [B, He, D, D]).
+    dh = torch.einsum("bhncd,bhnc,bhnce->bhnde", K, to_end, K)
+    ds = torch.einsum("bhncd,bhnc,bhnce->bhnde", K, to_end, V)
+    z_end = zeta[..., -1, None, None]  # [B, He, nc, 1, 1]
+    hs, ss = [h0], [s0]
+    for n in range(nc):
+        hs.append(z_end[:, :, n] * hs[-1] + dh[:, :, n])
+        ss.append(z_end[:, :, n] * ss[-1] + ds[:, :, n])
+    H0 = torch.stack(hs[:-1], dim=2)  # [B, He, nc, D, D]
+    S0 = torch.stack(ss[:-1], dim=2)  # [B, He, nc, D, Dv]
+
+    # ||H_c||_F^2 for every token of every chunk at once (three-term formula, §6.1):
+    #   zeta_c^2 ||H0||^2 + 2 zeta_c sum_j Lam[c,j] k_j^T H0 k_j + sum_{j,j'} Lam[c,j] Lam[c,j'] (k_j . k_j')^2
+    gram = K @ K.transpose(-1, -2)  # [B, He, nc, C, C]
+    p = torch.einsum("bhncd,bhnde,bhnce->bhnc", K, H0, K)
+    fro_sq = (
+        zeta.square() * H0.square().sum((-2, -1)).unsqueeze(-1)
+        + 2.0 * zeta * (lam @ p.unsqueeze(-1)).squeeze(-1)
+        + ((lam @ gram.square()) * lam).sum(-1)
+    )
+    fro = fro_sq.clamp_min(_MIN_FRO_SQ).sqrt().unsqueeze(-1)  # [B, He, nc, C, 1]
+
+    # Chebyshev for all queries at once (§6.2): row c of matvec(X) is H_c x_c, never forming H_c.
+    def matvec(X: torch.Tensor) -> torch.Tensor:
+        return zeta.unsqueeze(-1) * (X @ H0) + ((X @ K.transpose(-1, -2)) * lam) @ K
+
+    X = chebyshev_solve(matvec, Q, fro, ridge, num_iter)
+    Qp = Q + A.unsqueeze(-1) * (X - Q)
+
+    # Chunked gated linear attention with the blended queries (§6.3).
+    O = scale * (zeta.unsqueeze(-1) * (Qp @ S0) + ((Qp @ K.transpose(-1, -2)) * lam) @ V)  # [B, He, nc, C, Dv]
+    o = O.movedim(1, 3).reshape(B, nc * C, He, Dv)[:, :T]
+    return o, hs[-1], ss[-1]
