@@ -1,0 +1,208 @@
+"""The Lattice mixer (shared/design/lattice.md §6.2): orthogonal-update memory slots with a GELU post-gate.
+
+    p    = x W_qk                       one projection shared by q and k (paper App. A)
+    q, k = conv_q(p), conv_k(p)         two short causal depthwise convs over the same input, so one conv tail
+    q, k = L2-normalised per head       (qk_norm)
+    v    = x W_v;  gamma = sigmoid(x W_s + b_s)[:H];  mu = sigmoid(...)[H:] (forget_gate)
+    y    = Lattice recurrence per head  (kernels.lattice)
+    out  = W_o (gelu_tanh(x W_g) * Norm(y))
+
+The first state of a session is the orthonormal S0 that ships with the weights (not zeros; reset_state copies it).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from engine.config import LatticeConfig
+from engine.layers.base import Mixer, PrefillBatch, StateSpec
+from engine.layers.conv import ShortConv
+from engine.layers.norms import RMSNorm
+from kernels.lattice import lattice_recurrent, lattice_step, orthonormal_columns
+
+# The fold gamma <- gamma / mu needs mu > 0; the same clamp is applied before and after folding so that both compute
+# one function (spec §4.4, §7).
+MU_MIN = 1e-4
+# Gate-bias inits (the paper gives none): gamma = sigmoid(0) = 0.5, mu = sigmoid(3) = 0.95 (almost no forgetting).
+GAMMA_BIAS_INIT = 0.0
+MU_BIAS_INIT = 3.0
+
+
+class LatticeMixer(Mixer):
+    """Lattice-DEC (or ENC/SIM) with normalised projection, per-slot gates and an orthonormal S0.
+
+    Session state: `S` `[H, d, m]` fp32 (m unit-norm slots of dimension d per head) and `conv` `[K-1, H*m]` (the
+    tail of the shared q/k projection, activation dtype).
+    """
+
+    kind = "lattice"
+
+    def __init__(self, hidden_size: int, cfg: LatticeConfig) -> None:
+        super().__init__()
+        self.cfg = cfg
+        H, d, m = cfg.num_heads, cfg.head_dim, cfg.slots
+        self.qk_proj = nn.Linear(hidden_size, H * m, bias=False)
+        self.conv_q = ShortConv(H * m, cfg.conv_kernel)
+        self.conv_k = ShortConv(H * m, cfg.conv_kernel)
+        self.v_proj = nn.Linear(hidden_size, H * d, bias=False)
+        self.step_proj = nn.Linear(hidden_size, H * (2 if cfg.forget_gate else 1), bias=True)
+        self.g_proj = nn.Linear(hidden_size, H * d, bias=False)
+        self.o_proj = nn.Linear(H * d, hidden_size, bias=False)
+        self.norm: RMSNorm | None = None
+        if cfg.output_norm == "head_rms":
+            self.norm = RMSNorm(d, cfg.norm_eps)
+        elif cfg.output_norm == "rms":
+            self.norm = RMSNorm(H * d, cfg.norm_eps)
+        s0 = torch.empty(H, d, m)
+        if cfg.learn_s0:
+            self.S0 = nn.Parameter(s0)
+        else:
+            self.register_buffer("S0", s0)  # persistent: saved in the checkpoint with the weights
+        # False: the forget gate multiplies the state (Eq. (16), how it is trained); True after `on_load`: it is
+        # folded into the step size and the recurrence runs its mu = 1 code path (the same function).
+        self.folded = False
+        self.reset_parameters()
+
+    def reset_parameters(self) -> None:
+        H = self.cfg.num_heads
+        with torch.no_grad():
+            # Random orthonormal slots per head (paper §3.3: "we initialize S0 with orthonormal columns").
+            self.S0.copy_(orthonormal_columns(torch.randn(self.S0.shape, dtype=torch.float64)))
+            self.step_proj.bias[:H].fill_(GAMMA_BIAS_INIT)
+            self.step_proj.bias[H:].fill_(MU_BIAS_INIT)
+        self.conv_q.reset_parameters()
+        self.conv_k.reset_parameters()
+
+    def on_load(self) -> None:
+        """Re-orthonormalise S0 (fp64 QR; a no-op up to rounding on a valid checkpoint) and fold mu into gamma."""
+        with torch.no_grad():
+            self.S0.copy_(orthonormal_columns(self.S0))
+        self.folded = self.cfg.forget_gate
+
+    def _apply(self, fn: Callable[[torch.Tensor], torch.Tensor], recurse: bool = True) -> LatticeMixer:
+        # `model.to(bfloat16)` would round S0 like a weight; it is a recurrent state (fp32, architecture.md §8) and
+        # bf16 rounding (~4e-3) would break its orthonormality, so it keeps fp32 (or better) whatever the model dtype.
+        s0 = self.S0.detach()
+        super()._apply(fn, recurse)
+        if self.S0.dtype in (torch.float16, torch.bfloat16):
+            kept = s0.to(device=self.S0.device, dtype=torch.float32)
+            if isinstance(self.S0, nn.Parameter):
+                self.S0.data = kept
+            else:
+                self._buffers["S0"] = kept
+        return self
+
+    def state_specs(self, max_context: int) -> dict[str, StateSpec]:
+        c = self.cfg
+        return {
+            "S": StateSpec((c.num_heads, c.head_dim, c.slots), dtype=torch.float32),
+            "conv": StateSpec((c.conv_kernel - 1, c.num_heads * c.slots), dtype=None),
+        }
+
+    def initial_state(self) -> torch.Tensor:
+        """S0 `[H, d, m]` fp32 (or fp64 in a fp64 model) with orthonormal columns; differentiable when learned."""
+        s0 = self.S0 if self.S0.dtype == torch.float64 else self.S0.float()
+        # A learned S0 moves off the orthonormal set during training; use its Q factor so that training and serving
+        # (which re-orthonormalises at load) see the same S0.
+        return orthonormal_columns(s0) if self.cfg.learn_s0 else s0
+
+    def reset_state(self, state: dict[str, torch.Tensor], slots: torch.Tensor) -> None:
+        S = state["S"]
+        s0 = self.initial_state().detach().to(device=S.device, dtype=S.dtype)
+        S.index_copy_(0, slots, s0.expand(len(slots), *s0.shape).contiguous())
+        state["conv"].index_fill_(0, slots, 0)
+
+    # -- shared pieces of forward, prefill and decode --------------------------------------------------------------
+    def _project(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor | None]:
+        """Token-wise projections of x `[..., D]` -> (p `[..., H*m]`, v `[..., H, d]`, gamma, mu `[..., H]`)."""
+        c = self.cfg
+        H = c.num_heads
+        v = self.v_proj(x).unflatten(-1, (H, c.head_dim))
+        s = self.step_proj(x).float()
+        gamma = torch.sigmoid(s[..., :H])
+        mu = torch.sigmoid(s[..., H:]).clamp_min(MU_MIN) if c.forget_gate else None
+        if mu is not None and self.folded:
+            gamma, mu = gamma / mu, None  # (gamma, mu) == (gamma / mu, 1) exactly under Eq. (14) (spec §4.4)
+        return self.qk_proj(x), v, gamma, mu
+
+    def _qk(self, p: torch.Tensor, tail: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """p `[B, T, H*m]`, conv tail `[B, K-1, H*m]` -> q, k `[B, T, H, m]` and the new tail."""
+        c = self.cfg
+        q, new_tail = self.conv_q(p, tail)
+        k, _ = self.conv_k(p, tail)  # same input, so the same tail
+        q = q.unflatten(-1, (c.num_heads, c.slots))
+        k = k.unflatten(-1, (c.num_heads, c.slots))
+        if c.qk_norm == "l2":
+            q, k = F.normalize(q.float(), dim=-1, eps=1e-6), F.normalize(k.float(), dim=-1, eps=1e-6)
+        return q, k, new_tail
+
+    def _out(self, y: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
+        """y `[..., H, d]` (fp32), x `[..., D]` -> `[..., D]`."""
+        if self.cfg.output_norm == "head_rms":
+            y = self.norm(y).flatten(-2)
+        elif self.cfg.output_norm == "rms":
+            y = self.norm(y.flatten(-2))
+        else:
+            y = y.flatten(-2)
+        gate = F.gelu(self.g_proj(x).float(), approximate="tanh")  # GELU post-gate (paper App. A)
+        return self.o_proj((gate * y.float()).to(self.o_proj.weight.dtype))
+
+    # -- entry points ------------------------------------------------------------------------------------------------
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        B = x.shape[0]
+        c = self.cfg
+        p, v, gamma, mu = self._project(x)
+        q, k, _ = self._qk(p, p.new_zeros(B, c.conv_kernel - 1, p.shape[-1]))
+        S0 = self.initial_state()
+        y, _ = lattice_recurrent(
+            S0.expand(B, *S0.shape), q, k, v, gamma, mu, c.variant, checkpoint_tokens=c.grad_checkpoint
+        )
+        return self._out(y, x)
+
+    def prefill(self, x: torch.Tensor, state: dict[str, torch.Tensor], batch: PrefillBatch) -> torch.Tensor:
+        # Projections are token-wise, so they run on the packed tokens; the convs run per session (each has its own
+        # tail); then one token loop advances all sessions together, right-padded and masked to their lengths.
+        p, v, gamma, mu = self._project(x)
+        offsets, lens, slots = batch.offsets, batch.lens, batch.slots
+        qs, ks, tails = [], [], []
+        for i, (start, end) in enumerate(offsets):
+            q, k, tail = self._qk(p[None, start:end], state["conv"][slots[i : i + 1]])
+            qs.append(q[0])
+            ks.append(k[0])
+            tails.append(tail)
+
+        def pad(pieces: list[torch.Tensor], value: float = 0.0) -> torch.Tensor:
+            return nn.utils.rnn.pad_sequence(pieces, batch_first=True, padding_value=value)
+
+        def split(t: torch.Tensor) -> list[torch.Tensor]:
+            return [t[a:b] for a, b in offsets]
+
+        mask = None
+        if len(set(lens)) > 1:
+            mask = torch.arange(max(lens), device=x.device)[None, :] < torch.tensor(lens, device=x.device)[:, None]
+        y, S = lattice_recurrent(
+            state["S"].index_select(0, slots),
+            pad(qs),
+            pad(ks),
+            pad(split(v)),
+            pad(split(gamma)),
+            None if mu is None else pad(split(mu), 1.0),  # pads: gamma = 0, mu = 1, and masked anyway
+            self.cfg.variant,
+            mask=mask,
+        )
+        state["S"].index_copy_(0, slots, S.to(state["S"].dtype))
+        state["conv"].index_copy_(0, slots, torch.cat(tails).to(state["conv"].dtype))
+        y = torch.cat([y[i, :n] for i, n in enumerate(lens)])
+        return self._out(y, x)
+
+    def decode(self, x: torch.Tensor, state: dict[str, torch.Tensor], slots: torch.Tensor) -> torch.Tensor:
+        p, v, gamma, mu = self._project(x)
+        q, k, tail = self._qk(p.unsqueeze(1), state["conv"].index_select(0, slots))
+        y, S = lattice_step(state["S"].index_select(0, slots), q[:, 0], k[:, 0], v, gamma, mu, self.cfg.variant)
+        state["S"].index_copy_(0, slots, S.to(state["S"].dtype))
+        state["conv"].index_copy_(0, slots, tail.to(state["conv"].dtype))
+        return self._out(y, x)

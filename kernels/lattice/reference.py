@@ -1,0 +1,247 @@
+"""Reference Lattice recurrence (orthogonal-update memory slots) in pure PyTorch.
+
+Karami & Mirrokni, "Lattice: Learning to Efficiently Compress the Memory", arXiv 2504.05646v1; the serving spec is
+shared/design/lattice.md (section numbers below are the spec's, equation numbers the paper's).
+
+Per head the state is S `[d, m]`: m memory slots, each a unit column in R^d. One token (q, k `[m]`, v `[d]`, step
+size gamma > 0, optional forget gate mu in (0, 1]) does, for every slot i (Eq. (13) with Eq. (14), spec §4.2):
+
+    S~[:, i] = mu s_i + c_i P(s_i) h           P(s) = I - s s^T (s is a unit vector)
+    S[:, i]  = S~[:, i] / ||S~[:, i]||          back onto the unit sphere (normalised projection)
+    y        = S q                              read-out with the updated state
+
+with (h `[d]`, c `[m]`) per variant (the "orthogonal state recurrence" of Eq. (13)):
+
+    dec  (decoding loss, Eq. (7)):   h = S k - v,  c = -gamma k
+    enc  (encoding loss, Eq. (10)):  h = v,        c = -gamma (S^T v - k)
+    sim  (similarity,    Eq. (12)):  h = v,        c = +gamma k
+
+In matrix form `S~ = S diag(mu - c * (S^T h)) + h c^T` (spec §4.3: a state-dependent per-slot diagonal gate plus a
+rank-one write). The forget gate is exactly redundant with the step size: (gamma, mu) gives the same S and y as
+(gamma / mu, 1) (spec §4.4), which is how serving folds it away.
+
+The math is sequential (no parallel form of the exact recurrence exists, paper Remark 3.4), so prefill is a loop over
+tokens, vectorised over sequences and heads. The state math runs in fp32 (fp64 if the state is fp64, for tests).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import TypeVar
+
+import torch
+from torch.utils.checkpoint import checkpoint
+
+from kernels.common import state_math
+
+F = TypeVar("F", bound=Callable)
+
+VARIANTS = ("dec", "enc", "sim")
+
+# Column norms are >= mu >= 1e-4 (the forget-gate clamp), so this floor never binds in a valid model; it only keeps a
+# zero column (an illegal state: phi, P(s) and Eq. (14) are undefined there, spec §4.1) from producing inf.
+_NORM_FLOOR = 1e-6
+
+
+def _compute_dtype(S: torch.Tensor) -> torch.dtype:
+    return torch.promote_types(S.dtype, torch.float32)
+
+
+def _increment(
+    S: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    gk: torch.Tensor,
+    g: torch.Tensor,
+    mu: torch.Tensor | None,
+    variant: str,
+) -> torch.Tensor:
+    """The un-normalised update S~ of one token, in column-vector layout.
+
+    S: `[..., d, m]`.  k: `[..., m, 1]`.  v: `[..., d, 1]`.  gk: `[..., 1, m]` the state-independent part of c as a
+    row (`_columns`: -gamma k for dec, +gamma k for enc and sim).  g: `[..., 1, 1]` gamma (read by `enc` only).
+    mu: `[..., 1, 1]` or None (mu = 1).
+    Returns S~ `[..., d, m]` whose column i is mu s_i + c_i P(s_i) h (module docstring).
+    """
+    if variant == "dec":
+        h = S @ k - v  # e = S k - v (phi(S) = S on unit columns)
+        b = h.transpose(-1, -2) @ S  # a_i = s_i^T e: the parallel part the update discards
+        c = gk
+    elif variant == "enc":
+        h = v
+        b = v.transpose(-1, -2) @ S  # S^T v, also the encoder's reconstruction of k
+        c = gk - g * b  # -gamma (S^T v - k)
+    elif variant == "sim":
+        h = v
+        b = v.transpose(-1, -2) @ S
+        c = gk
+    else:
+        raise ValueError(f"unknown Lattice variant {variant!r}; known: {VARIANTS}")
+    cb = c * b
+    f = 1.0 - cb if mu is None else mu - cb  # per-slot retain gate, state dependent through b (spec §4.3)
+    return torch.addcmul(S * f, h, c)  # S diag(f) + h c^T
+
+
+def _step(
+    S: torch.Tensor,
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    gk: torch.Tensor,
+    g: torch.Tensor,
+    mu: torch.Tensor | None,
+    variant: str,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """One token in column-vector layout (see `_increment`); q `[..., m, 1]`. Returns (y `[..., d, 1]`, new S)."""
+    St = _increment(S, k, v, gk, g, mu, variant)
+    # Eq. (14) with the measured column norm (spec §7): self-correcting, so fp32 norms never drift from 1.
+    # (A sum of squares, not linalg.vector_norm: the latter reduces over dim -2 ~15x slower on CPU.)
+    S = St * (St * St).sum(-2, keepdim=True).clamp_min(_NORM_FLOOR**2).rsqrt()
+    return S @ q, S
+
+
+def _columns(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    gamma: torch.Tensor,
+    mu: torch.Tensor | None,
+    variant: str,
+    dtype: torch.dtype,
+) -> tuple[torch.Tensor | None, ...]:
+    """Per-token inputs `[..., H, m|d]` / gates `[..., H]` -> the column/row layout `_step` reads, in `dtype`.
+
+    Everything that does not depend on the state is computed here, once for all tokens, not in the token loop.
+    """
+    q, k, v, gamma = q.to(dtype), k.to(dtype), v.to(dtype), gamma.to(dtype)
+    gk = gamma[..., None] * k
+    if variant == "dec":
+        gk = -gk
+    g = gamma[..., None, None]
+    mu = None if mu is None else mu.to(dtype)[..., None, None]
+    return q[..., None], k[..., None], v[..., None], gk[..., None, :], g, mu
+
+
+@state_math
+def lattice_unnormalised_update(
+    S: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    gamma: torch.Tensor,
+    mu: torch.Tensor | None = None,
+    variant: str = "dec",
+) -> torch.Tensor:
+    """S~ before the sphere projection (Eq. (13) with the forget gate of Eq. (16)); for invariant checks.
+
+    S: `[B, H, d, m]` unit columns.  k: `[B, H, m]`.  v: `[B, H, d]`.  gamma, mu: `[B, H]`.
+    Returns S~ `[B, H, d, m]` with S~[:, i] - mu s_i orthogonal to s_i.
+    """
+    dtype = _compute_dtype(S)
+    _, kc, vc, gk, g, m = _columns(k, k, v, gamma, mu, variant, dtype)
+    return _increment(S.to(dtype), kc, vc, gk, g, m, variant)
+
+
+@state_math
+def lattice_step(
+    S: torch.Tensor,
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    gamma: torch.Tensor,
+    mu: torch.Tensor | None = None,
+    variant: str = "dec",
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """One decode token for B sequences (the same arithmetic as one iteration of `lattice_recurrent`).
+
+    Args:
+        S: `[B, H, d, m]` state with unit columns (fp32; fp64 allowed for tests).
+        q, k: `[B, H, m]`.  v: `[B, H, d]`.  gamma: `[B, H]` step sizes.  mu: `[B, H]` forget gate or None (= 1).
+        variant: "dec" (the paper's final configuration), "enc" or "sim".
+
+    Returns:
+        y: `[B, H, d]` and the new state `[B, H, d, m]`, both in the state's compute dtype.
+    """
+    dtype = _compute_dtype(S)
+    y, S = _step(S.to(dtype), *_columns(q, k, v, gamma, mu, variant, dtype), variant)
+    return y[..., 0], S
+
+
+def _scan(
+    S: torch.Tensor,
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    gk: torch.Tensor,
+    g: torch.Tensor,
+    mu: torch.Tensor | None,
+    mask: torch.Tensor | None,
+    variant: str,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """The token loop over time-major columns (`[T, B, H, ...]`, mask `[T, B, 1, 1, 1]`) -> (y `[T, B, H, d]`, S)."""
+    ys = []
+    for t in range(q.shape[0]):
+        y, S_new = _step(S, q[t], k[t], v[t], gk[t], g[t], None if mu is None else mu[t], variant)
+        # A masked (padding) position keeps the state bit-identical; its output is never read.
+        S = S_new if mask is None else torch.where(mask[t], S_new, S)
+        ys.append(y[..., 0])
+    return torch.stack(ys), S
+
+
+@state_math
+def lattice_recurrent(
+    S: torch.Tensor,
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    gamma: torch.Tensor,
+    mu: torch.Tensor | None = None,
+    variant: str = "dec",
+    mask: torch.Tensor | None = None,
+    checkpoint_tokens: int = 0,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Exact recurrent prefill of T tokens for B sequences from states S (spec §5.2, Mode A).
+
+    Resumable by construction: running tokens 0..a then a..T from the returned state equals running 0..T.
+
+    Args:
+        S: `[B, H, d, m]` initial states with unit columns (not modified).
+        q, k: `[B, T, H, m]`.  v: `[B, T, H, d]`.  gamma: `[B, T, H]`.  mu: `[B, T, H]` or None (= 1).
+        variant: "dec", "enc" or "sim".
+        mask: `[B, T]` bool, False where a position is padding (the state is carried over unchanged), or None.
+        checkpoint_tokens: when > 0 and autograd is recording, recompute the loop in segments of this many tokens
+            during backward instead of storing every per-token state: activation memory drops from
+            O(T * d * m) to O(T / segment * d * m + segment * d * m) per head, for one extra forward pass.
+
+    Returns:
+        y: `[B, T, H, d]` outputs and the final state `[B, H, d, m]`, in the state's compute dtype.
+    """
+    dtype = _compute_dtype(S)
+    # Time-major and contiguous, so that every per-token slice and every state the loop makes is a dense
+    # `[B, H, d, m]` block: inputs arrive strided (e.g. from the conv's transpose), and elementwise ops would pass
+    # those strides on to S (measured: the column-norm reduction ran 25x slower on such a layout).
+    cols = [None if t is None else t.transpose(0, 1).contiguous() for t in _columns(q, k, v, gamma, mu, variant, dtype)]
+    m = None if mask is None else mask.transpose(0, 1)[:, :, None, None, None]
+    S = S.to(dtype).contiguous()
+    T = q.shape[1]
+    if checkpoint_tokens <= 0 or checkpoint_tokens >= T or not torch.is_grad_enabled():
+        y, S = _scan(S, *cols, m, variant)
+        return y.transpose(0, 1), S
+    ys = []
+    for a in range(0, T, checkpoint_tokens):
+        seg = [None if c is None else c[a : a + checkpoint_tokens] for c in (*cols, m)]
+        y, S = checkpoint(_scan, S, *seg, variant, use_reentrant=False, preserve_rng_state=False)
+        ys.append(y)
+    return torch.cat(ys).transpose(0, 1), S
+
+
+def orthonormal_columns(S: torch.Tensor) -> torch.Tensor:
+    """The Q factor of S `[..., d, m]` (m <= d) with a positive diagonal in R, computed in fp64.
+
+    Differentiable. The sign convention makes it the identity on matrices that already have orthonormal columns
+    (up to rounding), so re-orthonormalising a stored S0 at load time does not change the model.
+    Returns `[..., d, m]` in S's dtype.
+    """
+    Q, R = torch.linalg.qr(S.double())
+    sign = torch.sign(torch.diagonal(R, dim1=-2, dim2=-1))
+    sign = torch.where(sign == 0, torch.ones_like(sign), sign)
+    return (Q * sign[..., None, :]).to(S.dtype)
