@@ -37,12 +37,23 @@ MAMBA2 = {"num_heads": 8, "head_dim": 32, "state_size": 16, "n_groups": 1, "conv
 RECALL_LAYERS: dict[str, dict[str, Any]] = {
     "mamba2": {},
     "attention": {"attention": {"num_heads": 4, "num_kv_heads": 4, "head_dim": 32}},
-    "ska": {"ska": {"num_heads": 4, "rank": 24, "head_dim": 32, "chunk_size": 64}},
+    # fp32 accumulators: MQAR sequences are short (<= 4.2K tokens), and fp64 is slow on GPUs.
+    "ska": {"ska": {"num_heads": 4, "rank": 24, "head_dim": 32, "chunk_size": 64, "accum_dtype": "float32"}},
+    "gka": {"gka": {"num_heads": 4, "head_dim": 32, "conv_kernel": 4, "chunk_size": 64, "num_iter": 30}},
+    "lattice": {"lattice": {"num_heads": 4, "head_dim": 32, "num_slots": 32, "conv_kernel": 4}},
+    # Eidetic store of 64 tokens: room for every key and value of the largest MQAR cell (32 pairs).
+    "bmojo": {
+        "bmojo": {"num_heads": 4, "num_kv_heads": 4, "head_dim": 32, "ssm_num_heads": 8, "ssm_head_dim": 32,
+                  "ssm_state_size": 16, "window": 64, "fading_tokens": 1, "eidetic_tokens": 64}
+    },
 }
 FAMILIES: dict[str, list[str]] = {
     "mamba2": ["mamba2"] * 4,
     "mamba2-attention": ["mamba2", "mamba2", "attention", "attention"],
     "mamba2-ska": ["mamba2", "mamba2", "ska", "ska"],
+    "mamba2-gka": ["mamba2", "mamba2", "gka", "gka"],
+    "mamba2-lattice": ["mamba2", "mamba2", "lattice", "lattice"],
+    "mamba2-bmojo": ["mamba2", "mamba2", "bmojo", "bmojo"],
 }
 
 TRAIN_PAIRS = [4, 8, 16, 32]

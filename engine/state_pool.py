@@ -44,6 +44,10 @@ class StatePool:
             for specs in self.specs
         ]
         self._free = list(range(capacity - 1, -1, -1))  # pop() hands out slot 0 first
+        # Every row starts as a new session's state (not all mixers start from zeros: Lattice starts from S0).
+        all_slots = torch.arange(capacity, device=model.device)
+        for layer, state in zip(model.layers, self.tensors, strict=True):
+            layer.mixer.reset_state(state, all_slots)
 
     # -- slots --------------------------------------------------------------------------------------------------
     @property

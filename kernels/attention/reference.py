@@ -6,6 +6,8 @@ import math
 
 import torch
 
+from kernels.common import state_math
+
 
 def apply_rope(x: torch.Tensor, positions: torch.Tensor, theta: float) -> torch.Tensor:
     """Rotate `x` by its absolute positions (the "rotate half" layout of Llama / HF).
@@ -23,6 +25,7 @@ def apply_rope(x: torch.Tensor, positions: torch.Tensor, theta: float) -> torch.
     return (xf * cos + rotated * sin).to(x.dtype)
 
 
+@state_math
 def attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
     """Softmax attention with a boolean mask, grouped-query aware.
 

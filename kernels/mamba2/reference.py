@@ -15,6 +15,8 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
+from kernels.common import state_math
+
 
 def segsum(a: torch.Tensor) -> torch.Tensor:
     """Pairwise decay exponents: `out[..., i, j] = a[..., j+1] + ... + a[..., i]` for i >= j, -inf above the diagonal.
@@ -30,6 +32,7 @@ def segsum(a: torch.Tensor) -> torch.Tensor:
     return out.masked_fill(~lower, float("-inf"))
 
 
+@state_math
 def ssd_chunked(
     x: torch.Tensor,
     dt: torch.Tensor,
@@ -88,6 +91,7 @@ def ssd_chunked(
     return y, final_state
 
 
+@state_math
 def ssd_step(
     x: torch.Tensor,
     dt: torch.Tensor,
