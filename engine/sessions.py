@@ -1,0 +1,556 @@
+"""Sessions, and the tiers their state moves through: a GPU pool slot -> host memory -> a snapshot file.
+
+A session is a conversation's state on the server (architecture.md §6). While a request runs, its session is
+resident in a `StatePool` slot. When a slot is needed, the least recently used idle resident session is exported
+to host memory; when more than `max_host_sessions` sessions hold host copies, the least recently used one is
+written to the snapshot directory. A session comes back to a slot on its next request. None is ever dropped to
+make room: when nothing can move, the call raises (`PoolExhausted`, `SessionLimitError`) and changes nothing.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import re
+import secrets
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Literal
+
+import torch
+
+from engine.snapshot import Snapshot, SnapshotError, decode_snapshot, encode_snapshot, peek_snapshot, token_hash
+from engine.state_pool import StatePool
+
+log = logging.getLogger(__name__)
+
+Location = Literal["gpu", "host", "disk"]
+SESSION_ID = re.compile(r"sess_[0-9a-f]{24}")
+_SUFFIX = ".safetensors"
+
+
+class SessionNotFound(LookupError):
+    """No such session for this owner (the same answer whether it does not exist or belongs to another key)."""
+
+
+class PoolExhausted(RuntimeError):
+    """No slot can be made free now: every resident session is busy, or host memory is full with no snapshot
+    directory to spill to. Nothing was changed; retrying after running requests finish can succeed."""
+
+
+class SessionLimitError(RuntimeError):
+    """A new session was refused because, without a snapshot directory, the server could not keep it."""
+
+
+@dataclass(eq=False)  # an entity: compared by identity (its fields hold tensors)
+class Session:
+    """One conversation's state and where it lives.
+
+    location: "gpu" (in pool `slot`), "host" (`host_state`: CPU tensors as `StatePool.export` names them, or
+        None for a new session's initial state, which costs nothing until first use) or "disk" (a snapshot file).
+    num_tokens / token_hash: the tokens consumed so far (`engine.snapshot.token_hash` of them), so a new prompt
+        can be checked to extend them without storing them.
+    created: time.time() at creation. last_used: time.monotonic() of the last acquire or release.
+    busy: a request holds the session (set by `acquire_slot`, or earlier by a scheduler reserving it for a
+        waiting request); it is never evicted while busy. Refusing a second concurrent request is the caller's job.
+    ephemeral: a slot holder for a request without a session (e.g. the extra choices of n > 1): never evicted,
+        persisted or counted, invisible to `get`, and deleted by its request when it ends.
+    """
+
+    session_id: str
+    owner: str | None
+    num_tokens: int = 0
+    token_hash: int = 0
+    created: float = field(default_factory=time.time)
+    last_used: float = field(default_factory=time.monotonic)
+    location: Location = "host"
+    slot: int | None = None
+    host_state: dict[str, torch.Tensor] | None = None
+    busy: bool = False
+    ephemeral: bool = False
+    # LRU order set by the manager: a counter, because monotonic clocks can tie on coarse platforms.
+    lru_tick: int = field(default=0, repr=False)
+
+    def extend(self, tokens: list[int]) -> None:
+        """Record that the state has consumed `tokens` after the ones before."""
+        self.token_hash = token_hash(tokens, start=self.token_hash)
+        self.num_tokens += len(tokens)
+
+    def reset(self) -> None:
+        """Forget the consumed tokens (the manager's `reset` also resets the state itself)."""
+        self.num_tokens = 0
+        self.token_hash = 0
+
+    def is_prefix_of(self, prompt_tokens: list[int]) -> bool:
+        """Whether the consumed tokens are the first `num_tokens` of `prompt_tokens` (by hash)."""
+        n = self.num_tokens
+        return n <= len(prompt_tokens) and token_hash(prompt_tokens[:n]) == self.token_hash
+
+
+@dataclass
+class SessionCounters:
+    """Tier movements since start, for metrics."""
+
+    evictions: int = 0  # GPU slot -> host memory
+    spills: int = 0  # host memory -> snapshot file
+    reloads_from_host: int = 0
+    reloads_from_disk: int = 0
+
+
+class SessionManager:
+    """Owns every session and moves their state between a GPU slot, host memory and the snapshot directory.
+
+    Args:
+        pool: the state pool; the manager shares it with sessionless requests and only frees slots it took.
+        fingerprint: `model_fingerprint` of the served model (snapshots of other models are refused).
+        max_host_sessions: most sessions holding state in host memory. With `snapshot_dir`, more are written to
+            it (LRU first). Without one, host memory is the last tier and this is a hard cap: the server then
+            holds at most `pool.capacity + max_host_sessions` sessions and refuses new ones beyond that
+            (`SessionLimitError`) rather than ever drop one.
+        snapshot_dir: where sessions spill and persist across restarts (one `{session_id}.safetensors` each).
+        hmac_key: sign written snapshots and require valid signatures on every snapshot read or restored.
+        reserved_slots: called on each slot request; the number of free slots to leave to others (e.g. requests
+            without a session the scheduler has admitted). The manager evicts its own sessions instead.
+
+    Not thread-safe by design: every call happens on the engine thread, which owns the pool.
+    """
+
+    def __init__(
+        self,
+        pool: StatePool,
+        fingerprint: str,
+        max_host_sessions: int,
+        snapshot_dir: Path | None = None,
+        hmac_key: bytes | None = None,
+        reserved_slots: Callable[[], int] | None = None,
+    ) -> None:
+        if max_host_sessions < 0:
+            raise ValueError(f"max_host_sessions must be >= 0, got {max_host_sessions}")
+        self.pool = pool
+        self.fingerprint = fingerprint
+        self.max_host_sessions = max_host_sessions
+        self.snapshot_dir = Path(snapshot_dir) if snapshot_dir is not None else None
+        if self.snapshot_dir is not None:
+            self.snapshot_dir.mkdir(parents=True, exist_ok=True)
+        self.hmac_key = hmac_key
+        self._reserved = reserved_slots or (lambda: 0)
+        self.counters = SessionCounters()
+        self._sessions: dict[str, Session] = {}
+        self._resident: dict[str, Session] = {}  # location "gpu"
+        self._host: dict[str, Session] = {}  # location "host" with host_state set (new sessions hold nothing)
+        self._disk: dict[str, Session] = {}  # location "disk"
+        self._ephemeral = 0  # how many registered sessions are ephemeral
+        self._tick = 0
+        self._initial: dict[str, torch.Tensor] | None = None
+
+    # -- registry -----------------------------------------------------------------------------------------------
+    def __len__(self) -> int:
+        """Sessions held, ephemeral ones excluded."""
+        return len(self._sessions) - self._ephemeral
+
+    @property
+    def max_sessions(self) -> int | None:
+        """The most sessions this manager can hold (None: bounded only by the snapshot directory's disk)."""
+        return None if self.snapshot_dir is not None else self.pool.capacity + self.max_host_sessions
+
+    def counts(self) -> dict[str, int]:
+        """Sessions by location (new, never-used sessions count as "host"; ephemeral ones are not counted)."""
+        disk, gpu = len(self._disk), len(self._resident) - self._ephemeral_resident()
+        return {"gpu": gpu, "host": len(self) - gpu - disk, "disk": disk}
+
+    def host_bytes(self) -> int:
+        """Host memory held by sessions' state copies."""
+        return sum(t.numel() * t.element_size() for s in self._host.values() for t in s.host_state.values())
+
+    def create(self, owner: str | None, ephemeral: bool = False) -> Session:
+        """A new session in the initial state. It takes no slot or memory until its first `acquire_slot`.
+
+        Raises SessionLimitError when the manager could not keep it (only without a snapshot directory);
+        `ephemeral` sessions (see Session) are exempt, as they only ever hold a slot for their running request.
+        """
+        if not ephemeral:
+            self._check_room()
+        session = Session(session_id=self._new_id(), owner=owner, ephemeral=ephemeral)
+        self._sessions[session.session_id] = session
+        self._ephemeral += ephemeral
+        self._touch(session)
+        return session
+
+    def get(self, session_id: str, owner: str | None) -> Session:
+        """The session `session_id` of `owner`; SessionNotFound for other owners too, so ids do not leak."""
+        session = self._sessions.get(session_id)
+        if session is None or session.owner != owner or session.ephemeral:
+            raise SessionNotFound(f"session {session_id!r} not found")
+        return session
+
+    # -- slots --------------------------------------------------------------------------------------------------
+    def acquire_slot(self, session: Session) -> int:
+        """Make `session` resident in a pool slot and mark it busy; returns the slot (idempotent while resident).
+
+        Takes a free slot (leaving `reserved_slots()` free), else evicts the least recently used idle resident
+        session to host memory. Reloads the state from host memory or its snapshot file (removed once loaded).
+        Raises PoolExhausted, SnapshotError (its file is corrupt or no longer fits) or OSError (its
+        file cannot be read); in every case nothing is lost and the session stays where it was.
+        """
+        self._check_registered(session)
+        if session.slot is None:
+            source = session.location
+            # Read the file first: a corrupt one fails here, before another session was moved for it.
+            state = self._read(session).tensors if source == "disk" else session.host_state
+            slot = self._take_slot(frees_host=session.session_id in self._host)
+            if state is not None:
+                try:
+                    self.pool.import_(slot, state)
+                except Exception:
+                    self.pool.free(slot)
+                    raise
+            self._detach(session)
+            if source == "disk":
+                self._path(session.session_id).unlink(missing_ok=True)
+                self.counters.reloads_from_disk += 1
+            elif state is not None:
+                self.counters.reloads_from_host += 1
+            self._place_gpu(session, slot)
+            self._spill_over()
+        session.busy = True
+        self._touch(session)
+        return session.slot
+
+    def release(self, session: Session) -> None:
+        """The request using `session` is done: it stays resident (evictable, least recently used first)."""
+        self._check_registered(session)
+        session.busy = False
+        self._touch(session)
+
+    def reset(self, session: Session) -> None:
+        """Return `session` to the initial state (e.g. its tokens are not a prefix of the new prompt)."""
+        self._check_registered(session)
+        if session.slot is not None:
+            self.pool.reset(session.slot)
+        elif session.location != "host" or session.host_state is not None:
+            self._drop_stored(session)
+            self._detach(session)
+            self._place_host(session, None)
+        session.reset()
+
+    # -- lifecycle ----------------------------------------------------------------------------------------------
+    def fork(self, session: Session, owner: str | None) -> Session:
+        """A new session of `owner` with a copy of `session`'s state and tokens (two independent branches).
+
+        A resident source is copied slot to slot when a slot is free; otherwise the copy lives in host memory.
+        """
+        self._check_registered(session)
+        self._check_room()
+        child = Session(self._new_id(), owner, num_tokens=session.num_tokens, token_hash=session.token_hash)
+        if session.slot is not None and self.pool.free_slots > self._reserved():
+            slot = self.pool.alloc()
+            self.pool.copy(session.slot, slot)
+            self._sessions[child.session_id] = child
+            self._place_gpu(child, slot)
+        else:
+            self._admit(child, self._state_copy(session))
+        self._touch(child)
+        return child
+
+    def delete(self, session: Session) -> None:
+        """Forget `session` and free its slot, host memory or file.
+
+        Busy sessions are deleted too (a request deletes its ephemeral ones): the caller refuses to delete a
+        session a running request uses.
+        """
+        self._check_registered(session)
+        if session.slot is not None:
+            self.pool.free(session.slot)
+        self._drop_stored(session)
+        self._detach(session)
+        del self._sessions[session.session_id]
+        self._ephemeral -= session.ephemeral
+
+    def export(self, session: Session) -> bytes:
+        """The session as snapshot bytes (signed when the manager has a key), wherever its state lives.
+
+        The owner is left out: whoever restores the snapshot owns the restored session.
+        """
+        self._check_registered(session)
+        snap = self._snapshot(session, self._state_copy(session) or self._initial_state())
+        snap.owner = None
+        return encode_snapshot(snap, self.hmac_key)
+
+    def restore(self, data: bytes, owner: str | None) -> Session:
+        """A new session of `owner` from snapshot bytes, after every check (SnapshotError with a `code`).
+
+        Nothing is registered or allocated unless the snapshot is valid and fits this server's pool.
+        """
+        snap = decode_snapshot(data, self.fingerprint, self.hmac_key)
+        self.check_state(snap.tensors)
+        self._check_room()
+        session = Session(self._new_id(), owner, num_tokens=snap.num_tokens, token_hash=snap.token_hash)
+        self._admit(session, snap.tensors)
+        self._touch(session)
+        return session
+
+    def check_state(self, tensors: dict[str, torch.Tensor]) -> None:
+        """Raise SnapshotError("state_mismatch") unless `tensors` import into this pool (same checks as
+        `StatePool.import_`, without a slot), and unless per-token caches agree with their layer's `length`."""
+        pool, specs = self.pool, {}
+        for i, layer_specs in enumerate(pool.specs):
+            for name, spec in layer_specs.items():
+                specs[f"layers.{i}.{name}"] = (spec, pool.tensors[i][name].dtype)
+        missing, unexpected = sorted(set(specs) - set(tensors)), sorted(set(tensors) - set(specs))
+        if missing or unexpected:
+            raise SnapshotError(
+                f"snapshot state does not fit this server's model: missing {missing}, unexpected {unexpected}",
+                "state_mismatch",
+            )
+        for key, (spec, dtype) in specs.items():
+            t = tensors[key]
+            if t.dtype != dtype:
+                raise SnapshotError(
+                    f"snapshot state {key} is {t.dtype}, this server keeps it as {dtype}: the snapshot comes from "
+                    "a server running this model at another dtype; restore it on one started with the same dtype",
+                    "state_mismatch",
+                )
+            shape = tuple(t.shape)
+            fits = shape[1:] == spec.shape[1:] and shape[0] <= spec.shape[0] if spec.per_token else shape == spec.shape
+            if not fits:
+                raise SnapshotError(
+                    f"snapshot state {key} has shape {shape}, this server needs {spec.shape}", "state_mismatch"
+                )
+            if spec.per_token:
+                # Only the first `length` rows of a per-token cache hold data (StateSpec): both must agree.
+                length = tensors.get(key.rsplit(".", 1)[0] + ".length")
+                if length is not None and (length.numel() != 1 or int(length) != shape[0]):
+                    raise SnapshotError(
+                        f"snapshot state {key} has {shape[0]} entries but its layer length says {length.tolist()}",
+                        "state_mismatch",
+                    )
+
+    # -- persistence --------------------------------------------------------------------------------------------
+    def persist_all(self) -> int:
+        """Write every idle session to the snapshot directory (graceful shutdown); returns how many were written.
+
+        Written sessions become location "disk" and give back their slot or host memory. A busy session's state
+        is mid-request, so it is skipped with a warning: stop the engine (releasing sessions) first. Without a
+        snapshot directory there is nowhere to write: returns 0, warning how many sessions end with the process.
+        """
+        if self.snapshot_dir is None:
+            if len(self):
+                log.warning("%d sessions are not persisted: no snapshot directory is configured", len(self))
+            return 0
+        written = 0
+        for session in list(self._sessions.values()):
+            if session.location == "disk" or session.ephemeral:
+                continue
+            if session.busy:
+                log.warning("session %s is busy: not persisted", session.session_id)
+                continue
+            self._write(session, self._state_copy(session) or self._initial_state())
+            if session.slot is not None:
+                self.pool.free(session.slot)
+            self._detach(session)
+            self._place_disk(session)
+            written += 1
+        return written
+
+    def load_index(self) -> int:
+        """Register the sessions found in the snapshot directory (start-up), reading only their metadata.
+
+        Files that are corrupt, of another model, unsigned when a key is set, or named unlike a session are
+        skipped with a warning and left in place. Returns how many sessions were registered (0 without a
+        snapshot directory).
+        """
+        directory = self.snapshot_dir
+        if directory is None:
+            return 0
+        for tmp in directory.glob(f"sess_*{_SUFFIX}.tmp"):  # an interrupted write: the old file, if any, is intact
+            tmp.unlink(missing_ok=True)
+        found = 0
+        for path in sorted(directory.glob(f"sess_*{_SUFFIX}")):
+            session_id = path.name.removesuffix(_SUFFIX)
+            if not SESSION_ID.fullmatch(session_id) or session_id in self._sessions:
+                continue
+            try:
+                snap = peek_snapshot(path, self.fingerprint, self.hmac_key)
+            except (SnapshotError, OSError) as e:
+                log.warning("skipping snapshot file %s: %s", path, e)
+                continue
+            if snap.session_id != session_id:
+                log.warning("skipping snapshot file %s: it holds session %s", path, snap.session_id)
+                continue
+            session = Session(
+                session_id,
+                snap.owner,
+                num_tokens=snap.num_tokens,
+                token_hash=snap.token_hash,
+                created=snap.session_created if snap.session_created is not None else snap.created,
+            )
+            self._sessions[session_id] = session
+            self._place_disk(session)
+            self._touch(session)
+            found += 1
+        return found
+
+    # -- tier moves ---------------------------------------------------------------------------------------------
+    def _take_slot(self, frees_host: bool) -> int:
+        """A slot for a session about to become resident, evicting the LRU idle resident one if needed.
+        `frees_host`: the incoming session gives back a host copy (so an eviction keeps the host count)."""
+        if self.pool.free_slots > self._reserved():
+            return self.pool.alloc()
+        idle = [s for s in self._resident.values() if not s.busy and not s.ephemeral]
+        if not idle:
+            raise PoolExhausted(
+                f"no state slot is free for a session ({self.pool.used_slots} of {self.pool.capacity} in use, "
+                f"{self._reserved()} kept for other requests) and every resident session is busy; "
+                "retry when a request finishes"
+            )
+        if self.snapshot_dir is None and len(self._host) + (0 if frees_host else 1) > self.max_host_sessions:
+            raise PoolExhausted(
+                f"no slot free and host memory already holds max_host_sessions={self.max_host_sessions} sessions, "
+                "with no snapshot directory to spill to; retry later, delete idle sessions, or configure one"
+            )
+        victim = min(idle, key=lambda s: s.lru_tick)
+        state = self.pool.export(victim.slot)
+        self.pool.free(victim.slot)
+        self._detach(victim)
+        self._place_host(victim, state)
+        self.counters.evictions += 1
+        return self.pool.alloc()
+
+    def _spill_over(self) -> None:
+        """Write LRU host copies to the snapshot directory until at most `max_host_sessions` remain."""
+        if self.snapshot_dir is None:
+            return
+        while len(self._host) > self.max_host_sessions:
+            # Sessions reserved by waiting requests go last: they are about to be loaded again.
+            victim = min(self._host.values(), key=lambda s: (s.busy, s.lru_tick))
+            try:
+                self._write(victim, victim.host_state)
+            except OSError as e:
+                # Keep it in memory (over the cap) rather than lose it; the next spill tries again.
+                log.error("could not write session %s to %s: %s", victim.session_id, self.snapshot_dir, e)
+                return
+            self._detach(victim)
+            self._place_disk(victim)
+            self.counters.spills += 1
+
+    def _admit(self, session: Session, state: dict[str, torch.Tensor] | None) -> None:
+        """Register a new session holding `state` (None: initial) in host memory, or in a free slot when host
+        memory is full and nothing can spill. Raises PoolExhausted before registering when neither fits."""
+        host_full = self.snapshot_dir is None and len(self._host) >= self.max_host_sessions
+        if state is not None and host_full:
+            if self.pool.free_slots <= self._reserved():
+                raise PoolExhausted(
+                    f"host memory holds max_host_sessions={self.max_host_sessions} sessions, no slot is free and "
+                    "there is no snapshot directory; retry later or delete idle sessions"
+                )
+            slot = self.pool.alloc()
+            try:
+                self.pool.import_(slot, state)
+            except Exception:
+                self.pool.free(slot)
+                raise
+            self._sessions[session.session_id] = session
+            self._place_gpu(session, slot)
+            return
+        self._sessions[session.session_id] = session
+        self._touch(session)
+        self._place_host(session, state)
+        self._spill_over()
+
+    def _place_gpu(self, session: Session, slot: int) -> None:
+        session.location, session.slot, session.host_state = "gpu", slot, None
+        self._resident[session.session_id] = session
+
+    def _place_host(self, session: Session, state: dict[str, torch.Tensor] | None) -> None:
+        session.location, session.slot, session.host_state = "host", None, state
+        if state is not None:
+            self._host[session.session_id] = session
+
+    def _place_disk(self, session: Session) -> None:
+        session.location, session.slot, session.host_state = "disk", None, None
+        self._disk[session.session_id] = session
+
+    def _detach(self, session: Session) -> None:
+        """Remove `session` from the tier indexes (its slot, memory or file are handled by the caller)."""
+        for tier in (self._resident, self._host, self._disk):
+            tier.pop(session.session_id, None)
+
+    def _drop_stored(self, session: Session) -> None:
+        session.host_state = None
+        if session.location == "disk":  # a file exists exactly while a session is on "disk"
+            self._path(session.session_id).unlink(missing_ok=True)
+
+    # -- state copies and files ---------------------------------------------------------------------------------
+    def _state_copy(self, session: Session) -> dict[str, torch.Tensor] | None:
+        """An independent CPU copy of the session's state, or None for the initial state."""
+        if session.slot is not None:
+            return self.pool.export(session.slot)
+        if session.location == "disk":
+            return self._read(session).tensors
+        if session.host_state is not None:
+            return {k: v.clone() for k, v in session.host_state.items()}
+        return None
+
+    def _initial_state(self) -> dict[str, torch.Tensor]:
+        """A new session's state (not always zeros), from a one-slot pool so no shared slot is needed."""
+        if self._initial is None:
+            self._initial = StatePool(self.pool.model, 1, self.pool.max_context).export(0)
+        return {k: v.clone() for k, v in self._initial.items()}
+
+    def _snapshot(self, session: Session, tensors: dict[str, torch.Tensor]) -> Snapshot:
+        return Snapshot(
+            tensors=tensors,
+            fingerprint=self.fingerprint,
+            num_tokens=session.num_tokens,
+            token_hash=session.token_hash,
+            session_id=session.session_id,
+            session_created=session.created,
+            owner=session.owner,
+        )
+
+    def _path(self, session_id: str) -> Path:
+        return self.snapshot_dir / f"{session_id}{_SUFFIX}"
+
+    def _write(self, session: Session, tensors: dict[str, torch.Tensor]) -> None:
+        """Write atomically (temp file, then rename), so a crash never leaves a half-written snapshot."""
+        path = self._path(session.session_id)
+        tmp = path.with_name(path.name + ".tmp")
+        tmp.write_bytes(encode_snapshot(self._snapshot(session, tensors), self.hmac_key))
+        os.replace(tmp, path)
+
+    def _read(self, session: Session) -> Snapshot:
+        snap = decode_snapshot(self._path(session.session_id).read_bytes(), self.fingerprint, self.hmac_key)
+        if snap.session_id != session.session_id:
+            raise SnapshotError(f"snapshot file of session {session.session_id} holds session {snap.session_id}")
+        self.check_state(snap.tensors)
+        return snap
+
+    # -- helpers ------------------------------------------------------------------------------------------------
+    def _check_room(self) -> None:
+        limit = self.max_sessions
+        if limit is not None and len(self) >= limit:
+            raise SessionLimitError(
+                f"session limit reached: {limit} sessions ({self.pool.capacity} state slots plus "
+                f"max_host_sessions={self.max_host_sessions}) and no snapshot directory to keep more; "
+                "delete sessions no longer needed, or start the server with a snapshot directory"
+            )
+
+    def _ephemeral_resident(self) -> int:
+        return sum(s.ephemeral for s in self._resident.values()) if self._ephemeral else 0
+
+    def _check_registered(self, session: Session) -> None:
+        if self._sessions.get(session.session_id) is not session:
+            raise SessionNotFound(f"session {session.session_id!r} not found")
+
+    def _new_id(self) -> str:
+        while True:
+            session_id = "sess_" + secrets.token_hex(12)
+            if session_id not in self._sessions:
+                return session_id
+
+    def _touch(self, session: Session) -> None:
+        self._tick += 1
+        session.lru_tick = self._tick
+        session.last_used = time.monotonic()
