@@ -1,0 +1,171 @@
+"""Prometheus metrics of one server, all named `kvfree_...`, in a registry of their own.
+
+A registry per `Metrics` (not prometheus_client's global one) lets several apps live in one process, as they do
+in tests, without "Duplicated timeseries" errors. Counters and histograms are updated by the routes as requests
+go; gauges that describe the engine (queues, pool, sessions, memory) are copied from `AsyncEngine.stats()` by
+`update_engine`, typically right before `render`, so a scrape always sees current values.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable, Mapping
+from typing import Any
+
+from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, Counter, Gauge, Histogram, generate_latest
+
+# Buckets sized for interactive serving: first tokens from ms (small models, short prompts) to a minute (long
+# prompts under load); gaps between tokens from 1 ms to seconds; whole requests up to 10 minutes.
+TTFT_BUCKETS = (0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1, 2.5, 5, 7.5, 10, 20, 40, 80)
+ITL_BUCKETS = (0.001, 0.0025, 0.005, 0.0075, 0.01, 0.015, 0.02, 0.025, 0.03, 0.04, 0.05, 0.075, 0.1, 0.15, 0.2)
+ITL_BUCKETS += (0.3, 0.4, 0.5, 0.75, 1.0, 2.5)
+E2E_BUCKETS = (0.01, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 15, 20, 30, 40, 50, 60, 120, 240, 480, 600)
+
+# Where a session's state can be (architecture.md §6); always exported, so a location with no session reads 0.
+SESSION_LOCATIONS = ("gpu", "host", "disk")
+
+
+class Metrics:
+    """The server's metrics. Attributes are the prometheus_client objects, for updates the helpers do not cover."""
+
+    def __init__(self, registry: CollectorRegistry | None = None) -> None:
+        self.registry = registry if registry is not None else CollectorRegistry(auto_describe=True)
+        r = self.registry
+        self.requests = Counter(
+            "kvfree_requests", "HTTP requests answered, by route and status.", ["route", "status"], registry=r
+        )
+        self.requests_rejected = Counter(
+            "kvfree_requests_rejected",
+            "Requests refused before running, by reason (queue_full, ...).",
+            ["reason"],
+            registry=r,
+        )
+        self.prompt_tokens = Counter("kvfree_prompt_tokens", "Prompt tokens of finished requests.", registry=r)
+        self.generation_tokens = Counter("kvfree_generation_tokens", "Tokens generated.", registry=r)
+        self.cached_prompt_tokens = Counter(
+            "kvfree_cached_prompt_tokens",
+            "Prompt tokens not prefilled because a session's state already held them.",
+            registry=r,
+        )
+        self.time_to_first_token = Histogram(
+            "kvfree_time_to_first_token_seconds",
+            "From request arrival to its first token.",
+            buckets=TTFT_BUCKETS,
+            registry=r,
+        )
+        self.inter_token_latency = Histogram(
+            "kvfree_inter_token_latency_seconds",
+            "Time between consecutive tokens of a request.",
+            buckets=ITL_BUCKETS,
+            registry=r,
+        )
+        self.e2e_request_latency = Histogram(
+            "kvfree_e2e_request_latency_seconds",
+            "From request arrival to its last token.",
+            buckets=E2E_BUCKETS,
+            registry=r,
+        )
+        self.requests_running = Gauge("kvfree_requests_running", "Requests decoding now.", registry=r)
+        self.requests_waiting = Gauge("kvfree_requests_waiting", "Requests queued for a pool slot.", registry=r)
+        self.sessions = Gauge("kvfree_sessions", "Sessions, by where their state is.", ["location"], registry=r)
+        self.pool_slots_used = Gauge("kvfree_pool_slots_used", "State-pool slots in use.", registry=r)
+        self.pool_slots_total = Gauge("kvfree_pool_slots_total", "State-pool slots.", registry=r)
+        self.state_bytes_per_session = Gauge(
+            "kvfree_state_bytes_per_session",
+            "Bytes of one session's state (fixed for a model).",
+            registry=r,
+        )
+        self.state_bytes_in_use = Gauge("kvfree_state_bytes_in_use", "Bytes of state in used pool slots.", registry=r)
+        self.gpu_memory_allocated = Gauge(
+            "kvfree_gpu_memory_allocated_bytes", "torch.cuda.memory_allocated (0: CPU).", registry=r
+        )
+        self.gpu_memory_reserved = Gauge(
+            "kvfree_gpu_memory_reserved_bytes", "torch.cuda.memory_reserved (0: CPU).", registry=r
+        )
+        for location in SESSION_LOCATIONS:
+            self.sessions.labels(location=location).set(0)
+
+    # -- updates ------------------------------------------------------------------------------------------------
+    def count_request(self, route: str, status: int) -> None:
+        """One answered request. `route` is the route's path template (`/v1/sessions/{id}`), never the raw path,
+        so that ids do not make a new time series each."""
+        self.requests.labels(route=route, status=str(status)).inc()
+
+    def count_rejected(self, reason: str) -> None:
+        self.requests_rejected.labels(reason=reason).inc()
+
+    def count_tokens(self, prompt: int, generated: int, cached: int = 0) -> None:
+        """Token counts of one finished request."""
+        self.prompt_tokens.inc(prompt)
+        self.generation_tokens.inc(generated)
+        self.cached_prompt_tokens.inc(cached)
+
+    def request_timer(self, clock: Callable[[], float] = time.perf_counter) -> RequestTimer:
+        """A timer started now, for one request's TTFT, inter-token and end-to-end latencies."""
+        return RequestTimer(self, clock)
+
+    def update_engine(self, stats: Mapping[str, Any]) -> None:
+        """Copy the engine's gauges from `AsyncEngine.stats()`; keys that are absent leave a gauge as it is,
+        except GPU memory, which reads 0 when the engine reports none (CPU)."""
+        gauges = {
+            "running": self.requests_running,
+            "waiting": self.requests_waiting,
+            "pool_slots_used": self.pool_slots_used,
+            "pool_slots_total": self.pool_slots_total,
+            "state_bytes_per_session": self.state_bytes_per_session,
+        }
+        for key, gauge in gauges.items():
+            if key in stats:
+                gauge.set(stats[key])
+        if "state_bytes_in_use" in stats:
+            self.state_bytes_in_use.set(stats["state_bytes_in_use"])
+        elif "pool_slots_used" in stats and "state_bytes_per_session" in stats:
+            self.state_bytes_in_use.set(stats["pool_slots_used"] * stats["state_bytes_per_session"])
+        if "sessions" in stats:
+            counts: Mapping[str, int] = stats["sessions"]
+            for location in {*SESSION_LOCATIONS, *counts}:
+                self.sessions.labels(location=location).set(counts.get(location, 0))
+        self.gpu_memory_allocated.set(stats.get("gpu_memory_allocated", 0))
+        self.gpu_memory_reserved.set(stats.get("gpu_memory_reserved", 0))
+
+    def render(self) -> tuple[bytes, str]:
+        """(body, content type) of a `GET /metrics` response in Prometheus' text format."""
+        return generate_latest(self.registry), CONTENT_TYPE_LATEST
+
+
+class RequestTimer:
+    """Latencies of one request: call `tokens(k)` whenever k new tokens arrive and `finish()` once at the end.
+
+    Tokens that arrive together (several in one step, or held back by the detokenizer) split the gap since the
+    previous arrival evenly, so the inter-token histogram counts every token once.
+    """
+
+    def __init__(self, metrics: Metrics, clock: Callable[[], float] = time.perf_counter) -> None:
+        self.metrics = metrics
+        self.clock = clock
+        self.start = clock()
+        self.first_token_at: float | None = None
+        self._last = self.start
+        self._finished = False
+
+    def tokens(self, count: int = 1) -> None:
+        if count <= 0:
+            return
+        now = self.clock()
+        if self.first_token_at is None:
+            self.first_token_at = now
+            self.metrics.time_to_first_token.observe(now - self.start)
+            count -= 1  # the first token has a TTFT, not an inter-token gap
+            if count == 0:
+                self._last = now
+                return
+        gap = (now - self._last) / count
+        for _ in range(count):
+            self.metrics.inter_token_latency.observe(gap)
+        self._last = now
+
+    def finish(self) -> None:
+        """Record the end-to-end latency (once; later calls do nothing)."""
+        if not self._finished:
+            self._finished = True
+            self.metrics.e2e_request_latency.observe(self.clock() - self.start)

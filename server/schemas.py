@@ -1,0 +1,731 @@
+"""Request and response bodies of the HTTP API, as pydantic models (OpenAI's schemas plus kvfree's sessions).
+
+Requests are validated strictly: wrong JSON types are errors (no `"5"` for 5, no `true` for 1), NaN and
+infinities are refused (Python's JSON parser accepts `NaN` and `Infinity`), and every range matches what
+`engine.sampling.SamplingParams` accepts, so a request that validates never fails later in the engine. Unknown
+fields are ignored, as OpenAI SDKs and tools send fields (`metadata`, `store`, `service_tier`...) a server may not
+know. Known OpenAI fields that would change the output and that kvfree does not implement (`echo`, `suffix`,
+`best_of` > n, `logit_bias`, a non-text `response_format`) are refused rather than silently ignored.
+
+The upper bound of `max_tokens` is a server setting, so it is checked by `to_sampling_params(max_tokens_limit)`,
+which raises an `APIError` (400) naming the field.
+
+Extensions to OpenAI's schema: `top_k`, `min_p`, `repetition_penalty`, `stop_token_ids`, `ignore_eos` (as in
+vLLM), `session_id` on requests and `session` on responses (see architecture.md §6), and the session bodies.
+"""
+
+from __future__ import annotations
+
+import time
+import uuid
+from typing import Annotated, Any, Literal
+
+from pydantic import (
+    BaseModel,
+    ConfigDict,
+    Field,
+    SerializerFunctionWrapHandler,
+    ValidationInfo,
+    field_validator,
+    model_serializer,
+    model_validator,
+)
+
+from engine.sampling import MAX_TOP_LOGPROBS, SamplingParams
+from server.errors import invalid_request
+
+# The most completions one request may ask for (`n`): each holds a pool slot while it decodes.
+MAX_N = 16
+# OpenAI's limits on stop sequences and on the number of tools.
+MAX_STOP = 4
+MAX_TOOLS = 128
+# Completions default to OpenAI's 16 tokens when `max_tokens` is not given (chat defaults to the server's limit).
+DEFAULT_COMPLETION_MAX_TOKENS = 16
+# Seeds are int64 as in OpenAI's API; the engine's generators take [0, 2**63), so negative seeds are folded in.
+_SEED_MASK = 2**63 - 1
+
+
+def new_id(prefix: str) -> str:
+    """A fresh response or object id, e.g. `chatcmpl-<32 hex>`."""
+    return f"{prefix}-{uuid.uuid4().hex}"
+
+
+def _now() -> int:
+    return int(time.time())
+
+
+class RequestModel(BaseModel):
+    """Base of every request body: strict JSON types, finite numbers only, unknown fields ignored."""
+
+    model_config = ConfigDict(strict=True, allow_inf_nan=False, extra="ignore")
+
+
+class ResponseModel(BaseModel):
+    """Base of every response body (built by the server, so only lightly checked)."""
+
+    model_config = ConfigDict(extra="ignore")
+
+
+class _OmitNone(BaseModel):
+    """Serializes without the fields that are None: streamed deltas carry only what changed, as OpenAI's do."""
+
+    # No return annotation on purpose: with one, pydantic documents the model as a bare object in the schema.
+    @model_serializer(mode="wrap")
+    def _omit_none(self, handler: SerializerFunctionWrapHandler):
+        return {key: value for key, value in handler(self).items() if value is not None}
+
+
+NonEmptyStr = Annotated[str, Field(min_length=1)]
+TokenId = Annotated[int, Field(ge=0, lt=2**31, description="A token id of the served model's vocabulary.")]
+StopField = NonEmptyStr | Annotated[list[NonEmptyStr], Field(max_length=MAX_STOP)] | None
+
+
+# -- chat messages ------------------------------------------------------------------------------------------------
+
+
+class TextContentPart(RequestModel):
+    """One part of a message's content. Only text parts: the served models read text only."""
+
+    type: Literal["text"] = Field(description='Always `"text"`.')
+    text: str = Field(description="The text.")
+
+    @model_validator(mode="before")
+    @classmethod
+    def _text_only(cls, data: Any) -> Any:
+        # Without this an image part fails as "Input should be 'text'", which does not say why.
+        if isinstance(data, dict) and data.get("type", "text") != "text":
+            raise ValueError(f"only text content parts are supported, got type {data.get('type')!r}")
+        return data
+
+
+MessageContent = str | list[TextContentPart]
+
+
+class FunctionCall(RequestModel):
+    """A call the model made: the function's name and its arguments as a JSON string (as OpenAI sends them)."""
+
+    name: str = Field(description="Name of the function called.")
+    arguments: str = Field(description='The arguments, a JSON object serialized as a string (e.g. `"{\\"x\\": 1}"`).')
+
+
+class ToolCall(RequestModel):
+    """A tool call in an assistant message, in requests (the history) and responses alike."""
+
+    id: str = Field(description="The call's id; a tool message answers it with `tool_call_id`.")
+    type: Literal["function"] = Field(default="function", description='Always `"function"`.')
+    function: FunctionCall
+
+
+class SystemMessage(RequestModel):
+    """Instructions for the model. `developer` (OpenAI's newer name) is accepted and rendered as `system`."""
+
+    role: Literal["system", "developer"]
+    content: MessageContent
+    name: str | None = Field(default=None, description="Accepted for compatibility; not shown to the model.")
+
+
+class UserMessage(RequestModel):
+    """A message from the user."""
+
+    role: Literal["user"]
+    content: MessageContent
+    name: str | None = Field(default=None, description="Accepted for compatibility; not shown to the model.")
+
+
+class AssistantMessage(RequestModel):
+    """A previous reply of the model: text, tool calls, or both."""
+
+    role: Literal["assistant"]
+    content: MessageContent | None = None
+    tool_calls: list[ToolCall] | None = Field(
+        default=None, validate_default=True, description="Calls the model made in this turn."
+    )
+    name: str | None = Field(default=None, description="Accepted for compatibility; not shown to the model.")
+
+    @field_validator("tool_calls")
+    @classmethod
+    def _content_or_calls(cls, calls: list[ToolCall] | None, info: ValidationInfo) -> list[ToolCall] | None:
+        if "content" in info.data and info.data["content"] is None and not calls:
+            raise ValueError("an assistant message needs `content` or `tool_calls`")
+        return calls
+
+
+class ToolMessage(RequestModel):
+    """The result of a tool call, sent back to the model."""
+
+    role: Literal["tool"]
+    content: MessageContent
+    tool_call_id: str = Field(description="The `id` of the tool call this answers.")
+
+
+ChatMessage = Annotated[SystemMessage | UserMessage | AssistantMessage | ToolMessage, Field(discriminator="role")]
+
+
+# -- tools --------------------------------------------------------------------------------------------------------
+
+
+class FunctionDefinition(RequestModel):
+    """A function the model may call."""
+
+    name: str = Field(pattern=r"^[A-Za-z0-9_.\-]{1,64}$", description="Letters, digits, `_`, `.`, `-`; 1-64 chars.")
+    description: str | None = Field(default=None, description="What the function does; shown to the model.")
+    parameters: dict[str, Any] | None = Field(
+        default=None, description="JSON Schema of the arguments object; shown to the model, not enforced."
+    )
+    strict: bool | None = Field(default=None, description="Accepted for compatibility; arguments are not enforced.")
+
+
+class ChatTool(RequestModel):
+    """A tool: only functions."""
+
+    type: Literal["function"] = Field(description='Always `"function"`.')
+    function: FunctionDefinition
+
+
+class ToolChoiceFunctionName(RequestModel):
+    name: str = Field(description="The function the model must call.")
+
+
+class NamedToolChoice(RequestModel):
+    """Force a call to one function: `{"type": "function", "function": {"name": "..."}}`."""
+
+    type: Literal["function"]
+    function: ToolChoiceFunctionName
+
+
+ToolChoice = Literal["none", "auto", "required"] | NamedToolChoice
+
+
+class StreamOptions(RequestModel):
+    include_usage: bool = Field(
+        default=False,
+        description="Send one more chunk before `data: [DONE]` with empty `choices` and the request's `usage`.",
+    )
+
+
+class ResponseFormat(RequestModel):
+    """Only `{"type": "text"}`: constrained JSON output is not implemented, so asking for it is an error."""
+
+    type: Literal["text"] = Field(description='Only `"text"` is supported.')
+
+    @model_validator(mode="before")
+    @classmethod
+    def _text_only(cls, data: Any) -> Any:
+        if isinstance(data, dict) and data.get("type") != "text":
+            raise ValueError(f"response_format type {data.get('type')!r} is not supported; only 'text' is")
+        return data
+
+
+# -- requests -----------------------------------------------------------------------------------------------------
+
+
+class GenerationRequest(RequestModel):
+    """Fields shared by completions and chat completions: the model, sampling, streaming, sessions."""
+
+    model: str | None = Field(
+        default=None,
+        description="A model id from `GET /v1/models`. Optional here (OpenAI requires it): omitted means the "
+        "server's only model.",
+    )
+    n: int = Field(default=1, ge=1, le=MAX_N, description=f"Number of completions (1-{MAX_N}).")
+    stream: bool = Field(default=False, description="Stream the reply as server-sent events ending in `[DONE]`.")
+    stream_options: StreamOptions | None = Field(default=None, description="Only with `stream: true`.")
+    max_tokens: int | None = Field(
+        default=None, ge=1, description="Most tokens to generate per completion; at most the server's limit."
+    )
+    temperature: float | None = Field(default=None, ge=0, le=2, description="0 is greedy; default 1.")
+    top_p: float = Field(default=1.0, gt=0, le=1, description="Nucleus sampling mass; 1 disables.")
+    top_k: int = Field(default=-1, ge=-1, description="Keep the k most likely tokens; -1 or 0 disables (extension).")
+    min_p: float = Field(
+        default=0.0, ge=0, le=1, description="Drop tokens below min_p times the top probability (extension)."
+    )
+    presence_penalty: float = Field(default=0.0, ge=-2, le=2, description="Penalty on tokens already generated.")
+    frequency_penalty: float = Field(default=0.0, ge=-2, le=2, description="Penalty per occurrence in the output.")
+    repetition_penalty: float = Field(
+        default=1.0, gt=0, le=2, description="Divides logits of tokens in the prompt or output; 1 disables (extension)."
+    )
+    seed: int | None = Field(
+        default=None, ge=-(2**63), le=2**63 - 1, description="Same seed, same request: same output (int64)."
+    )
+    stop: StopField = Field(
+        default=None, description=f"Up to {MAX_STOP} non-empty strings; generation stops at any of them."
+    )
+    stop_token_ids: list[TokenId] = Field(
+        default_factory=list, max_length=64, description="Token ids that also stop generation (extension)."
+    )
+    ignore_eos: bool = Field(default=False, description="Keep generating past end-of-sequence (extension).")
+    session_id: str | None = Field(
+        default=None,
+        min_length=1,
+        max_length=128,
+        description="Extension: continue this session (from `POST /v1/sessions`); only the prompt's new suffix is "
+        "prefilled. With the OpenAI SDK, pass it in `extra_body`.",
+    )
+    user: str | None = Field(default=None, description="Accepted for compatibility; ignored.")
+    logit_bias: dict[str, float] | None = Field(default=None, description="Not supported: must be absent or empty.")
+
+    @field_validator("stream_options")
+    @classmethod
+    def _only_when_streaming(cls, value: StreamOptions | None, info: ValidationInfo) -> StreamOptions | None:
+        if value is not None and info.data.get("stream") is False:
+            raise ValueError("stream_options is only allowed when stream is true")
+        return value
+
+    @field_validator("logit_bias")
+    @classmethod
+    def _no_logit_bias(cls, value: dict[str, float] | None) -> dict[str, float] | None:
+        if value:
+            raise ValueError("logit_bias is not supported")
+        return value
+
+    @property
+    def include_usage(self) -> bool:
+        """Whether a streamed reply ends with a usage chunk."""
+        return self.stream_options is not None and self.stream_options.include_usage
+
+    def _sampling_params(
+        self, max_tokens: int, logprobs: int | None, skip_special_tokens: bool = True
+    ) -> SamplingParams:
+        stop = [self.stop] if isinstance(self.stop, str) else list(self.stop or [])
+        try:
+            return SamplingParams(
+                max_tokens=max_tokens,
+                temperature=1.0 if self.temperature is None else self.temperature,
+                top_p=self.top_p,
+                top_k=max(self.top_k, 0),
+                min_p=self.min_p,
+                repetition_penalty=self.repetition_penalty,
+                presence_penalty=self.presence_penalty,
+                frequency_penalty=self.frequency_penalty,
+                seed=None if self.seed is None else self.seed & _SEED_MASK,
+                stop=stop,
+                stop_token_ids=list(self.stop_token_ids),
+                ignore_eos=self.ignore_eos,
+                logprobs=logprobs,
+                skip_special_tokens=skip_special_tokens,
+            )
+        except ValueError as e:
+            # The schema's bounds match SamplingParams', so this is a bug guard; its messages start with the field.
+            raise invalid_request(str(e), param=str(e).split(" ", 1)[0]) from None
+
+
+def _resolve_max_tokens(name: str, value: int | None, default: int, limit: int) -> int:
+    """The number of tokens to generate: `value` if given (400 naming `name` when over `limit`), else `default`."""
+    if value is None:
+        return min(default, limit)
+    if value > limit:
+        raise invalid_request(f"{name} is too large: {value} > {limit}, this server's limit per completion", name)
+    return value
+
+
+class CompletionRequest(GenerationRequest):
+    """`POST /v1/completions`: continue a prompt."""
+
+    model_config = ConfigDict(
+        json_schema_extra={"examples": [{"model": "kvfree", "prompt": "Once upon a time", "max_tokens": 32}]}
+    )
+
+    prompt: Annotated[str, Field(min_length=1)] | Annotated[list[TokenId], Field(min_length=1)] = Field(
+        description="Text, or token ids. A batch of one (`[text]` or `[[ids]]`) is accepted; larger batches are not."
+    )
+    logprobs: int | None = Field(
+        default=None,
+        ge=0,
+        le=MAX_TOP_LOGPROBS,
+        description=f"Return the sampled token's log-probability and the {MAX_TOP_LOGPROBS} at most most likely.",
+    )
+    echo: bool = Field(default=False, description="Not supported: must be false.")
+    suffix: str | None = Field(default=None, description="Not supported: must be absent.")
+    best_of: int | None = Field(default=None, ge=1, description="Only `best_of == n` (or absent) is supported.")
+
+    @field_validator("prompt", mode="before")
+    @classmethod
+    def _single_prompt(cls, value: Any) -> Any:
+        # OpenAI accepts a batch of prompts; kvfree serves one per request, so unwrap a batch of one.
+        if isinstance(value, list) and value and all(isinstance(p, str | list) for p in value):
+            if len(value) != 1:
+                raise ValueError(
+                    f"batched prompts are not supported ({len(value)} prompts): send one request per prompt"
+                )
+            return value[0]
+        return value
+
+    @field_validator("echo")
+    @classmethod
+    def _no_echo(cls, value: bool) -> bool:
+        if value:
+            raise ValueError("echo is not supported")
+        return value
+
+    @field_validator("suffix")
+    @classmethod
+    def _no_suffix(cls, value: str | None) -> str | None:
+        if value:
+            raise ValueError("suffix is not supported")
+        return value
+
+    @field_validator("best_of")
+    @classmethod
+    def _best_of_is_n(cls, value: int | None, info: ValidationInfo) -> int | None:
+        if value is not None and "n" in info.data and value != info.data["n"]:
+            raise ValueError(f"best_of other than n is not supported (best_of={value}, n={info.data['n']})")
+        return value
+
+    def to_sampling_params(self, max_tokens_limit: int) -> SamplingParams:
+        """The engine's parameters. `max_tokens` defaults to 16 (OpenAI's default for completions).
+
+        Raises:
+            APIError: 400 naming `max_tokens` when it is over `max_tokens_limit`.
+        """
+        max_tokens = _resolve_max_tokens("max_tokens", self.max_tokens, DEFAULT_COMPLETION_MAX_TOKENS, max_tokens_limit)
+        return self._sampling_params(max_tokens, self.logprobs)
+
+
+class ChatCompletionRequest(GenerationRequest):
+    """`POST /v1/chat/completions`: the next assistant message of a conversation."""
+
+    model_config = ConfigDict(
+        json_schema_extra={
+            "examples": [{"model": "kvfree", "messages": [{"role": "user", "content": "Hello!"}], "max_tokens": 64}]
+        }
+    )
+
+    messages: list[ChatMessage] = Field(min_length=1, description="The conversation so far; at least one message.")
+    max_completion_tokens: int | None = Field(
+        default=None, ge=1, description="Most tokens to generate; takes precedence over the older `max_tokens`."
+    )
+    logprobs: bool = Field(default=False, description="Return the log-probability of each output token.")
+    top_logprobs: int | None = Field(
+        default=None,
+        ge=0,
+        le=MAX_TOP_LOGPROBS,
+        description=f"With `logprobs`: also the 0-{MAX_TOP_LOGPROBS} most likely tokens at each position.",
+    )
+    tools: list[ChatTool] | None = Field(
+        default=None, max_length=MAX_TOOLS, description="Functions the model may call; shown to it by the template."
+    )
+    tool_choice: ToolChoice | None = Field(
+        default=None,
+        description='`"none"`, `"auto"` (default when tools are given), `"required"`, or a named function. The '
+        "model is asked, not forced: with `required` or a named function a reply without a valid call is returned "
+        "as text.",
+    )
+    parallel_tool_calls: bool | None = Field(
+        default=None, description="Accepted for compatibility; every call the model writes is returned."
+    )
+    response_format: ResponseFormat | None = Field(default=None, description='Only `{"type": "text"}`.')
+
+    @field_validator("top_logprobs")
+    @classmethod
+    def _needs_logprobs(cls, value: int | None, info: ValidationInfo) -> int | None:
+        if value is not None and info.data.get("logprobs") is False:
+            raise ValueError("top_logprobs requires logprobs to be true")
+        return value
+
+    @field_validator("tools")
+    @classmethod
+    def _unique_names(cls, tools: list[ChatTool] | None) -> list[ChatTool] | None:
+        names = [tool.function.name for tool in tools or []]
+        duplicates = sorted({name for name in names if names.count(name) > 1})
+        if duplicates:
+            raise ValueError(f"tool names must be unique; repeated: {', '.join(duplicates)}")
+        return tools
+
+    @field_validator("tool_choice")
+    @classmethod
+    def _choice_matches_tools(cls, choice: ToolChoice | None, info: ValidationInfo) -> ToolChoice | None:
+        if choice is None or choice == "none" or "tools" not in info.data:
+            return choice  # a bad `tools` has its own error
+        tools: list[ChatTool] = info.data["tools"] or []
+        if not tools:
+            raise ValueError(f"tool_choice {_choice_name(choice)} needs tools")
+        if isinstance(choice, NamedToolChoice) and choice.function.name not in {t.function.name for t in tools}:
+            raise ValueError(f"tool_choice names function {choice.function.name!r}, which is not in tools")
+        return choice
+
+    @property
+    def effective_tool_choice(self) -> ToolChoice:
+        """`tool_choice` with OpenAI's default: "auto" when tools are given, "none" otherwise."""
+        if self.tool_choice is not None:
+            return self.tool_choice
+        return "auto" if self.tools else "none"
+
+    @property
+    def uses_tools(self) -> bool:
+        """Whether tools are shown to the model and tool calls parsed from its output."""
+        return bool(self.tools) and self.effective_tool_choice != "none"
+
+    def to_sampling_params(self, max_tokens_limit: int) -> SamplingParams:
+        """The engine's parameters.
+
+        `max_completion_tokens` wins over `max_tokens`; with neither the reply may use the server's whole limit.
+        With tools in use special tokens are kept in the decoded text, because tool-call tags are special tokens
+        in kvfree's tokenizers and the tool parser must see them.
+
+        Raises:
+            APIError: 400 naming the field used when it is over `max_tokens_limit`.
+        """
+        if self.max_completion_tokens is not None:
+            name, value = "max_completion_tokens", self.max_completion_tokens
+        else:
+            name, value = "max_tokens", self.max_tokens
+        max_tokens = _resolve_max_tokens(name, value, max_tokens_limit, max_tokens_limit)
+        logprobs = (self.top_logprobs or 0) if self.logprobs else None
+        return self._sampling_params(max_tokens, logprobs, skip_special_tokens=not self.uses_tools)
+
+
+def _choice_name(choice: ToolChoice) -> str:
+    return repr(choice) if isinstance(choice, str) else f"for function {choice.function.name!r}"
+
+
+# -- usage, logprobs ----------------------------------------------------------------------------------------------
+
+
+class PromptTokensDetails(ResponseModel):
+    cached_tokens: int = Field(
+        default=0, description="Prompt tokens not prefilled again because the session's state already held them."
+    )
+
+
+class Usage(ResponseModel):
+    """Token counts of one request (all `n` completions together)."""
+
+    prompt_tokens: int
+    completion_tokens: int = 0
+    total_tokens: int
+    prompt_tokens_details: PromptTokensDetails | None = None
+
+    @classmethod
+    def of(cls, prompt_tokens: int, completion_tokens: int, cached_tokens: int = 0) -> Usage:
+        return cls(
+            prompt_tokens=prompt_tokens,
+            completion_tokens=completion_tokens,
+            total_tokens=prompt_tokens + completion_tokens,
+            prompt_tokens_details=PromptTokensDetails(cached_tokens=cached_tokens),
+        )
+
+
+class SessionUsage(ResponseModel):
+    """Extension on responses to requests with `session_id`: how the session's state was used."""
+
+    id: str = Field(description="The session.")
+    cached_tokens: int = Field(description="Prompt tokens the session already held (not prefilled again).")
+    reset: bool = Field(description="True when the session's tokens were not a prefix of the prompt: prefilled anew.")
+    num_tokens: int = Field(description="Tokens the session has consumed after this request.")
+
+
+class TopLogprob(ResponseModel):
+    token: str
+    logprob: float
+    bytes: list[int] | None = Field(default=None, description="The token's UTF-8 bytes.")
+
+
+class ChatCompletionTokenLogprob(TopLogprob):
+    top_logprobs: list[TopLogprob] = Field(default_factory=list)
+
+
+class ChoiceLogprobs(ResponseModel):
+    """Chat logprobs: one entry per output token."""
+
+    content: list[ChatCompletionTokenLogprob] | None = None
+
+
+class CompletionLogprobs(ResponseModel):
+    """Completions logprobs: parallel lists, one entry per output token."""
+
+    text_offset: list[int] = Field(default_factory=list)
+    token_logprobs: list[float | None] = Field(default_factory=list)
+    tokens: list[str] = Field(default_factory=list)
+    top_logprobs: list[dict[str, float] | None] = Field(default_factory=list)
+
+
+# -- completions responses ----------------------------------------------------------------------------------------
+
+CompletionFinishReason = Literal["stop", "length"]
+ChatFinishReason = Literal["stop", "length", "tool_calls"]
+
+
+class CompletionChoice(ResponseModel):
+    index: int
+    text: str
+    logprobs: CompletionLogprobs | None = None
+    finish_reason: CompletionFinishReason | None = Field(
+        default=None, description="`stop`: a stop string, stop token or end of sequence; `length`: max_tokens."
+    )
+
+
+class CompletionResponse(ResponseModel):
+    id: str = Field(default_factory=lambda: new_id("cmpl"))
+    object: Literal["text_completion"] = "text_completion"
+    created: int = Field(default_factory=_now)
+    model: str
+    choices: list[CompletionChoice]
+    usage: Usage
+    system_fingerprint: str | None = None
+    session: SessionUsage | None = None
+
+
+class CompletionChunk(ResponseModel):
+    """One server-sent event of a streamed completion (OpenAI uses the same `object` as the full response)."""
+
+    id: str
+    object: Literal["text_completion"] = "text_completion"
+    created: int = Field(default_factory=_now)
+    model: str
+    choices: list[CompletionChoice]
+    usage: Usage | None = None
+    system_fingerprint: str | None = None
+    session: SessionUsage | None = None
+
+
+# -- chat responses -----------------------------------------------------------------------------------------------
+
+
+class ChatCompletionMessage(ResponseModel):
+    role: Literal["assistant"] = "assistant"
+    content: str | None = Field(default=None, description="The text; null when the reply is only tool calls.")
+    tool_calls: list[ToolCall] | None = None
+
+
+class ChatCompletionChoice(ResponseModel):
+    index: int
+    message: ChatCompletionMessage
+    logprobs: ChoiceLogprobs | None = None
+    finish_reason: ChatFinishReason | None = Field(
+        default=None, description="`stop`, `length` (max_tokens), or `tool_calls` (the reply ends in tool calls)."
+    )
+
+
+class ChatCompletionResponse(ResponseModel):
+    id: str = Field(default_factory=lambda: new_id("chatcmpl"))
+    object: Literal["chat.completion"] = "chat.completion"
+    created: int = Field(default_factory=_now)
+    model: str
+    choices: list[ChatCompletionChoice]
+    usage: Usage
+    system_fingerprint: str | None = None
+    session: SessionUsage | None = None
+
+
+class DeltaFunctionCall(_OmitNone, ResponseModel):
+    name: str | None = None
+    arguments: str | None = None
+
+
+class DeltaToolCall(_OmitNone, ResponseModel):
+    """A streamed piece of a tool call: the first has id, type and name (arguments ""), later ones arguments."""
+
+    index: int = Field(description="Which call of the message this piece belongs to (0, 1, ...).")
+    id: str | None = None
+    type: Literal["function"] | None = None
+    function: DeltaFunctionCall | None = None
+
+
+class DeltaMessage(_OmitNone, ResponseModel):
+    """What a chunk adds to the message; fields that did not change are left out."""
+
+    role: Literal["assistant"] | None = None
+    content: str | None = None
+    tool_calls: list[DeltaToolCall] | None = None
+
+
+class ChatCompletionChunkChoice(ResponseModel):
+    index: int
+    delta: DeltaMessage
+    logprobs: ChoiceLogprobs | None = None
+    finish_reason: ChatFinishReason | None = None
+
+
+class ChatCompletionChunk(ResponseModel):
+    """One server-sent event of a streamed chat completion."""
+
+    id: str
+    object: Literal["chat.completion.chunk"] = "chat.completion.chunk"
+    created: int = Field(default_factory=_now)
+    model: str
+    choices: list[ChatCompletionChunkChoice]
+    usage: Usage | None = None
+    system_fingerprint: str | None = None
+    session: SessionUsage | None = None
+
+
+SSE_DONE = "data: [DONE]\n\n"
+
+
+def sse_event(body: BaseModel) -> str:
+    """One server-sent event carrying `body` as JSON (a chunk, or an `ErrorResponse` when a stream fails)."""
+    return f"data: {body.model_dump_json()}\n\n"
+
+
+# -- models -------------------------------------------------------------------------------------------------------
+
+
+class ModelCard(ResponseModel):
+    id: str
+    object: Literal["model"] = "model"
+    created: int = Field(default_factory=_now)
+    owned_by: str = "kvfree"
+
+
+class ModelList(ResponseModel):
+    object: Literal["list"] = "list"
+    data: list[ModelCard]
+
+
+# -- sessions -----------------------------------------------------------------------------------------------------
+
+
+class SessionCreateRequest(RequestModel):
+    """`POST /v1/sessions`: a new session, empty or prefilled with a prompt or a conversation (not both).
+
+    Messages are rendered without the generation prompt, so that a later chat request carrying the same
+    messages plus new ones continues from this state.
+    """
+
+    model_config = ConfigDict(
+        json_schema_extra={"examples": [{"messages": [{"role": "system", "content": "You are terse."}]}]}
+    )
+
+    model: str | None = Field(default=None, description="A model id from `GET /v1/models`; omitted: the only one.")
+    prompt: Annotated[str, Field(min_length=1)] | Annotated[list[TokenId], Field(min_length=1)] | None = Field(
+        default=None, description="Text or token ids to prefill."
+    )
+    messages: Annotated[list[ChatMessage], Field(min_length=1)] | None = Field(
+        default=None, description="A conversation to prefill, rendered with the model's chat template."
+    )
+    tools: list[ChatTool] | None = Field(
+        default=None, max_length=MAX_TOOLS, description="With `messages`: tools to render, as a chat request would."
+    )
+
+    @field_validator("messages")
+    @classmethod
+    def _prompt_or_messages(cls, messages: list[Any] | None, info: ValidationInfo) -> list[Any] | None:
+        if messages is not None and info.data.get("prompt") is not None:
+            raise ValueError("give `prompt` or `messages`, not both")
+        return messages
+
+    @field_validator("tools")
+    @classmethod
+    def _tools_need_messages(cls, tools: list[ChatTool] | None, info: ValidationInfo) -> list[ChatTool] | None:
+        if tools and info.data.get("messages") is None:
+            raise ValueError("tools are only used with `messages`")
+        return tools
+
+
+class SessionInfo(ResponseModel):
+    """A session: a conversation's recurrent state held by the server (fixed size, whatever its length)."""
+
+    id: str
+    object: Literal["session"] = "session"
+    created: int
+    last_used: int | None = Field(default=None, description="Unix time of the last request that used it.")
+    model: str
+    num_tokens: int = Field(description="Tokens the state has consumed.")
+    location: str = Field(description="Where the state is now: `gpu` (a pool slot), `host` memory or `disk`.")
+    state_bytes: int = Field(description="Size of the state in bytes (fixed for a model).")
+
+
+class SessionDeleted(ResponseModel):
+    id: str
+    object: Literal["session.deleted"] = "session.deleted"
+    deleted: bool = True
