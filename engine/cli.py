@@ -96,6 +96,40 @@ def cmd_convert(args: argparse.Namespace) -> int:
     return 0
 
 
+def cmd_serve(args: argparse.Namespace) -> int:
+    import os
+
+    # Imported here: the server is optional for `kvfree generate` and the engine does not depend on it.
+    from server.main import serve
+    from server.settings import ServerSettings
+
+    hmac_key = os.environ.get("KVFREE_SNAPSHOT_HMAC_KEY")
+    settings = ServerSettings(
+        model=args.model,
+        served_model_name=args.served_model_name,
+        host=args.host,
+        port=args.port,
+        device=args.device,
+        dtype=args.dtype,
+        max_sessions=args.max_sessions,
+        max_waiting=args.max_waiting,
+        max_batch_tokens=args.max_batch_tokens,
+        max_prompt_tokens=args.max_prompt_tokens,
+        max_output_tokens=args.max_output_tokens,
+        max_context=args.max_context,
+        max_host_sessions=args.max_host_sessions,
+        snapshot_dir=args.snapshot_dir,
+        snapshot_hmac_key=hmac_key.encode() if hmac_key else None,
+        api_keys_file=args.api_keys_file,
+        max_body_bytes=args.max_body_bytes,
+        shutdown_grace_seconds=args.shutdown_grace,
+        cors_origins=args.cors_origin or [],
+        config_overrides=parse_overrides(args.overrides),
+    )
+    serve(settings)
+    return 0
+
+
 def _cpu():
     import torch
 
@@ -120,6 +154,59 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--chat", action="store_true", help="wrap the prompt in the checkpoint's chat template")
     p.add_argument("--max-context", type=int, default=4096, help="KV-cache size for models with attention layers")
     p.set_defaults(func=cmd_generate)
+
+    p = sub.add_parser("serve", help="serve a checkpoint over the OpenAI-compatible HTTP API, with sessions")
+    p.add_argument(
+        "model", nargs="?", type=Path, default=None, help="checkpoint directory (default: the one shipped with kvfree)"
+    )
+    p.add_argument("--host", default="127.0.0.1")
+    p.add_argument("--port", type=int, default=8000)
+    p.add_argument("--device", default="auto", help="cpu, cuda, cuda:1, ... (default: cuda if available)")
+    p.add_argument("--dtype", default="auto", help="float32, bfloat16 or float16 (default: bf16 on GPU, fp32 on CPU)")
+    p.add_argument("--served-model-name", default=None, help="the model id clients send (default: directory name)")
+    p.add_argument("--max-sessions", type=int, default=64, help="GPU state slots: sequences decoded at once")
+    p.add_argument("--max-waiting", type=int, default=256, help="requests queued for a slot before 429 Retry-After")
+    p.add_argument(
+        "--max-batch-tokens",
+        type=int,
+        default=2048,
+        help="tokens per engine step: one per decoding sequence, the rest for prompt chunks",
+    )
+    p.add_argument("--max-prompt-tokens", type=int, default=32768)
+    p.add_argument("--max-output-tokens", type=int, default=4096, help="upper bound for max_tokens")
+    p.add_argument("--max-context", type=int, default=8192, help="KV-cache size for models with attention layers")
+    p.add_argument(
+        "--max-host-sessions",
+        type=int,
+        default=1024,
+        help="idle sessions kept in host memory before the oldest spill to --snapshot-dir",
+    )
+    p.add_argument(
+        "--snapshot-dir",
+        type=Path,
+        default=None,
+        help="where sessions spill, and persist across restarts (sign them: KVFREE_SNAPSHOT_HMAC_KEY)",
+    )
+    p.add_argument(
+        "--api-keys-file",
+        type=Path,
+        default=None,
+        help="one API key per line; or set KVFREE_API_KEYS=key1,key2 (no keys: no auth)",
+    )
+    p.add_argument("--max-body-bytes", type=int, default=64 * 1024 * 1024, help="largest request body accepted")
+    p.add_argument(
+        "--shutdown-grace", type=float, default=10.0, help="seconds running requests get to finish after SIGTERM"
+    )
+    p.add_argument("--cors-origin", action="append", help="allow this browser origin (repeatable; default: CORS off)")
+    p.add_argument(
+        "--set",
+        dest="overrides",
+        action="append",
+        default=[],
+        metavar="KEY=VALUE",
+        help="override a config value at load, e.g. --set gka.num_iter=10 (VALUE is JSON; repeatable)",
+    )
+    p.set_defaults(func=cmd_serve)
 
     p = sub.add_parser("init-checkpoint", help="write a random-initialised checkpoint of a named size")
     p.add_argument("preset", choices=sorted(PRESETS))

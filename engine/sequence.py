@@ -39,6 +39,16 @@ class Sequence:
     # Penalty bookkeeping, created only for requests that use penalties: [V] counts and prompt membership.
     counts: torch.Tensor | None = None
     prompt_mask: torch.Tensor | None = None
+    # Serving bookkeeping (engine/scheduler.py): which request and choice this is, the prompt part still to feed
+    # (a session may already hold the rest), how much of it is in, and every token fed into the state since.
+    request_id: str = ""
+    index: int = 0
+    to_prefill: list[int] = field(default_factory=list)
+    prefilled: int = 0
+    prefill_done: bool = False
+    consumed: list[int] = field(default_factory=list)
+    emitted_tokens: int = 0
+    session: object | None = None
     _text: str = ""  # output text with any stop string cut off
     _emitted: int = 0  # characters of _text already handed out by take_delta()
 
@@ -67,6 +77,14 @@ class Sequence:
     @property
     def text(self) -> str:
         return self._text
+
+    def fed(self, token_id: int) -> None:
+        """Record that `token_id` went into the state (a decode step)."""
+        self.consumed.append(token_id)
+
+    def fed_many(self, token_ids: list[int]) -> None:
+        """Record that a prefill chunk went into the state."""
+        self.consumed.extend(token_ids)
 
     def append(self, token_id: int, logprob: TokenLogprob | None = None) -> None:
         """Record a sampled token and decide whether the sequence is finished."""

@@ -77,8 +77,17 @@ def test_recurrent_model_has_no_context_limit() -> None:
     assert len(out.token_ids) == 4
 
 
-TINY_PRESETS = ["tiny", "tiny-attention", "tiny-swa", "tiny-hybrid", "tiny-ska", "tiny-echo", "tiny-gka",
-                "tiny-lattice", "tiny-bmojo"]
+TINY_PRESETS = [
+    "tiny",
+    "tiny-attention",
+    "tiny-swa",
+    "tiny-hybrid",
+    "tiny-ska",
+    "tiny-echo",
+    "tiny-gka",
+    "tiny-lattice",
+    "tiny-bmojo",
+]
 
 
 @pytest.mark.parametrize("preset", TINY_PRESETS)

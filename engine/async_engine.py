@@ -1,0 +1,279 @@
+"""AsyncEngine: the model, its pool, sessions and scheduler on one thread, driven from asyncio (architecture.md §5).
+
+HTTP handlers never touch the model. They submit commands (a request, a session operation) to the engine thread
+through a queue and receive results and tokens through asyncio futures and queues (`loop.call_soon_threadsafe`).
+The thread runs scheduler steps while there is work and sleeps on the command queue otherwise.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import queue
+import threading
+import time
+import uuid
+from collections.abc import AsyncIterator, Callable
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from engine.llm import LLM
+from engine.sampling import SamplingParams
+from engine.scheduler import QueueFull, Request, RequestOutput, Scheduler
+from engine.sessions import Session, SessionManager
+from engine.snapshot import model_fingerprint
+
+log = logging.getLogger("kvfree.engine")
+
+
+class SessionBusy(RuntimeError):
+    """Another request is using this session right now (HTTP 409)."""
+
+
+class EngineStopped(RuntimeError):
+    """The engine is shutting down and takes no new work (HTTP 503)."""
+
+
+class AsyncEngine:
+    """Serves one model. Create it, `start()` it inside a running event loop, `await shutdown()` at the end.
+
+    Args:
+        llm: the loaded model, tokenizer and state pool (its `max_sessions` is the number of GPU slots).
+        max_waiting: requests that may wait for a slot before new ones get QueueFull (HTTP 429).
+        max_batch_tokens: tokens per step: one per decoding sequence, the rest for prefill chunks.
+        max_host_sessions: idle sessions kept in host memory before the oldest go to `snapshot_dir`.
+        snapshot_dir: where sessions spill to, persist on shutdown and are found again on start (None: no disk).
+        hmac_key: if set, snapshots are signed and only signed snapshots are accepted.
+    """
+
+    def __init__(
+        self,
+        llm: LLM,
+        *,
+        max_waiting: int = 256,
+        max_batch_tokens: int = 2048,
+        max_host_sessions: int = 1024,
+        snapshot_dir: Path | None = None,
+        hmac_key: bytes | None = None,
+    ) -> None:
+        self.llm = llm
+        self.tokenizer = llm.tokenizer
+        self.fingerprint = model_fingerprint(llm.model)
+        self.sessions = SessionManager(llm.pool, self.fingerprint, max_host_sessions, snapshot_dir, hmac_key)
+        self.scheduler = Scheduler(llm.runner, self.sessions, llm.tokenizer, max_waiting, max_batch_tokens)
+        self._commands: queue.Queue[tuple[Callable[[], Any], Callable[[Any, BaseException | None], None]] | None]
+        self._commands = queue.Queue()
+        self._thread = threading.Thread(target=self._loop, name="kvfree-engine", daemon=True)
+        self.accepting = False
+        self.steps = 0
+
+    # -- lifecycle ----------------------------------------------------------------------------------------------
+    @property
+    def alive(self) -> bool:
+        return self._thread.is_alive()
+
+    def start(self) -> None:
+        self.sessions.load_index()
+        self.accepting = True
+        self._thread.start()
+
+    async def shutdown(self, grace_seconds: float = 10.0) -> None:
+        """Stop admitting, let running requests finish for up to `grace_seconds`, abort the rest, persist sessions."""
+        self.accepting = False
+        deadline = time.monotonic() + grace_seconds
+        while time.monotonic() < deadline and await self.call(lambda: self.scheduler.has_work):
+            await asyncio.sleep(0.05)
+        await self.call(self._abort_all)
+        await self.call(self.sessions.persist_all)
+        self._commands.put(None)
+        await asyncio.to_thread(self._thread.join, 30)
+
+    def _abort_all(self) -> None:
+        for req in [*self.scheduler.waiting, *self.scheduler.running]:
+            self.scheduler.abort(req.request_id)
+        while self.scheduler.has_work:  # finish the aborts (free slots, release sessions)
+            self.scheduler.step()
+
+    # -- the engine thread --------------------------------------------------------------------------------------
+    def _loop(self) -> None:
+        torch.set_grad_enabled(False)
+        while True:
+            # Sleep on the command queue when idle; otherwise take what has arrived and go on stepping.
+            for command in self._drain(block=not self.scheduler.has_work):
+                if command is None:
+                    return
+                self._run_command(*command)
+            if self.scheduler.has_work:
+                try:
+                    with torch.inference_mode():
+                        self.scheduler.step()
+                    self.steps += 1
+                except Exception as exc:  # a failing step must not take the engine down: fail its requests
+                    log.exception("engine step failed; failing the requests in flight")
+                    self._fail_in_flight(exc)
+
+    def _drain(self, block: bool) -> list:
+        items = []
+        try:
+            items.append(self._commands.get(block=block))
+            while True:
+                items.append(self._commands.get_nowait())
+        except queue.Empty:
+            pass
+        return items
+
+    @staticmethod
+    def _run_command(fn: Callable[[], Any], done: Callable[[Any, BaseException | None], None]) -> None:
+        try:
+            with torch.inference_mode():
+                result = fn()
+        except Exception as exc:
+            done(None, exc)
+        else:
+            done(result, None)
+
+    def _fail_in_flight(self, exc: Exception) -> None:
+        """Send `exc` to every request in flight and free their slots. A session in the failed batch may hold a
+        half-updated state, so it starts over (its next turn re-prefills the whole prompt)."""
+        for req in self.scheduler.running:
+            req.emit(exc)  # type: ignore[arg-type]
+            for seq in req.sequences:
+                seq.finish_reason = seq.finish_reason or "abort"
+                seq.consumed.clear()
+            if req.session is not None:
+                if req.session.slot is not None:
+                    self.llm.pool.reset(req.session.slot)
+                req.session.reset()
+        self.scheduler._retire()
+
+    async def call(self, fn: Callable[[], Any]) -> Any:
+        """Run `fn()` on the engine thread (between steps) and return its result, or raise its exception."""
+        loop = asyncio.get_running_loop()
+        future: asyncio.Future[Any] = loop.create_future()
+
+        def done(result: Any, exc: BaseException | None) -> None:
+            def settle() -> None:
+                if future.cancelled():
+                    return
+                if exc is not None:
+                    future.set_exception(exc)
+                else:
+                    future.set_result(result)
+
+            loop.call_soon_threadsafe(settle)
+
+        self._commands.put((fn, done))
+        return await future
+
+    def abort(self, request_id: str) -> None:
+        """Thread-safe: stop a request (client disconnected)."""
+        self._commands.put((lambda: self.scheduler.abort(request_id), lambda result, exc: None))
+
+    # -- generation ---------------------------------------------------------------------------------------------
+    async def generate(
+        self,
+        prompt_token_ids: list[int],
+        params: SamplingParams,
+        *,
+        n: int = 1,
+        session_id: str | None = None,
+        owner: str | None = None,
+        request_id: str | None = None,
+        prefill_only: bool = False,
+    ) -> AsyncIterator[RequestOutput]:
+        """Stream a request's outputs: one RequestOutput per choice per step; each choice ends with a finish_reason.
+
+        Raises QueueFull, SessionNotFound, SessionBusy or EngineStopped before anything is streamed. If the caller
+        stops iterating early (client gone), the request is aborted and its slots are freed.
+        """
+        if not self.accepting:
+            raise EngineStopped("the server is shutting down")
+        request_id = request_id or f"req-{uuid.uuid4().hex}"
+        loop = asyncio.get_running_loop()
+        outputs: asyncio.Queue[RequestOutput | BaseException] = asyncio.Queue()
+
+        def emit(out: RequestOutput | BaseException) -> None:
+            loop.call_soon_threadsafe(outputs.put_nowait, out)
+
+        def submit() -> None:
+            session = self.sessions.get(session_id, owner) if session_id else None
+            if session is not None and session.busy:
+                raise SessionBusy(f"session {session_id} is in use by another request")
+            self.scheduler.add(
+                Request(request_id, prompt_token_ids, params, emit, n=n, session=session, prefill_only=prefill_only)
+            )
+
+        await self.call(submit)
+        finished: set[int] = set()
+        try:
+            while len(finished) < n:
+                out = await outputs.get()
+                if isinstance(out, BaseException):
+                    raise out
+                if out.finish_reason is not None:
+                    finished.add(out.index)
+                yield out
+                if prefill_only and out.finish_reason is not None:
+                    return
+        finally:
+            if len(finished) < n and not (prefill_only and finished):
+                self.abort(request_id)
+
+    # -- sessions -----------------------------------------------------------------------------------------------
+    async def create_session(self, owner: str | None) -> Session:
+        return await self.call(lambda: self.sessions.create(owner))
+
+    async def get_session(self, session_id: str, owner: str | None) -> Session:
+        return await self.call(lambda: self.sessions.get(session_id, owner))
+
+    async def delete_session(self, session_id: str, owner: str | None) -> None:
+        def delete() -> None:
+            session = self.sessions.get(session_id, owner)
+            if session.busy:
+                raise SessionBusy(f"session {session_id} is in use by a running request")
+            self.sessions.delete(session)
+
+        await self.call(delete)
+
+    async def fork_session(self, session_id: str, owner: str | None) -> Session:
+        def fork() -> Session:
+            session = self.sessions.get(session_id, owner)
+            if session.busy:
+                raise SessionBusy(f"session {session_id} is in use by a running request")
+            return self.sessions.fork(session, owner)
+
+        return await self.call(fork)
+
+    async def export_session(self, session_id: str, owner: str | None) -> bytes:
+        def export() -> bytes:
+            session = self.sessions.get(session_id, owner)
+            if session.busy:
+                raise SessionBusy(f"session {session_id} is in use by a running request")
+            return self.sessions.export(session)
+
+        return await self.call(export)
+
+    async def restore_session(self, data: bytes, owner: str | None) -> Session:
+        return await self.call(lambda: self.sessions.restore(data, owner))
+
+    # -- numbers for /metrics -----------------------------------------------------------------------------------
+    def stats(self) -> dict[str, Any]:
+        """A racy but harmless read of engine counters (ints and lengths) from another thread."""
+        pool = self.llm.pool
+        stats = {
+            "running": len(self.scheduler.running),
+            "waiting": len(self.scheduler.waiting),
+            "pool_slots_used": pool.used_slots,
+            "pool_slots_total": pool.capacity,
+            "state_bytes_per_session": pool.bytes_per_session(),
+            "sessions": self.sessions.counts(),
+        }
+        if torch.cuda.is_available() and self.llm.model.device.type == "cuda":
+            stats["gpu_memory_allocated"] = torch.cuda.memory_allocated(self.llm.model.device)
+            stats["gpu_memory_reserved"] = torch.cuda.memory_reserved(self.llm.model.device)
+        return stats
+
+
+__all__ = ["AsyncEngine", "EngineStopped", "QueueFull", "RequestOutput", "SessionBusy"]

@@ -1,0 +1,125 @@
+"""What the OpenAI routes share: the served state (engine, settings, metrics), prompt checks, engine errors as HTTP
+errors, and running a request to completion or as a stream."""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import AsyncIterator
+from dataclasses import dataclass
+
+from fastapi import Request
+
+from engine.async_engine import AsyncEngine, EngineStopped, QueueFull, SessionBusy
+from engine.sampling import SamplingParams
+from engine.scheduler import RequestOutput
+from engine.sessions import PoolExhausted, SessionNotFound
+from engine.snapshot import SnapshotError
+from engine.state_pool import SnapshotMismatchError
+from server.errors import (
+    APIError,
+    conflict,
+    invalid_request,
+    not_found,
+    prompt_too_long,
+    service_unavailable,
+    too_many_requests,
+)
+from server.metrics import Metrics
+from server.settings import ServerSettings
+
+
+@dataclass
+class ServerState:
+    """Everything a route needs, kept on `app.state.kvfree`."""
+
+    engine: AsyncEngine
+    settings: ServerSettings
+    metrics: Metrics
+    model_name: str
+
+
+def state_of(request: Request) -> ServerState:
+    return request.app.state.kvfree
+
+
+def check_model(state: ServerState, model: str | None) -> None:
+    if model is not None and model != state.model_name:
+        raise not_found(f"model {model!r} is not served here; this server serves {state.model_name!r}", "model")
+
+
+def check_prompt(state: ServerState, ids: list[int], params: SamplingParams | None, param: str) -> None:
+    """Vocabulary, prompt length, and the KV-cache limit of models with full attention."""
+    vocab = state.engine.llm.config.vocab_size
+    bad = next((t for t in ids if t >= vocab), None)
+    if bad is not None:
+        raise invalid_request(f"token id {bad} is outside the vocabulary [0, {vocab})", param)
+    if len(ids) > state.settings.max_prompt_tokens:
+        raise prompt_too_long(len(ids), state.settings.max_prompt_tokens, param)
+    pool = state.engine.llm.pool
+    if pool.bytes_per_token() and params is not None and len(ids) + params.max_tokens > pool.max_context:
+        raise invalid_request(
+            f"prompt ({len(ids)} tokens) plus max_tokens ({params.max_tokens}) exceeds this model's context of "
+            f"{pool.max_context} tokens (its attention layers keep a KV cache of that size)",
+            "max_tokens",
+        )
+
+
+def engine_error(exc: Exception) -> APIError:
+    """The HTTP error for an engine exception that a client caused or can retry."""
+    if isinstance(exc, QueueFull):
+        return too_many_requests(retry_after=1, message=f"server busy: {exc}; retry later")
+    if isinstance(exc, PoolExhausted):
+        return too_many_requests(retry_after=1, message=f"no state slot free: {exc}; retry later")
+    if isinstance(exc, SessionNotFound):
+        return not_found(str(exc), "session_id")
+    if isinstance(exc, SessionBusy):
+        return conflict(str(exc), "session_id")
+    if isinstance(exc, EngineStopped):
+        return service_unavailable(str(exc), retry_after=5)
+    if isinstance(exc, SnapshotError):
+        return invalid_request(str(exc), "snapshot", code=exc.code)
+    if isinstance(exc, SnapshotMismatchError):
+        return invalid_request(f"snapshot does not fit this model: {exc}", "snapshot", code="model_mismatch")
+    raise exc
+
+
+ENGINE_ERRORS = (
+    QueueFull,
+    PoolExhausted,
+    SessionNotFound,
+    SessionBusy,
+    EngineStopped,
+    SnapshotError,
+    SnapshotMismatchError,
+)
+
+
+async def start_generation(
+    state: ServerState,
+    prompt_ids: list[int],
+    params: SamplingParams,
+    *,
+    n: int,
+    session_id: str | None,
+    owner: str | None,
+    request_id: str,
+) -> AsyncIterator[RequestOutput]:
+    """Submit a request and wait for its first output, so that admission errors become HTTP errors before any
+    response is started. Returns an iterator that yields that first output and then the rest."""
+    outputs = state.engine.generate(prompt_ids, params, n=n, session_id=session_id, owner=owner, request_id=request_id)
+    try:
+        first = await anext(outputs)
+    except ENGINE_ERRORS as exc:
+        state.metrics.count_rejected(type(exc).__name__)
+        raise engine_error(exc) from None
+
+    async def rest() -> AsyncIterator[RequestOutput]:
+        try:
+            yield first
+            async for out in outputs:
+                yield out
+        finally:
+            with contextlib.suppress(Exception):
+                await outputs.aclose()
+
+    return rest()

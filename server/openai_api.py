@@ -1,0 +1,391 @@
+"""OpenAI-compatible routes: `/v1/completions`, `/v1/chat/completions`, `/v1/models`."""
+
+from __future__ import annotations
+
+from collections.abc import AsyncIterator, Callable
+from dataclasses import dataclass, field, replace
+
+import jinja2
+from fastapi import APIRouter, Depends, Request
+from fastapi.responses import StreamingResponse
+
+from checkpoints import CheckpointError
+from engine.sampling import SamplingParams
+from engine.scheduler import RequestOutput
+from engine.sequence import TokenLogprob
+from engine.tokenizer import Tokenizer
+from server.errors import ErrorInfo, ErrorResponse, error_responses, invalid_request
+from server.generation import ServerState, check_model, check_prompt, start_generation, state_of
+from server.metrics import RequestTimer
+from server.schemas import (
+    SSE_DONE,
+    ChatCompletionChoice,
+    ChatCompletionChunk,
+    ChatCompletionChunkChoice,
+    ChatCompletionMessage,
+    ChatCompletionRequest,
+    ChatCompletionResponse,
+    ChatCompletionTokenLogprob,
+    ChoiceLogprobs,
+    CompletionChoice,
+    CompletionChunk,
+    CompletionLogprobs,
+    CompletionRequest,
+    CompletionResponse,
+    DeltaMessage,
+    DeltaToolCall,
+    ModelCard,
+    ModelList,
+    SessionUsage,
+    TopLogprob,
+    Usage,
+    new_id,
+    sse_event,
+)
+from server.tools import (
+    ContentDelta,
+    ToolCallFormat,
+    ToolCallStreamParser,
+    accepted_tool_names,
+    parse_tool_calls,
+    template_messages,
+    template_tools,
+)
+
+# Chat templates end an assistant turn with this token; generation must stop there.
+TURN_END_TOKENS = ("<|im_end|>",)
+
+
+@dataclass
+class Choice:
+    """One completion being assembled from engine outputs."""
+
+    text: str = ""
+    token_ids: list[int] = field(default_factory=list)
+    logprobs: list[TokenLogprob] = field(default_factory=list)
+    finish_reason: str | None = None
+
+
+@dataclass
+class Context:
+    """A generation request after validation: what the engine gets and what the response needs."""
+
+    state: ServerState
+    prompt_ids: list[int]
+    params: SamplingParams
+    n: int
+    session_id: str | None
+    owner: str | None
+    request_id: str
+    session_tokens_before: int = 0
+
+
+def _request_id(request: Request) -> str:
+    return getattr(request.state, "request_id", None) or new_id("req")
+
+
+async def _prepare(
+    state: ServerState, request: Request, body, prompt_ids: list[int], params: SamplingParams, owner, param: str
+) -> Context:
+    check_prompt(state, prompt_ids, params, param)
+    if body.session_id is not None and body.n > 1:
+        raise invalid_request("n > 1 cannot be combined with session_id (a session continues one conversation)", "n")
+    ctx = Context(state, prompt_ids, params, body.n, body.session_id, owner, _request_id(request))
+    if body.session_id is not None:
+        from server.generation import ENGINE_ERRORS, engine_error
+
+        try:
+            session = await state.engine.get_session(body.session_id, owner)
+        except ENGINE_ERRORS as exc:
+            raise engine_error(exc) from None
+        ctx.session_tokens_before = session.num_tokens
+    return ctx
+
+
+async def _run(ctx: Context) -> AsyncIterator[RequestOutput]:
+    return await start_generation(
+        ctx.state,
+        ctx.prompt_ids,
+        ctx.params,
+        n=ctx.n,
+        session_id=ctx.session_id,
+        owner=ctx.owner,
+        request_id=ctx.request_id,
+    )
+
+
+async def _collect(
+    ctx: Context, outputs: AsyncIterator[RequestOutput], timer: RequestTimer
+) -> tuple[list[Choice], int]:
+    choices = [Choice() for _ in range(ctx.n)]
+    cached = 0
+    async for out in outputs:
+        choice = choices[out.index]
+        choice.text += out.text
+        choice.token_ids += out.token_ids
+        choice.logprobs += out.logprobs
+        if out.finish_reason is not None:
+            choice.finish_reason = out.finish_reason
+        cached = out.cached_tokens
+        timer.tokens(len(out.token_ids))
+    return choices, cached
+
+
+async def _session_usage(ctx: Context, cached: int) -> SessionUsage | None:
+    if ctx.session_id is None:
+        return None
+    session = await ctx.state.engine.get_session(ctx.session_id, ctx.owner)
+    reset = ctx.session_tokens_before > 0 and cached == 0
+    return SessionUsage(id=ctx.session_id, cached_tokens=cached, reset=reset, num_tokens=session.num_tokens)
+
+
+def _finish(reason: str | None) -> str | None:
+    return reason if reason in ("stop", "length") else None
+
+
+def _token_text(tok: Tokenizer, token_id: int) -> str:
+    return tok.decode([token_id], skip_special_tokens=False)
+
+
+def _chat_logprobs(tok: Tokenizer, entries: list[TokenLogprob]) -> ChoiceLogprobs:
+    def one(token_id: int, logprob: float) -> TopLogprob:
+        text = _token_text(tok, token_id)
+        return TopLogprob(token=text, logprob=logprob, bytes=list(text.encode("utf-8")))
+
+    return ChoiceLogprobs(
+        content=[
+            ChatCompletionTokenLogprob(
+                **one(e.token_id, e.logprob).model_dump(), top_logprobs=[one(i, lp) for i, lp in e.top]
+            )
+            for e in entries
+        ]
+    )
+
+
+def _completion_logprobs(tok: Tokenizer, entries: list[TokenLogprob], offset: int = 0) -> CompletionLogprobs:
+    out = CompletionLogprobs()
+    for e in entries:
+        text = _token_text(tok, e.token_id)
+        out.text_offset.append(offset)
+        offset += len(text)
+        out.tokens.append(text)
+        out.token_logprobs.append(e.logprob)
+        out.top_logprobs.append({_token_text(tok, i): lp for i, lp in e.top} if e.top else None)
+    return out
+
+
+def _record(ctx: Context, timer: RequestTimer, request: Request, completion_tokens: int, cached: int) -> Usage:
+    ctx.state.metrics.count_tokens(len(ctx.prompt_ids), completion_tokens, cached)
+    timer.finish()
+    request.state.usage = (len(ctx.prompt_ids), completion_tokens, cached)
+    return Usage.of(len(ctx.prompt_ids), completion_tokens, cached)
+
+
+def _stream_error(message: str) -> str:
+    return sse_event(ErrorResponse(error=ErrorInfo(message=message, type="server_error", param=None, code=None)))
+
+
+def router(owner_dependency: Callable) -> APIRouter:
+    """The routes, with `owner_dependency` resolving the caller's API key to its owner id (None: auth off)."""
+    api = APIRouter(tags=["OpenAI"])
+    errors = error_responses(400, 401, 404, 409, 413, 429, 503)
+
+    @api.get("/v1/models", response_model=ModelList, responses=error_responses(401))
+    async def list_models(request: Request, owner: str | None = Depends(owner_dependency)) -> ModelList:  # noqa: B008
+        """The model this server serves."""
+        return ModelList(data=[ModelCard(id=state_of(request).model_name)])
+
+    @api.post("/v1/completions", response_model=CompletionResponse, responses=errors)
+    async def completions(
+        body: CompletionRequest,
+        request: Request,
+        owner: str | None = Depends(owner_dependency),  # noqa: B008
+    ):
+        """Continue a prompt (text or token ids). Set `stream` for server-sent events."""
+        state = state_of(request)
+        check_model(state, body.model)
+        tok = state.engine.tokenizer
+        prompt_ids = tok.encode(body.prompt) if isinstance(body.prompt, str) else list(body.prompt)
+        if not prompt_ids:
+            raise invalid_request("prompt is empty after tokenization", "prompt")
+        params = body.to_sampling_params(state.settings.max_output_tokens)
+        ctx = await _prepare(state, request, body, prompt_ids, params, owner, "prompt")
+        timer = state.metrics.request_timer()
+        outputs = await _run(ctx)
+        if body.stream:
+            return StreamingResponse(
+                _completion_stream(ctx, body, outputs, timer, request), media_type="text/event-stream"
+            )
+        choices, cached = await _collect(ctx, outputs, timer)
+        usage = _record(ctx, timer, request, sum(len(c.token_ids) for c in choices), cached)
+        want_logprobs = params.logprobs is not None
+        return CompletionResponse(
+            model=state.model_name,
+            choices=[
+                CompletionChoice(
+                    index=i,
+                    text=c.text,
+                    logprobs=_completion_logprobs(tok, c.logprobs) if want_logprobs else None,
+                    finish_reason=_finish(c.finish_reason),
+                )
+                for i, c in enumerate(choices)
+            ],
+            usage=usage,
+            session=await _session_usage(ctx, cached),
+        )
+
+    async def _completion_stream(
+        ctx: Context, body: CompletionRequest, outputs: AsyncIterator[RequestOutput], timer: RequestTimer, request
+    ) -> AsyncIterator[str]:
+        chunk_id = new_id("cmpl")
+        tok = ctx.state.engine.tokenizer
+        model = ctx.state.model_name
+        completion_tokens = cached = 0
+        offsets = [0] * ctx.n
+        try:
+            async for out in outputs:
+                completion_tokens += len(out.token_ids)
+                cached = out.cached_tokens
+                timer.tokens(len(out.token_ids))
+                finish = _finish(out.finish_reason)
+                if not out.text and finish is None and not out.logprobs:
+                    continue
+                logprobs = None
+                if ctx.params.logprobs is not None:
+                    logprobs = _completion_logprobs(tok, out.logprobs, offsets[out.index])
+                offsets[out.index] += len(out.text)
+                choice = CompletionChoice(index=out.index, text=out.text, logprobs=logprobs, finish_reason=finish)
+                yield sse_event(CompletionChunk(id=chunk_id, model=model, choices=[choice]))
+        except Exception as exc:  # the engine failed mid-stream: tell the client in-band
+            yield _stream_error(f"generation failed: {exc}")
+            yield SSE_DONE
+            return
+        usage = _record(ctx, timer, request, completion_tokens, cached)
+        if body.include_usage:
+            yield sse_event(
+                CompletionChunk(
+                    id=chunk_id, model=model, choices=[], usage=usage, session=await _session_usage(ctx, cached)
+                )
+            )
+        yield SSE_DONE
+
+    @api.post("/v1/chat/completions", response_model=ChatCompletionResponse, responses=errors)
+    async def chat_completions(
+        body: ChatCompletionRequest,
+        request: Request,
+        owner: str | None = Depends(owner_dependency),  # noqa: B008
+    ):
+        """The assistant's next message, rendered with the checkpoint's chat template. Set `stream` for SSE."""
+        state = state_of(request)
+        check_model(state, body.model)
+        tok = state.engine.tokenizer
+        choice = body.effective_tool_choice
+        try:
+            text = tok.apply_chat_template(
+                template_messages(body.messages), add_generation_prompt=True, tools=template_tools(body.tools, choice)
+            )
+        except CheckpointError as exc:
+            raise invalid_request(str(exc), "messages") from None
+        except jinja2.TemplateError as exc:
+            raise invalid_request(f"the chat template could not render these messages: {exc}", "messages") from None
+        params = _stop_at_turn_end(body.to_sampling_params(state.settings.max_output_tokens), tok)
+        ctx = await _prepare(state, request, body, tok.encode(text), params, owner, "messages")
+        fmt = ToolCallFormat.from_tokenizer_config(tok.config) if body.uses_tools else None
+        allowed = accepted_tool_names(body.tools, choice)
+        timer = state.metrics.request_timer()
+        outputs = await _run(ctx)
+        if body.stream:
+            stream = _chat_stream(ctx, body, outputs, timer, request, fmt, allowed)
+            return StreamingResponse(stream, media_type="text/event-stream")
+        choices, cached = await _collect(ctx, outputs, timer)
+        usage = _record(ctx, timer, request, sum(len(c.token_ids) for c in choices), cached)
+        result = []
+        for i, c in enumerate(choices):
+            content, calls = c.text, []
+            if fmt is not None:
+                content, calls = parse_tool_calls(c.text, fmt.start, fmt.end, allowed)
+            finish = "tool_calls" if calls else _finish(c.finish_reason)
+            result.append(
+                ChatCompletionChoice(
+                    index=i,
+                    message=ChatCompletionMessage(
+                        content=content if (content or not calls) else None, tool_calls=calls or None
+                    ),
+                    logprobs=_chat_logprobs(tok, c.logprobs) if ctx.params.logprobs is not None else None,
+                    finish_reason=finish,
+                )
+            )
+        return ChatCompletionResponse(
+            model=state.model_name, choices=result, usage=usage, session=await _session_usage(ctx, cached)
+        )
+
+    async def _chat_stream(
+        ctx: Context,
+        body: ChatCompletionRequest,
+        outputs: AsyncIterator[RequestOutput],
+        timer: RequestTimer,
+        request,
+        fmt: ToolCallFormat | None,
+        allowed,
+    ) -> AsyncIterator[str]:
+        chunk_id = new_id("chatcmpl")
+        tok = ctx.state.engine.tokenizer
+        model = ctx.state.model_name
+        parsers = [ToolCallStreamParser(fmt.start, fmt.end, allowed) for _ in range(ctx.n)] if fmt else None
+
+        def chunk(index: int, delta: DeltaMessage, finish: str | None = None, logprobs=None) -> str:
+            choice = ChatCompletionChunkChoice(index=index, delta=delta, finish_reason=finish, logprobs=logprobs)
+            return sse_event(ChatCompletionChunk(id=chunk_id, model=model, choices=[choice]))
+
+        for i in range(ctx.n):
+            yield chunk(i, DeltaMessage(role="assistant", content=""))
+        completion_tokens = cached = 0
+        try:
+            async for out in outputs:
+                completion_tokens += len(out.token_ids)
+                cached = out.cached_tokens
+                timer.tokens(len(out.token_ids))
+                logprobs = (
+                    _chat_logprobs(tok, out.logprobs) if ctx.params.logprobs is not None and out.logprobs else None
+                )
+                deltas: list[DeltaMessage] = []
+                if parsers is not None:
+                    events = parsers[out.index].feed(out.text)
+                    if out.finish_reason is not None:
+                        events += parsers[out.index].finish()
+                    for event in events:
+                        if isinstance(event, ContentDelta):
+                            deltas.append(DeltaMessage(content=event.text))
+                        elif isinstance(event, DeltaToolCall):
+                            deltas.append(DeltaMessage(tool_calls=[event]))
+                elif out.text:
+                    deltas.append(DeltaMessage(content=out.text))
+                if logprobs is not None and not deltas:
+                    deltas.append(DeltaMessage())
+                for j, delta in enumerate(deltas):
+                    yield chunk(out.index, delta, logprobs=logprobs if j == 0 else None)
+                if out.finish_reason is not None:
+                    finish = _finish(out.finish_reason)
+                    if parsers is not None and parsers[out.index].tool_calls:
+                        finish = "tool_calls"
+                    if finish is not None:
+                        yield chunk(out.index, DeltaMessage(), finish)
+        except Exception as exc:  # the engine failed mid-stream: tell the client in-band
+            yield _stream_error(f"generation failed: {exc}")
+            yield SSE_DONE
+            return
+        usage = _record(ctx, timer, request, completion_tokens, cached)
+        if body.include_usage:
+            yield sse_event(
+                ChatCompletionChunk(
+                    id=chunk_id, model=model, choices=[], usage=usage, session=await _session_usage(ctx, cached)
+                )
+            )
+        yield SSE_DONE
+
+    return api
+
+
+def _stop_at_turn_end(params: SamplingParams, tok: Tokenizer) -> SamplingParams:
+    ids = [i for t in TURN_END_TOKENS if (i := tok.token_to_id(t)) is not None]
+    return replace(params, stop_token_ids=[*params.stop_token_ids, *ids]) if ids else params

@@ -1,0 +1,32 @@
+"""ServerSettings: everything `kvfree serve` can be told, in one record."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from pathlib import Path
+
+
+@dataclass
+class ServerSettings:
+    """Limits and options of one server. The defaults suit a laptop; `kvfree serve --help` documents each flag."""
+
+    model: Path | None = None  # checkpoint directory; None = the checkpoint shipped with kvfree
+    served_model_name: str | None = None  # the `model` clients send; default: the checkpoint directory's name
+    host: str = "127.0.0.1"
+    port: int = 8000
+    device: str = "auto"
+    dtype: str = "auto"
+    max_sessions: int = 64  # GPU state-pool slots (sequences decoded at once)
+    max_waiting: int = 256  # requests queued for a slot before 429
+    max_batch_tokens: int = 2048  # tokens per engine step (decode + prefill chunks)
+    max_prompt_tokens: int = 32768
+    max_output_tokens: int = 4096
+    max_context: int = 8192  # KV-cache size for models with full attention
+    max_host_sessions: int = 1024  # idle sessions kept in host memory before spilling to snapshot_dir
+    snapshot_dir: Path | None = None
+    snapshot_hmac_key: bytes | None = None
+    api_keys_file: Path | None = None
+    max_body_bytes: int = 64 * 1024 * 1024  # snapshots are uploaded whole
+    shutdown_grace_seconds: float = 10.0
+    cors_origins: list[str] = field(default_factory=list)  # CORS is off unless origins are given
+    config_overrides: dict = field(default_factory=dict)
