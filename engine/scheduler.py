@@ -168,8 +168,7 @@ class Scheduler:
             req.cached_tokens = session.num_tokens
         elif session is not None and session.num_tokens:
             # Not a continuation of what the session holds: start it over from a new state.
-            self.runner.pool.reset(slots[0])
-            session.reset()
+            self.sessions.reset(session)
         to_feed = prompt[req.cached_tokens :]
         device = self.runner.device
         vocab = self.runner.model.config.vocab_size

@@ -22,7 +22,7 @@ from typing import Literal
 import torch
 
 from engine.snapshot import Snapshot, SnapshotError, decode_snapshot, encode_snapshot, peek_snapshot, token_hash
-from engine.state_pool import StatePool
+from engine.state_pool import SnapshotMismatchError, StatePool
 
 log = logging.getLogger(__name__)
 
@@ -292,40 +292,11 @@ class SessionManager:
         return session
 
     def check_state(self, tensors: dict[str, torch.Tensor]) -> None:
-        """Raise SnapshotError("state_mismatch") unless `tensors` import into this pool (same checks as
-        `StatePool.import_`, without a slot), and unless per-token caches agree with their layer's `length`."""
-        pool, specs = self.pool, {}
-        for i, layer_specs in enumerate(pool.specs):
-            for name, spec in layer_specs.items():
-                specs[f"layers.{i}.{name}"] = (spec, pool.tensors[i][name].dtype)
-        missing, unexpected = sorted(set(specs) - set(tensors)), sorted(set(tensors) - set(specs))
-        if missing or unexpected:
-            raise SnapshotError(
-                f"snapshot state does not fit this server's model: missing {missing}, unexpected {unexpected}",
-                "state_mismatch",
-            )
-        for key, (spec, dtype) in specs.items():
-            t = tensors[key]
-            if t.dtype != dtype:
-                raise SnapshotError(
-                    f"snapshot state {key} is {t.dtype}, this server keeps it as {dtype}: the snapshot comes from "
-                    "a server running this model at another dtype; restore it on one started with the same dtype",
-                    "state_mismatch",
-                )
-            shape = tuple(t.shape)
-            fits = shape[1:] == spec.shape[1:] and shape[0] <= spec.shape[0] if spec.per_token else shape == spec.shape
-            if not fits:
-                raise SnapshotError(
-                    f"snapshot state {key} has shape {shape}, this server needs {spec.shape}", "state_mismatch"
-                )
-            if spec.per_token:
-                # Only the first `length` rows of a per-token cache hold data (StateSpec): both must agree.
-                length = tensors.get(key.rsplit(".", 1)[0] + ".length")
-                if length is not None and (length.numel() != 1 or int(length) != shape[0]):
-                    raise SnapshotError(
-                        f"snapshot state {key} has {shape[0]} entries but its layer length says {length.tolist()}",
-                        "state_mismatch",
-                    )
+        """Raise SnapshotError("state_mismatch") unless `tensors` import into this pool (checked without a slot)."""
+        try:
+            self.pool.check(tensors)
+        except SnapshotMismatchError as e:
+            raise SnapshotError(f"snapshot state does not fit this server's model: {e}", "state_mismatch") from None
 
     # -- persistence --------------------------------------------------------------------------------------------
     def persist_all(self) -> int:

@@ -98,8 +98,9 @@ class StatePool:
                 out[f"layers.{i}.{name}"] = row.detach().to("cpu", copy=True).contiguous()
         return out
 
-    def import_(self, slot: int, tensors: dict[str, torch.Tensor]) -> None:
-        """Load an `export()`ed state into `slot`, checking names, shapes and dtypes first (all or nothing)."""
+    def check(self, tensors: dict[str, torch.Tensor]) -> None:
+        """Raise SnapshotMismatchError unless `tensors` (an `export()`) fit this pool: names, dtypes, shapes, and
+        per-token caches whose entry count agrees with their layer's `length`."""
         expected = {f"layers.{i}.{name}": (i, name, spec) for i, s in enumerate(self.specs) for name, spec in s.items()}
         missing = sorted(set(expected) - set(tensors))
         unexpected = sorted(set(tensors) - set(expected))
@@ -110,20 +111,33 @@ class StatePool:
         for key, (i, name, spec) in expected.items():
             t, dtype = tensors[key], self.tensors[i][name].dtype
             if t.dtype != dtype:
-                raise SnapshotMismatchError(f"{key}: dtype {t.dtype}, this model needs {dtype}")
+                raise SnapshotMismatchError(
+                    f"{key}: dtype {t.dtype}, this model keeps it as {dtype} (a state from the same model run at "
+                    "another dtype: load the model with the same dtype)"
+                )
             shape = tuple(t.shape)
             if spec.per_token:
                 if shape[1:] != spec.shape[1:] or shape[0] > spec.shape[0]:
                     raise SnapshotMismatchError(f"{key}: shape {shape} does not fit the pool's {spec.shape}")
+                length = tensors.get(f"layers.{i}.length")
+                if length is not None and (length.numel() != 1 or int(length) != shape[0]):
+                    raise SnapshotMismatchError(
+                        f"{key}: {shape[0]} entries, but the layer's length says {length.tolist()}"
+                    )
             elif shape != spec.shape:
                 raise SnapshotMismatchError(f"{key}: shape {shape}, this model needs {spec.shape}")
-        for key, (i, name, spec) in expected.items():
-            t = tensors[key].to(self.model.device)
-            if spec.per_token:
-                self.tensors[i][name][slot].zero_()
-                self.tensors[i][name][slot, : t.shape[0]].copy_(t)
-            else:
-                self.tensors[i][name][slot].copy_(t)
+
+    def import_(self, slot: int, tensors: dict[str, torch.Tensor]) -> None:
+        """Load an `export()`ed state into `slot`, checking it first (all or nothing)."""
+        self.check(tensors)
+        for i, specs in enumerate(self.specs):
+            for name, spec in specs.items():
+                t = tensors[f"layers.{i}.{name}"].to(self.model.device)
+                if spec.per_token:
+                    self.tensors[i][name][slot].zero_()
+                    self.tensors[i][name][slot, : t.shape[0]].copy_(t)
+                else:
+                    self.tensors[i][name][slot].copy_(t)
 
     # -- memory accounting --------------------------------------------------------------------------------------
     def _spec_bytes(self, spec: StateSpec, per_token_entries: int | None) -> int:

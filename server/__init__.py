@@ -1,1 +1,1 @@
-"""The FastAPI server: OpenAI-compatible routes and sessions (not built yet)."""
+"""The FastAPI server: OpenAI-compatible routes, sessions, metrics (`kvfree serve`)."""
