@@ -14,6 +14,11 @@ from engine.presets import PRESETS
 
 def _add_model_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--model", "-m", default=None, help="checkpoint directory (default: the one shipped with kvfree)")
+    _add_load_args(p)
+
+
+def _add_load_args(p: argparse.ArgumentParser) -> None:
+    """How to load a model: device, dtype and config overrides (shared by generate and serve)."""
     p.add_argument("--device", default="auto", help="cpu, cuda, cuda:1, ... (default: cuda if available)")
     p.add_argument("--dtype", default="auto", help="float32, bfloat16 or float16 (default: bf16 on GPU, fp32 on CPU)")
     p.add_argument(
@@ -161,8 +166,7 @@ def build_parser() -> argparse.ArgumentParser:
     )
     p.add_argument("--host", default="127.0.0.1")
     p.add_argument("--port", type=int, default=8000)
-    p.add_argument("--device", default="auto", help="cpu, cuda, cuda:1, ... (default: cuda if available)")
-    p.add_argument("--dtype", default="auto", help="float32, bfloat16 or float16 (default: bf16 on GPU, fp32 on CPU)")
+    _add_load_args(p)
     p.add_argument("--served-model-name", default=None, help="the model id clients send (default: directory name)")
     p.add_argument("--max-sessions", type=int, default=64, help="GPU state slots: sequences decoded at once")
     p.add_argument("--max-waiting", type=int, default=256, help="requests queued for a slot before 429 Retry-After")
@@ -198,14 +202,6 @@ def build_parser() -> argparse.ArgumentParser:
         "--shutdown-grace", type=float, default=10.0, help="seconds running requests get to finish after SIGTERM"
     )
     p.add_argument("--cors-origin", action="append", help="allow this browser origin (repeatable; default: CORS off)")
-    p.add_argument(
-        "--set",
-        dest="overrides",
-        action="append",
-        default=[],
-        metavar="KEY=VALUE",
-        help="override a config value at load, e.g. --set gka.num_iter=10 (VALUE is JSON; repeatable)",
-    )
     p.set_defaults(func=cmd_serve)
 
     p = sub.add_parser("init-checkpoint", help="write a random-initialised checkpoint of a named size")
