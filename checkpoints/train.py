@@ -43,8 +43,17 @@ RECALL_LAYERS: dict[str, dict[str, Any]] = {
     "lattice": {"lattice": {"num_heads": 4, "head_dim": 32, "num_slots": 32, "conv_kernel": 4}},
     # Eidetic store of 64 tokens: room for every key and value of the largest MQAR cell (32 pairs).
     "bmojo": {
-        "bmojo": {"num_heads": 4, "num_kv_heads": 4, "head_dim": 32, "ssm_num_heads": 8, "ssm_head_dim": 32,
-                  "ssm_state_size": 16, "window": 64, "fading_tokens": 1, "eidetic_tokens": 64}
+        "bmojo": {
+            "num_heads": 4,
+            "num_kv_heads": 4,
+            "head_dim": 32,
+            "ssm_num_heads": 8,
+            "ssm_head_dim": 32,
+            "ssm_state_size": 16,
+            "window": 64,
+            "fading_tokens": 1,
+            "eidetic_tokens": 64,
+        }
     },
 }
 FAMILIES: dict[str, list[str]] = {

@@ -12,7 +12,7 @@ from fastapi import Request
 from engine.async_engine import AsyncEngine, EngineStopped, QueueFull, SessionBusy
 from engine.sampling import SamplingParams
 from engine.scheduler import RequestOutput
-from engine.sessions import PoolExhausted, SessionNotFound
+from engine.sessions import PoolExhausted, SessionLimitError, SessionNotFound
 from engine.snapshot import SnapshotError
 from engine.state_pool import SnapshotMismatchError
 from server.errors import (
@@ -70,6 +70,8 @@ def engine_error(exc: Exception) -> APIError:
         return too_many_requests(retry_after=1, message=f"server busy: {exc}; retry later")
     if isinstance(exc, PoolExhausted):
         return too_many_requests(retry_after=1, message=f"no state slot free: {exc}; retry later")
+    if isinstance(exc, SessionLimitError):
+        return too_many_requests(message=f"no room for another session: {exc}")
     if isinstance(exc, SessionNotFound):
         return not_found(str(exc), "session_id")
     if isinstance(exc, SessionBusy):
@@ -86,6 +88,7 @@ def engine_error(exc: Exception) -> APIError:
 ENGINE_ERRORS = (
     QueueFull,
     PoolExhausted,
+    SessionLimitError,
     SessionNotFound,
     SessionBusy,
     EngineStopped,

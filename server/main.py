@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import logging
+import signal
+import threading
 
 import uvicorn
 
@@ -23,4 +25,15 @@ def serve(settings: ServerSettings) -> None:
         access_log=False,  # RequestContextMiddleware logs one line per request, with its id and token counts
         timeout_graceful_shutdown=max(1, int(settings.shutdown_grace_seconds)),
     )
-    uvicorn.Server(config).run()
+    server = uvicorn.Server(config)
+    if threading.current_thread() is not threading.main_thread():  # only the main thread gets signals
+        server.run()
+        return
+    # After its graceful shutdown uvicorn re-raises the signal it caught, so that the process dies of it (exit
+    # status 143 / -15). Here finishing the requests and persisting the sessions is a clean stop: with this handler
+    # in place the re-raised SIGTERM returns, and `kvfree serve` exits with status 0.
+    previous = signal.signal(signal.SIGTERM, lambda signum, frame: None)
+    try:
+        server.run()
+    finally:
+        signal.signal(signal.SIGTERM, previous)

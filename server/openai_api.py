@@ -88,6 +88,10 @@ async def _prepare(
     state: ServerState, request: Request, body, prompt_ids: list[int], params: SamplingParams, owner, param: str
 ) -> Context:
     check_prompt(state, prompt_ids, params, param)
+    capacity = state.engine.llm.pool.capacity
+    if body.n > capacity:
+        # Each choice needs a state slot at once; more than the pool has could never be admitted.
+        raise invalid_request(f"n={body.n} exceeds this server's {capacity} state slots (--max-sessions)", "n")
     if body.session_id is not None and body.n > 1:
         raise invalid_request("n > 1 cannot be combined with session_id (a session continues one conversation)", "n")
     ctx = Context(state, prompt_ids, params, body.n, body.session_id, owner, _request_id(request))

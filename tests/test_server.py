@@ -1,0 +1,1355 @@
+"""End-to-end tests of the HTTP server: a real uvicorn server on a free loopback port, driven by the official
+`openai` SDK, httpx and schemathesis, in-process (uvicorn in a thread) or as a `kvfree serve` subprocess where a
+process boundary matters (restore into a fresh process, SIGTERM and restart).
+
+The models are tiny random checkpoints built by tests/server_fixtures.py: "tiny" (Mamba-2) and "tiny-hybrid"
+(Mamba-2 + attention), with weights scaled so that greedy output depends on the whole context and is printable
+text, and a "bigram" checkpoint whose greedy reply to any chat is one `get_weather` tool call.
+Engine-independent pieces (schemas, error handlers, tool parsing, keys, metrics) are unit-tested in
+tests/test_server_units.py; these tests check what a client sees.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import logging
+import struct
+import threading
+import time
+from pathlib import Path
+from typing import Any
+
+import httpx
+import openai
+import pytest
+
+from server.settings import ServerSettings
+from tests.server_fixtures import (
+    TOOL_CALL_TEXT,
+    TOOL_PIECES,
+    ProcServer,
+    ThreadServer,
+    assert_openai_error,
+    make_checkpoint,
+    make_tool_checkpoint,
+    metric_value,
+    wait_for,
+)
+
+SYSTEM = {"role": "system", "content": "You are a terse assistant."}
+WEATHER_TOOL = {
+    "type": "function",
+    "function": {
+        "name": "get_weather",
+        "description": "The weather in a city.",
+        "parameters": {"type": "object", "properties": {"city": {"type": "string"}}, "required": ["city"]},
+    },
+}
+TIME_TOOL = {"type": "function", "function": {"name": "get_time", "parameters": {"type": "object"}}}
+MAX_FUZZ_EXAMPLES = 20  # per route, mode and target: ~20 s in all on 2 CPU cores
+
+
+# -- fixtures -----------------------------------------------------------------------------------------------------
+
+
+@pytest.fixture(scope="module")
+def ckpts(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
+    root = tmp_path_factory.mktemp("ckpt")
+    return {
+        "tiny": make_checkpoint("tiny", root / "tiny"),
+        "tiny-hybrid": make_checkpoint("tiny-hybrid", root / "tiny-hybrid"),
+        "tool": make_tool_checkpoint(root / "tool"),
+    }
+
+
+def _thread_server(model: Path, name: str, env: dict[str, str] | None = None, **settings: Any) -> ThreadServer:
+    settings.setdefault("device", "cpu")
+    return ThreadServer(ServerSettings(model=model, served_model_name=name, **settings), env=env).start()
+
+
+@pytest.fixture(scope="module")
+def tiny_server(ckpts):
+    server = _thread_server(ckpts["tiny"], "kvfree-tiny", max_sessions=16)
+    yield server
+    server.stop()
+
+
+@pytest.fixture(scope="module")
+def hybrid_server(ckpts):
+    server = _thread_server(ckpts["tiny-hybrid"], "kvfree-hybrid", max_sessions=16, max_context=2048)
+    yield server
+    server.stop()
+
+
+@pytest.fixture(params=["tiny", "tiny-hybrid"])
+def server(request) -> ThreadServer:
+    """The same test against the Mamba-2 and the hybrid (attention KV cache) model."""
+    return request.getfixturevalue("tiny_server" if request.param == "tiny" else "hybrid_server")
+
+
+@pytest.fixture(scope="module")
+def tool_server(ckpts):
+    server = _thread_server(ckpts["tool"], "kvfree-tool", max_sessions=4)
+    yield server
+    server.stop()
+
+
+@pytest.fixture(scope="module")
+def limits_server(ckpts):
+    """Small limits, for bad input and fuzzing: a tiny snapshot (~150 KB) fits under the body limit."""
+    server = _thread_server(
+        ckpts["tiny"],
+        "kvfree-tiny",
+        max_sessions=8,
+        max_host_sessions=8,
+        max_prompt_tokens=128,
+        max_output_tokens=32,
+        max_body_bytes=200_000,
+    )
+    yield server
+    server.stop()
+
+
+@pytest.fixture(scope="module")
+def restore_proc(ckpts, tmp_path_factory):
+    """A fresh `kvfree serve` process of the tiny checkpoint, to restore snapshots taken elsewhere into."""
+    log = tmp_path_factory.mktemp("restore-proc") / "server.log"
+    proc = ProcServer(ckpts["tiny"], ["--served-model-name", "kvfree-tiny", "--max-sessions", "4"], log).start()
+    yield proc
+    proc.kill()
+
+
+# -- helpers ------------------------------------------------------------------------------------------------------
+
+
+def _served(server) -> str:
+    return server.settings.served_model_name if isinstance(server, ThreadServer) else "kvfree-tiny"
+
+
+def chat(server, messages: list[dict], session_id: str | None = None, max_tokens: int = 8, **kw: Any):
+    """A greedy chat completion through the openai SDK (session_id, if any, in extra_body)."""
+    extra = dict(kw.pop("extra_body", {}) or {})
+    if session_id is not None:
+        extra["session_id"] = session_id
+    kw.setdefault("temperature", 0)
+    return server.openai().chat.completions.create(
+        model=_served(server), messages=messages, max_tokens=max_tokens, extra_body=extra or None, **kw
+    )
+
+
+def session_ext(response) -> dict[str, Any]:
+    """The `session` extension of a response parsed by the openai SDK."""
+    return response.model_extra["session"]
+
+
+def same_reply(a, b) -> None:
+    """Two chat responses carry the same single reply (text, finish reason, token counts)."""
+    assert a.choices[0].message.content == b.choices[0].message.content
+    assert a.choices[0].finish_reason == b.choices[0].finish_reason
+    assert a.usage.prompt_tokens == b.usage.prompt_tokens
+    assert a.usage.completion_tokens == b.usage.completion_tokens
+
+
+def new_session(server, **body: Any) -> dict[str, Any]:
+    with server.http() as http:
+        r = http.post("/v1/sessions", json=body)
+    assert r.status_code == 200, r.text
+    info = r.json()
+    assert info["object"] == "session" and info["id"].startswith("sess_")
+    return info
+
+
+def get_session(server, sid: str, **kw: Any) -> httpx.Response:
+    with server.http() as http:
+        return http.get(f"/v1/sessions/{sid}", **kw)
+
+
+def continue_and_check(server, sid: str, history: list[dict], expect_cached: int) -> Any:
+    """One session turn: same reply as the whole history without a session, only the new part prefilled."""
+    r = chat(server, history, session_id=sid)
+    same_reply(r, chat(server, history))
+    ext = session_ext(r)
+    assert ext["id"] == sid
+    assert r.usage.prompt_tokens_details.cached_tokens == expect_cached == ext["cached_tokens"]
+    assert ext["reset"] is False
+    # The state now holds the prompt and the reply (all but, possibly, the last sampled token).
+    assert r.usage.prompt_tokens <= ext["num_tokens"] <= r.usage.prompt_tokens + r.usage.completion_tokens
+    assert get_session(server, sid).json()["num_tokens"] == ext["num_tokens"]
+    return r
+
+
+def metrics(server) -> str:
+    with server.http() as http:
+        r = http.get("/metrics")
+    assert r.status_code == 200
+    return r.text
+
+
+def sse_events(lines) -> list[Any]:
+    events = []
+    for line in lines:
+        if line.startswith("data: "):
+            data = line[len("data: ") :]
+            events.append(data if data == "[DONE]" else json.loads(data))
+    return events
+
+
+def snapshot_of(server, sid: str) -> bytes:
+    with server.http() as http:
+        r = http.get(f"/v1/sessions/{sid}/snapshot")
+    assert r.status_code == 200, r.text
+    assert r.headers["content-type"] == "application/octet-stream"
+    return r.content
+
+
+def restore(server, data: bytes, **kw: Any) -> httpx.Response:
+    with server.http() as http:
+        return http.post(
+            "/v1/sessions/restore", content=data, headers={"content-type": "application/octet-stream"}, **kw
+        )
+
+
+def tampered(data: bytes) -> bytes:
+    """The snapshot with one bit flipped in its tensor data (after the safetensors header)."""
+    (header_len,) = struct.unpack("<Q", data[:8])
+    pos = 8 + header_len + (len(data) - 8 - header_len) // 2
+    return data[:pos] + bytes([data[pos] ^ 0x10]) + data[pos + 1 :]
+
+
+def two_turn_session(server, user_turns=("Hello there.", "Tell me more.")) -> tuple[str, list[dict]]:
+    """A session with a system prompt and `user_turns` answered; returns (id, history ending with the reply)."""
+    sid = new_session(server)["id"]
+    history = [SYSTEM]
+    for text in user_turns:
+        history.append({"role": "user", "content": text})
+        r = chat(server, history, session_id=sid)
+        history.append({"role": "assistant", "content": r.choices[0].message.content})
+    return sid, history
+
+
+def test_the_test_models_remember_distant_tokens(server):
+    """Not a server property but a premise of the session and snapshot tests: with these checkpoints a state that
+    lost or garbled a token a hundred tokens back gives another reply, so "same reply" means "same state"."""
+    client = server.openai()
+    tail = " The quick brown fox jumps over the lazy dog." * 3
+    replies = {
+        client.completions.create(model=_served(server), prompt=first + tail, max_tokens=24, temperature=0)
+        .choices[0]
+        .text
+        for first in "ABCD"
+    }
+    assert len(replies) >= 3, replies  # (two first letters may happen to leave the same trace)
+
+
+# == 1. the openai SDK as client ==================================================================================
+
+
+def test_openai_sdk_completions_and_chat(tiny_server):
+    client = tiny_server.openai()
+    assert [m.id for m in client.models.list().data] == ["kvfree-tiny"]
+
+    c = client.completions.create(
+        model="kvfree-tiny", prompt="Hello", max_tokens=6, temperature=0, extra_body={"ignore_eos": True}
+    )
+    assert c.object == "text_completion" and c.id.startswith("cmpl-") and c.model == "kvfree-tiny"
+    assert len(c.choices) == 1 and c.choices[0].index == 0
+    assert c.choices[0].finish_reason == "length" and len(c.choices[0].text) == 6  # byte tokenizer, ASCII output
+    assert (c.usage.prompt_tokens, c.usage.completion_tokens, c.usage.total_tokens) == (5, 6, 11)
+
+    r = client.chat.completions.create(
+        model="kvfree-tiny", messages=[SYSTEM, {"role": "user", "content": "hi"}], max_tokens=6, temperature=0
+    )
+    assert r.object == "chat.completion" and r.id.startswith("chatcmpl-") and r.model == "kvfree-tiny"
+    msg = r.choices[0].message
+    assert msg.role == "assistant" and isinstance(msg.content, str) and msg.tool_calls is None
+    assert r.choices[0].finish_reason in ("stop", "length")
+    assert r.usage.total_tokens == r.usage.prompt_tokens + r.usage.completion_tokens
+    assert 1 <= r.usage.completion_tokens <= 6
+
+    # Streaming through the SDK: chunks parse, the first carries the role, the last a finish_reason.
+    stream = client.chat.completions.create(
+        model="kvfree-tiny",
+        messages=[SYSTEM, {"role": "user", "content": "hi"}],
+        max_tokens=6,
+        temperature=0,
+        stream=True,
+        stream_options={"include_usage": True},
+    )
+    chunks = list(stream)
+    assert chunks[0].choices[0].delta.role == "assistant"
+    assert all(ch.object == "chat.completion.chunk" for ch in chunks)
+    assert len({ch.id for ch in chunks}) == 1
+    finishes = [ch.choices[0].finish_reason for ch in chunks if ch.choices and ch.choices[0].finish_reason]
+    assert finishes == [r.choices[0].finish_reason]
+    assert chunks[-1].choices == [] and chunks[-1].usage.total_tokens == r.usage.total_tokens
+
+    # A model name the server does not serve is the SDK's NotFoundError.
+    with pytest.raises(openai.NotFoundError) as info:
+        client.completions.create(model="gpt-4", prompt="Hello", max_tokens=2)
+    assert info.value.body["param"] == "model"
+
+
+@pytest.mark.parametrize("endpoint", ["chat", "completions"])
+def test_n2_seeded_sampling_is_reproducible_and_choices_differ(tiny_server, endpoint):
+    client = tiny_server.openai()
+    common = {"model": "kvfree-tiny", "n": 2, "temperature": 1.0, "seed": 1234, "max_tokens": 12}
+
+    def texts(**kw):
+        if endpoint == "chat":
+            r = client.chat.completions.create(
+                messages=[{"role": "user", "content": "Tell a story"}], **{**common, **kw}
+            )
+            return r, [c.message.content for c in r.choices]
+        r = client.completions.create(prompt="Once upon a time", **{**common, **kw})
+        return r, [c.text for c in r.choices]
+
+    first, a = texts()
+    assert [c.index for c in first.choices] == [0, 1]
+    assert a[0] != a[1], "two choices of one seeded request must be independent draws"
+    assert texts()[1] == a, "the same seed must give the same choices"
+    assert texts(seed=4321)[1] != a
+    assert 2 <= first.usage.completion_tokens <= 24  # both choices, counted together
+
+    # Streamed, each choice's deltas (interleaved by index) add up to the same texts.
+    stream = (
+        client.chat.completions.create(messages=[{"role": "user", "content": "Tell a story"}], stream=True, **common)
+        if endpoint == "chat"
+        else client.completions.create(prompt="Once upon a time", stream=True, **common)
+    )
+    got = ["", ""]
+    finish = [None, None]
+    for chunk in stream:
+        for c in chunk.choices:
+            got[c.index] += (c.delta.content or "") if endpoint == "chat" else c.text
+            finish[c.index] = c.finish_reason or finish[c.index]
+    assert got == a
+    assert finish == [c.finish_reason for c in first.choices]
+
+
+def test_tools_are_accepted_and_plain_replies_have_no_tool_calls(tiny_server, tool_server):
+    # A model that does not call the tool: the reply is text, finish_reason stop or length.
+    r = chat(tiny_server, [{"role": "user", "content": "Weather in Paris?"}], tools=[WEATHER_TOOL])
+    assert r.choices[0].message.tool_calls is None and isinstance(r.choices[0].message.content, str)
+    assert r.choices[0].finish_reason in ("stop", "length")
+
+    # The tool-calling model cut short by max_tokens: an unclosed call stays text, finish_reason length.
+    r = chat(tool_server, [{"role": "user", "content": "Weather?"}], tools=[WEATHER_TOOL], max_tokens=2)
+    assert r.choices[0].finish_reason == "length"
+    assert r.choices[0].message.tool_calls is None
+    assert r.choices[0].message.content == "<tool_call>" + TOOL_PIECES[0]
+
+    # ... or by a stop string inside the call: text up to the stop string, finish_reason stop.
+    r = chat(tool_server, [{"role": "user", "content": "Weather?"}], tools=[WEATHER_TOOL], stop=["Paris"])
+    assert r.choices[0].finish_reason == "stop"
+    assert r.choices[0].message.tool_calls is None
+    assert r.choices[0].message.content == "<tool_call>" + TOOL_CALL_TEXT.split("Paris")[0]
+
+
+def _check_weather_call(call) -> None:
+    assert call.type == "function" and call.id.startswith("call_")
+    assert call.function.name == "get_weather"
+    assert json.loads(call.function.arguments) == {"city": "Paris"}
+
+
+def test_tool_call_parsed_non_streamed_and_streamed(tool_server):
+    client = tool_server.openai()
+    messages = [{"role": "user", "content": "What is the weather in Paris?"}]
+    r = client.chat.completions.create(model="kvfree-tool", messages=messages, tools=[WEATHER_TOOL], temperature=0)
+    choice = r.choices[0]
+    assert choice.finish_reason == "tool_calls"
+    assert choice.message.content is None
+    assert len(choice.message.tool_calls) == 1
+    _check_weather_call(choice.message.tool_calls[0])
+
+    # Through the SDK's stream accumulation (`chat.completions.stream`): the same call.
+    with client.chat.completions.stream(
+        model="kvfree-tool", messages=messages, tools=[WEATHER_TOOL], temperature=0
+    ) as stream:
+        events = [e.type for e in stream]
+        final = stream.get_final_completion()
+    assert "tool_calls.function.arguments.done" in events
+    fc = final.choices[0]
+    assert fc.finish_reason == "tool_calls" and not fc.message.content
+    assert len(fc.message.tool_calls) == 1
+    _check_weather_call(fc.message.tool_calls[0])
+
+    # The raw deltas, as OpenAI streams them: id, type and name with empty arguments, then the arguments.
+    with (
+        tool_server.http() as http,
+        http.stream(
+            "POST",
+            "/v1/chat/completions",
+            json={"messages": messages, "tools": [WEATHER_TOOL], "temperature": 0, "stream": True},
+        ) as resp,
+    ):
+        events = sse_events(resp.iter_lines())
+    assert events[-1] == "[DONE]"
+    deltas = [e["choices"][0]["delta"] for e in events[:-1] if e["choices"]]
+    calls = [d["tool_calls"][0] for d in deltas if "tool_calls" in d]
+    assert calls[0]["index"] == 0 and calls[0]["type"] == "function" and calls[0]["id"].startswith("call_")
+    assert calls[0]["function"] == {"name": "get_weather", "arguments": ""}
+    assert json.loads("".join(c["function"].get("arguments", "") for c in calls)) == {"city": "Paris"}
+    assert not "".join(d.get("content") or "" for d in deltas), "a reply of only a tool call has no content"
+    assert [e["choices"][0]["finish_reason"] for e in events[:-1] if e["choices"]][-1] == "tool_calls"
+
+    # n=2: every choice is parsed on its own.
+    r = client.chat.completions.create(model="kvfree-tool", messages=messages, tools=[WEATHER_TOOL], temperature=0, n=2)
+    assert [c.finish_reason for c in r.choices] == ["tool_calls", "tool_calls"]
+    for c in r.choices:
+        _check_weather_call(c.message.tool_calls[0])
+
+
+def test_tool_choice_none_named_and_history_with_tool_results(tool_server):
+    client = tool_server.openai()
+    messages = [{"role": "user", "content": "What is the weather in Paris?"}]
+
+    # "none": tools hidden from the model, nothing parsed; the tags are special tokens, dropped from the text.
+    r = client.chat.completions.create(
+        model="kvfree-tool", messages=messages, tools=[WEATHER_TOOL], tool_choice="none", temperature=0
+    )
+    assert r.choices[0].message.tool_calls is None
+    assert r.choices[0].message.content == TOOL_CALL_TEXT
+    assert r.choices[0].finish_reason == "stop"
+
+    # A named function: its call is parsed.
+    named = {"type": "function", "function": {"name": "get_weather"}}
+    r = client.chat.completions.create(
+        model="kvfree-tool", messages=messages, tools=[WEATHER_TOOL, TIME_TOOL], tool_choice=named, temperature=0
+    )
+    _check_weather_call(r.choices[0].message.tool_calls[0])
+    # Another function named: the call the model wrote is not to it, so it stays text.
+    other = {"type": "function", "function": {"name": "get_time"}}
+    r = client.chat.completions.create(
+        model="kvfree-tool", messages=messages, tools=[WEATHER_TOOL, TIME_TOOL], tool_choice=other, temperature=0
+    )
+    assert r.choices[0].message.tool_calls is None
+    assert r.choices[0].message.content == f"<tool_call>{TOOL_CALL_TEXT}</tool_call>"
+    assert r.choices[0].finish_reason == "stop"
+
+    # The SDK sends the call and its result back: the history renders and the model answers again.
+    call = (
+        client.chat.completions.create(model="kvfree-tool", messages=messages, tools=[WEATHER_TOOL], temperature=0)
+        .choices[0]
+        .message
+    )
+    history = [
+        *messages,
+        call.model_dump(exclude_none=True),
+        {"role": "tool", "tool_call_id": call.tool_calls[0].id, "content": '{"temp_c": 18}'},
+    ]
+    r = client.chat.completions.create(model="kvfree-tool", messages=history, tools=[WEATHER_TOOL], temperature=0)
+    assert r.choices[0].finish_reason == "tool_calls"
+    _check_weather_call(r.choices[0].message.tool_calls[0])
+
+
+# == 2. streamed == non-streamed; concurrency ======================================================================
+
+
+def test_streamed_equals_non_streamed(server):
+    client = server.openai()
+    name = _served(server)
+    messages = [SYSTEM, {"role": "user", "content": "Describe the sea in one line."}]
+    full = client.chat.completions.create(model=name, messages=messages, max_tokens=24, temperature=0)
+    stream = client.chat.completions.create(
+        model=name,
+        messages=messages,
+        max_tokens=24,
+        temperature=0,
+        stream=True,
+        stream_options={"include_usage": True},
+    )
+    text, finish, usage = "", None, None
+    for chunk in stream:
+        if chunk.choices:
+            text += chunk.choices[0].delta.content or ""
+            finish = chunk.choices[0].finish_reason or finish
+        else:
+            usage = chunk.usage
+    assert text == full.choices[0].message.content and len(text) > 0
+    assert finish == full.choices[0].finish_reason
+    assert (usage.prompt_tokens, usage.completion_tokens) == (full.usage.prompt_tokens, full.usage.completion_tokens)
+
+    # Completions, with logprobs: the same tokens, and they spell the text.
+    kw = {"model": name, "prompt": "The lighthouse keeper", "max_tokens": 24, "temperature": 0, "logprobs": 2}
+    full = client.completions.create(**kw)
+    tokens, text = [], ""
+    for chunk in client.completions.create(stream=True, **kw):
+        for c in chunk.choices:
+            text += c.text
+            tokens += c.logprobs.tokens if c.logprobs else []
+    assert text == full.choices[0].text
+    assert tokens == full.choices[0].logprobs.tokens
+    assert "".join(tokens) == text
+    assert all(len(top) <= 2 for top in full.choices[0].logprobs.top_logprobs)
+
+    # A stop string: both cut the text before its first occurrence and finish with "stop".
+    whole = full.choices[0].text
+    assert len(whole) >= 12, whole
+    stop = whole[8:10]
+    expected = whole[: whole.find(stop)]
+    cut = client.completions.create(stop=[stop], **kw)
+    assert (cut.choices[0].text, cut.choices[0].finish_reason) == (expected, "stop")
+    streamed = "".join(
+        c.text for chunk in client.completions.create(stream=True, stop=[stop], **kw) for c in chunk.choices
+    )
+    assert streamed == expected
+
+
+def _request(i: int) -> tuple[str, dict[str, Any]]:
+    """The i-th of a set of different requests: chat or completion, prompts and lengths of various sizes, most
+    greedy, some seeded sampling (whose draws must not depend on the batch either)."""
+    words = " ".join(f"w{(i * 7 + k) % 23}" for k in range((i * 5) % 40 + 1))
+    body: dict[str, Any] = {"max_tokens": 3 + (i * 3) % 14, "temperature": 0}
+    if i % 5 == 4:
+        body.update(temperature=0.8, seed=i)
+    if i % 2:
+        return "chat", {**body, "messages": [SYSTEM, {"role": "user", "content": f"#{i}: {words}"}]}
+    return "completions", {**body, "prompt": f"#{i}: {words}"}
+
+
+async def _run_request(client: openai.AsyncOpenAI, name: str, kind: str, body: dict, stream: bool):
+    if kind == "chat":
+        if not stream:
+            r = await client.chat.completions.create(model=name, **body)
+            return r.choices[0].message.content, r.choices[0].finish_reason, r.usage.completion_tokens
+        text, finish, usage = "", None, None
+        s = await client.chat.completions.create(
+            model=name, stream=True, stream_options={"include_usage": True}, **body
+        )
+        async for chunk in s:
+            if chunk.choices:
+                text += chunk.choices[0].delta.content or ""
+                finish = chunk.choices[0].finish_reason or finish
+            else:
+                usage = chunk.usage
+        return text, finish, usage.completion_tokens
+    if not stream:
+        r = await client.completions.create(model=name, **body)
+        return r.choices[0].text, r.choices[0].finish_reason, r.usage.completion_tokens
+    text, finish, usage = "", None, None
+    s = await client.completions.create(model=name, stream=True, stream_options={"include_usage": True}, **body)
+    async for chunk in s:
+        if chunk.choices:
+            text += chunk.choices[0].text
+            finish = chunk.choices[0].finish_reason or finish
+        else:
+            usage = chunk.usage
+    return text, finish, usage.completion_tokens
+
+
+def test_32_concurrent_requests_equal_each_run_alone(server):
+    name = _served(server)
+    requests = [_request(i) for i in range(32)]
+
+    async def alone():
+        async with server.async_openai() as client:
+            return [await _run_request(client, name, kind, body, False) for kind, body in requests]
+
+    async def together():
+        async with server.async_openai() as client:
+            return await asyncio.gather(
+                *(_run_request(client, name, kind, body, i % 3 == 0) for i, (kind, body) in enumerate(requests))
+            )
+
+    reference = asyncio.run(alone())
+    assert len({r[0] for r in reference}) > 16, "the requests must give different replies to be a test"
+    concurrent = asyncio.run(together())
+    for i, (want, got) in enumerate(zip(reference, concurrent, strict=True)):
+        assert got == want, f"request {i} ({requests[i][0]}) differs when run with 31 others"
+
+
+# == 3. sessions ===================================================================================================
+
+
+def test_session_turns_prefill_only_the_new_part_and_match_the_whole_history(server):
+    sid = new_session(server)["id"]
+    history = [SYSTEM]
+    cached = 0
+    for turn, text in enumerate(["Hello there.", "Tell me more.", "And then?"]):
+        history.append({"role": "user", "content": text})
+        r = continue_and_check(server, sid, history, expect_cached=cached)
+        if turn > 0:
+            assert cached > 0
+        cached = session_ext(r)["num_tokens"]
+        history.append({"role": "assistant", "content": r.choices[0].message.content})
+
+    # Edit the history (the first user turn): not a continuation, so the session starts over, and is correct.
+    edited = [SYSTEM, {"role": "user", "content": "Good evening."}, *history[2:], {"role": "user", "content": "Why?"}]
+    r = chat(server, edited, session_id=sid)
+    same_reply(r, chat(server, edited))
+    ext = session_ext(r)
+    assert ext["reset"] is True and ext["cached_tokens"] == 0 == r.usage.prompt_tokens_details.cached_tokens
+    # ... and continues the edited conversation from then on.
+    edited += [{"role": "assistant", "content": r.choices[0].message.content}, {"role": "user", "content": "Ok."}]
+    continue_and_check(server, sid, edited, expect_cached=ext["num_tokens"])
+
+
+def test_session_created_with_messages_is_prefilled(server):
+    info = new_session(server, messages=[SYSTEM])
+    assert info["num_tokens"] > 0
+    history = [SYSTEM, {"role": "user", "content": "Hi!"}]
+    continue_and_check(server, info["id"], history, expect_cached=info["num_tokens"])
+    # A completions session continues a text prompt the same way.
+    info = new_session(server, prompt="Once upon a time")
+    client = server.openai()
+    kw = {"model": _served(server), "prompt": "Once upon a time, far away", "max_tokens": 8, "temperature": 0}
+    r = client.completions.create(extra_body={"session_id": info["id"]}, **kw)
+    assert r.choices[0].text == client.completions.create(**kw).choices[0].text
+    assert r.usage.prompt_tokens_details.cached_tokens == len("Once upon a time")
+
+
+# == 4. snapshots: restore in a fresh process, refusals, fork ======================================================
+
+
+def test_snapshot_restores_into_a_fresh_process(tiny_server, restore_proc):
+    sid, history = two_turn_session(tiny_server)
+    info = get_session(tiny_server, sid).json()
+    data = snapshot_of(tiny_server, sid)
+
+    r = restore(restore_proc, data)
+    assert r.status_code == 200, r.text
+    restored = r.json()
+    assert restored["num_tokens"] == info["num_tokens"] and restored["id"] != sid
+
+    history.append({"role": "user", "content": "What next?"})
+    here = continue_and_check(tiny_server, sid, history, expect_cached=info["num_tokens"])
+    there = chat(restore_proc, history, session_id=restored["id"])
+    same_reply(there, here)
+    assert session_ext(there)["cached_tokens"] == info["num_tokens"]
+    assert session_ext(there)["reset"] is False
+
+
+def test_bad_snapshots_are_refused(tiny_server, hybrid_server, tool_server, restore_proc):
+    sid, _ = two_turn_session(tiny_server, user_turns=("Hello.",))
+    good = snapshot_of(tiny_server, sid)
+    other_model = snapshot_of(tool_server, new_session(tool_server, prompt="hello")["id"])
+    other_arch = snapshot_of(hybrid_server, new_session(hybrid_server, prompt="hello")["id"])
+    cases = {
+        "tampered": (tampered(good), "checksum_mismatch"),
+        "truncated": (good[: len(good) - 100], "invalid_snapshot"),
+        "half": (good[: len(good) // 2], "invalid_snapshot"),
+        "garbage": (b"definitely not a snapshot", "invalid_snapshot"),
+        "other model": (other_model, "model_mismatch"),
+        "other architecture": (other_arch, "model_mismatch"),
+    }
+    for name, (data, code) in cases.items():
+        r = restore(restore_proc, data)
+        err = assert_openai_error(r, 400, param="snapshot")
+        assert err["code"] == code, (name, err)
+    assert_openai_error(restore(restore_proc, b""), 400, param="snapshot")
+    # The SDK maps the refusal onto BadRequestError.
+    with pytest.raises(openai.BadRequestError):
+        restore_proc.openai().post(
+            "/sessions/restore",
+            cast_to=httpx.Response,
+            content=tampered(good),
+            options={"headers": {"Content-Type": "application/octet-stream"}},
+        )
+    # The good one still restores.
+    assert restore(restore_proc, good).status_code == 200
+
+
+def test_fork_gives_independent_branches(server):
+    sid, history = two_turn_session(server, user_turns=("Pick a colour.",))
+    before = get_session(server, sid).json()["num_tokens"]
+    with server.http() as http:
+        r = http.post(f"/v1/sessions/{sid}/fork")
+    assert r.status_code == 200, r.text
+    fork = r.json()
+    assert fork["id"] != sid and fork["num_tokens"] == before
+
+    branch_b = [*history, {"role": "user", "content": "Blue, then."}]
+    rb = continue_and_check(server, fork["id"], branch_b, expect_cached=before)
+    branch_b += [{"role": "assistant", "content": rb.choices[0].message.content}, {"role": "user", "content": "Why?"}]
+    # The original is where it was: branch A continues from the shared prefix, not from branch B.
+    assert get_session(server, sid).json()["num_tokens"] == before
+    branch_a = [*history, {"role": "user", "content": "Red, please."}]
+    ra = continue_and_check(server, sid, branch_a, expect_cached=before)
+    assert ra.choices[0].message.content != rb.choices[0].message.content
+    # ... and the fork is still where branch B left it.
+    continue_and_check(server, fork["id"], branch_b, expect_cached=session_ext(rb)["num_tokens"])
+
+
+def test_snapshot_delete_restore_round_trip(server):
+    sid, history = two_turn_session(server)
+    info = get_session(server, sid).json()
+    data = snapshot_of(server, sid)
+    with server.http() as http:
+        r = http.delete(f"/v1/sessions/{sid}")
+        assert r.status_code == 200 and r.json() == {"id": sid, "object": "session.deleted", "deleted": True}
+        assert_openai_error(http.get(f"/v1/sessions/{sid}"), 404)
+    r = restore(server, data)
+    assert r.status_code == 200, r.text
+    new = r.json()["id"]
+    history.append({"role": "user", "content": "Go on."})
+    continue_and_check(server, new, history, expect_cached=info["num_tokens"])
+
+
+# == 5. pool pressure ==============================================================================================
+
+
+def test_many_sessions_over_few_slots_continue_correctly(ckpts, tmp_path):
+    server = _thread_server(
+        ckpts["tiny"], "kvfree-tiny", max_sessions=4, max_host_sessions=3, snapshot_dir=tmp_path / "snapshots"
+    )
+    try:
+        name = "kvfree-tiny"
+        sids = [new_session(server)["id"] for _ in range(20)]
+        histories = [[{"role": "user", "content": f"Session {i} says hello."}] for i in range(20)]
+        cached = [0] * 20
+
+        async def turn(client, i, session):
+            extra = {"session_id": sids[i]} if session else None
+            return await client.chat.completions.create(
+                model=name, messages=histories[i], max_tokens=6, temperature=0, extra_body=extra
+            )
+
+        async def one_round():
+            async with server.async_openai() as client:
+                got = await asyncio.gather(*(turn(client, i, True) for i in range(20)))
+                want = await asyncio.gather(*(turn(client, i, False) for i in range(20)))
+            return got, want
+
+        for round_ in range(3):
+            got, want = asyncio.run(one_round())
+            for i in range(20):
+                same_reply(got[i], want[i])
+                ext = session_ext(got[i])
+                assert (ext["cached_tokens"], ext["reset"]) == (cached[i], False), (round_, i, ext)
+                cached[i] = ext["num_tokens"]
+                histories[i] += [
+                    {"role": "assistant", "content": got[i].choices[0].message.content},
+                    {"role": "user", "content": f"Round {round_} for {i}."},
+                ]
+        text = metrics(server)
+        where = {loc: metric_value(text, "kvfree_sessions", f'location="{loc}"') for loc in ("gpu", "host", "disk")}
+        assert sum(where.values()) == 20
+        assert where["gpu"] <= 4 and where["host"] <= 3 and where["disk"] >= 13, where
+        assert metric_value(text, "kvfree_pool_slots_total") == 4
+        locations = {get_session(server, s).json()["location"] for s in sids}
+        assert locations <= {"gpu", "host", "disk"} and "disk" in locations
+        assert len(list((tmp_path / "snapshots").glob("sess_*.safetensors"))) == where["disk"]
+    finally:
+        server.stop()
+
+
+# == 6. bad input ==================================================================================================
+
+
+def _bad_chat_bodies() -> list[tuple[str, dict[str, Any] | str, int, str | None]]:
+    """(name, body, status, param). A str body is sent as raw JSON text."""
+    msgs = [{"role": "user", "content": "hi"}]
+    return [
+        ("unknown model", {"model": "gpt-4o", "messages": msgs}, 404, "model"),
+        ("messages not a list", {"messages": "hi"}, 400, "messages"),
+        ("content wrong type", {"messages": [{"role": "user", "content": 5}]}, 400, "messages[0].content"),
+        ("unknown role", {"messages": [{"role": "wizard", "content": "x"}]}, 400, "messages[0].role"),
+        ("temperature as string", {"messages": msgs, "temperature": "0.5"}, 400, "temperature"),
+        ("max_tokens bool", {"messages": msgs, "max_tokens": True}, 400, "max_tokens"),
+        ("max_tokens float", {"messages": msgs, "max_tokens": 1e30}, 400, "max_tokens"),
+        ("stream as string", {"messages": msgs, "stream": "yes"}, 400, "stream"),
+        ("negative max_tokens", {"messages": msgs, "max_tokens": -5}, 400, "max_tokens"),
+        ("zero max_tokens", {"messages": msgs, "max_tokens": 0}, 400, "max_tokens"),
+        ("huge max_tokens", {"messages": msgs, "max_tokens": 10**12}, 400, "max_tokens"),
+        (
+            "huge max_completion_tokens",
+            {"messages": msgs, "max_completion_tokens": 2**40},
+            400,
+            "max_completion_tokens",
+        ),
+        ("empty messages", {"messages": []}, 400, "messages"),
+        ("missing messages", {"max_tokens": 3}, 400, "messages"),
+        ("prompt over the limit", {"messages": [{"role": "user", "content": "x" * 500}]}, 400, "messages"),
+        ("unknown session", {"messages": msgs, "session_id": "sess_000000000000000000000000"}, 404, "session_id"),
+        ("n too large", {"messages": msgs, "n": 17}, 400, "n"),
+        ("n zero", {"messages": msgs, "n": 0}, 400, "n"),
+        (
+            "stream_options without stream",
+            {"messages": msgs, "stream_options": {"include_usage": True}},
+            400,
+            "stream_options",
+        ),
+        (
+            "NaN temperature",
+            '{"messages": [{"role": "user", "content": "hi"}], "temperature": NaN}',
+            400,
+            "temperature",
+        ),
+        ("Infinity top_p", '{"messages": [{"role": "user", "content": "hi"}], "top_p": Infinity}', 400, "top_p"),
+        (
+            "-Infinity presence_penalty",
+            '{"messages": [{"role": "user", "content": "hi"}], "presence_penalty": -Infinity}',
+            400,
+            "presence_penalty",
+        ),
+        (
+            "NaN frequency_penalty",
+            '{"messages": [{"role": "user", "content": "hi"}], "frequency_penalty": NaN}',
+            400,
+            "frequency_penalty",
+        ),
+        ("top_p out of range", {"messages": msgs, "top_p": 0}, 400, "top_p"),
+        ("logit_bias", {"messages": msgs, "logit_bias": {"50": 10}}, 400, "logit_bias"),
+        ("top_logprobs without logprobs", {"messages": msgs, "top_logprobs": 2}, 400, "top_logprobs"),
+        ("too many stop strings", {"messages": msgs, "stop": ["a", "b", "c", "d", "e"]}, 400, "stop"),
+        (
+            "tool_choice without that tool",
+            {
+                "messages": msgs,
+                "tools": [WEATHER_TOOL],
+                "tool_choice": {"type": "function", "function": {"name": "nope"}},
+            },
+            400,
+            "tool_choice",
+        ),
+        (
+            "image content",
+            {"messages": [{"role": "user", "content": [{"type": "image_url", "image_url": {}}]}]},
+            400,
+            "messages[0].content[0]",
+        ),
+        ("n with a session", {"messages": msgs, "n": 2, "session_id": "sess_000000000000000000000000"}, 400, "n"),
+        (
+            "json response_format",
+            {"messages": msgs, "response_format": {"type": "json_object"}},
+            400,
+            "response_format",
+        ),
+    ]
+
+
+def _bad_completion_bodies() -> list[tuple[str, dict[str, Any] | str, int, str | None]]:
+    return [
+        ("unknown model", {"model": "davinci", "prompt": "hi"}, 404, "model"),
+        ("empty prompt", {"prompt": ""}, 400, "prompt"),
+        ("prompt wrong type", {"prompt": 5}, 400, "prompt"),
+        ("token out of vocabulary", {"prompt": [1, 2, 999]}, 400, "prompt"),
+        ("negative token", {"prompt": [1, -2]}, 400, "prompt[1]"),
+        ("batch of prompts", {"prompt": ["a", "b"]}, 400, "prompt"),
+        ("prompt over the limit", {"prompt": "x" * 500}, 400, "prompt"),
+        ("token prompt over the limit", {"prompt": [65] * 129}, 400, "prompt"),
+        ("huge max_tokens", {"prompt": "hi", "max_tokens": 33}, 400, "max_tokens"),
+        ("logprobs too many", {"prompt": "hi", "logprobs": 21}, 400, "logprobs"),
+        ("echo", {"prompt": "hi", "echo": True}, 400, "echo"),
+        ("best_of", {"prompt": "hi", "best_of": 3}, 400, "best_of"),
+        ("NaN min_p", '{"prompt": "hi", "min_p": NaN}', 400, "min_p"),
+        ("Infinity repetition_penalty", '{"prompt": "hi", "repetition_penalty": Infinity}', 400, "repetition_penalty"),
+        ("seed beyond int64", {"prompt": "hi", "seed": 2**63}, 400, "seed"),
+        (
+            "stream_options without stream",
+            {"prompt": "hi", "stream_options": {"include_usage": True}},
+            400,
+            "stream_options",
+        ),
+        ("unknown session", {"prompt": "hi", "session_id": "sess_nope"}, 404, "session_id"),
+    ]
+
+
+def test_every_bad_input_is_an_openai_shaped_4xx_and_the_server_carries_on(limits_server, tool_server):
+    server = limits_server
+    # A session in use before the storm, continued after it.
+    sid, history = two_turn_session(server, user_turns=("Hello.",))
+    before = get_session(server, sid).json()["num_tokens"]
+    slots_before = metric_value(metrics(server), "kvfree_pool_slots_used")
+
+    with server.http() as http:
+
+        def post(path: str, body):
+            if isinstance(body, str):
+                return http.post(path, content=body, headers={"content-type": "application/json"})
+            return http.post(path, json=body)
+
+        for path, cases in (
+            ("/v1/chat/completions", _bad_chat_bodies()),
+            ("/v1/completions", _bad_completion_bodies()),
+        ):
+            for name, body, status, param in cases:
+                r = post(path, body)
+                err = assert_openai_error(r, status, param=param)
+                assert r.status_code == status, (path, name, err)
+                if status == 400 and name.startswith(("NaN", "Infinity", "-Infinity")):
+                    assert err["code"] == "invalid_value"
+
+        # Not JSON, though labelled so; JSON but not an object; no body at all.
+        err = assert_openai_error(post("/v1/chat/completions", '{"messages": [{"role": "user", '), 400, param=None)
+        assert err["code"] == "invalid_json"
+        assert_openai_error(post("/v1/completions", "[1, 2, 3]"), 400, param=None)
+        assert_openai_error(http.post("/v1/chat/completions"), 400, param=None)
+        # Over the body limit: refused before it is parsed.
+        err = assert_openai_error(
+            post("/v1/chat/completions", {"messages": [{"role": "user", "content": "x" * 300_000}]}), 413
+        )
+        assert err["code"] == "payload_too_large"
+        # Context over the limit for a session prefill too.
+        assert_openai_error(http.post("/v1/sessions", json={"prompt": "y" * 200}), 400, param="prompt")
+        assert_openai_error(
+            http.post("/v1/sessions", json={"prompt": "a", "messages": [{"role": "user", "content": "b"}]}), 400
+        )
+        # Unknown sessions, on every session route.
+        ghost = "sess_0123456789abcdef01234567"
+        assert_openai_error(http.get(f"/v1/sessions/{ghost}"), 404)
+        assert_openai_error(http.delete(f"/v1/sessions/{ghost}"), 404)
+        assert_openai_error(http.post(f"/v1/sessions/{ghost}/fork"), 404)
+        assert_openai_error(http.get(f"/v1/sessions/{ghost}/snapshot"), 404)
+        # Snapshots: of another model, truncated, tampered.
+        good = snapshot_of(server, sid)
+        other = snapshot_of(tool_server, new_session(tool_server, prompt="hi")["id"])
+        assert assert_openai_error(restore(server, other), 400, param="snapshot")["code"] == "model_mismatch"
+        assert assert_openai_error(restore(server, good[:-7]), 400, param="snapshot")["code"] == "invalid_snapshot"
+        assert (
+            assert_openai_error(restore(server, tampered(good)), 400, param="snapshot")["code"] == "checksum_mismatch"
+        )
+        # Unknown routes and methods are OpenAI-shaped too.
+        assert_openai_error(http.get("/v1/nothing"), 404)
+        assert_openai_error(http.get("/v1/chat/completions"), 405)
+
+        # The SDK maps these onto its exception classes.
+        client = server.openai()
+        with pytest.raises(openai.BadRequestError) as info:
+            client.chat.completions.create(model="kvfree-tiny", messages=[], max_tokens=3)
+        assert info.value.body["param"] == "messages"
+        with pytest.raises(openai.NotFoundError):
+            client.chat.completions.create(
+                model="kvfree-tiny", messages=[{"role": "user", "content": "hi"}], extra_body={"session_id": ghost}
+            )
+
+        # Still serving: a normal request, and the session continues exactly where it was.
+        assert client.completions.create(model="kvfree-tiny", prompt="hi", max_tokens=3).choices[0].text is not None
+        assert get_session(server, sid).json()["num_tokens"] == before
+        history.append({"role": "user", "content": "Still there?"})
+        continue_and_check(server, sid, history, expect_cached=before)
+        text = metrics(server)
+        assert metric_value(text, "kvfree_requests_running") == 0
+        assert metric_value(text, "kvfree_pool_slots_used") <= slots_before  # no refused request holds a slot
+
+
+def test_attention_context_limit_is_400_naming_max_tokens(hybrid_server):
+    """A model with attention layers keeps a KV cache of max_context tokens: prompt + max_tokens beyond it is
+    refused up front (400, param max_tokens) instead of failing mid-generation; at the limit it is served."""
+    with hybrid_server.http() as http:
+        r = http.post("/v1/completions", json={"prompt": "hi", "max_tokens": 2047})
+        assert_openai_error(r, 400, param="max_tokens")
+        r = http.post("/v1/completions", json={"prompt": "x" * 2040, "max_tokens": 9})
+        assert_openai_error(r, 400, param="max_tokens")
+        r = http.post("/v1/completions", json={"prompt": "x" * 2040, "max_tokens": 8, "ignore_eos": True})
+        assert r.status_code == 200, r.text
+        assert r.json()["usage"] == {
+            "prompt_tokens": 2040,
+            "completion_tokens": 8,
+            "total_tokens": 2048,
+            "prompt_tokens_details": {"cached_tokens": 0},
+        }
+
+
+def test_session_limit_without_snapshot_dir_is_429_not_500(ckpts):
+    """Without a snapshot directory a server keeps at most max_sessions + max_host_sessions sessions; one more is
+    refused in OpenAI's shape (it used to be an opaque 500), on every route that makes a session."""
+    server = _thread_server(ckpts["tiny"], "kvfree-tiny", max_sessions=2, max_host_sessions=1)
+    try:
+        sids = [new_session(server, prompt=f"session {i}")["id"] for i in range(3)]
+        data = snapshot_of(server, sids[0])
+        with server.http() as http:
+            for r in (
+                http.post("/v1/sessions", json={}),
+                http.post(f"/v1/sessions/{sids[0]}/fork"),
+                restore(server, data),
+            ):
+                err = assert_openai_error(r, 429, error_type="rate_limit_error")
+                assert "session" in err["message"]
+            # Sessions already held are unaffected, and deleting one makes room again.
+            assert get_session(server, sids[2]).json()["num_tokens"] == len("session 2")
+            assert http.delete(f"/v1/sessions/{sids[1]}").status_code == 200
+            assert restore(server, data).status_code == 200
+    finally:
+        server.stop()
+
+
+# == 7. client disconnect ==========================================================================================
+
+
+@pytest.fixture
+def fresh_server(ckpts):
+    """A server of its own, for tests that count pool slots from zero."""
+    server = _thread_server(ckpts["tiny"], "kvfree-tiny", max_sessions=4)
+    yield server
+    server.stop()
+
+
+def test_client_disconnect_mid_stream_frees_the_slot(fresh_server):
+    tiny_server = fresh_server
+    base = metrics(tiny_server)
+    slots_before = metric_value(base, "kvfree_pool_slots_used")
+    generated_before = metric_value(base, "kvfree_generation_tokens_total")
+    sid = new_session(tiny_server)["id"]
+    body = {
+        "prompt": "Once upon a time",
+        "max_tokens": 4096,
+        "ignore_eos": True,
+        "temperature": 0,
+        "stream": True,
+        "session_id": sid,
+    }
+    with (
+        httpx.Client(base_url=tiny_server.url, timeout=60) as http,
+        http.stream("POST", "/v1/completions", json=body) as resp,
+    ):
+        assert resp.status_code == 200
+        # Read three events without leaving the iterator (closing it would close the connection).
+        lines = resp.iter_lines()
+        events = 0
+        while events < 3:
+            events += next(lines).startswith("data: ")
+        during = metrics(tiny_server)
+        assert metric_value(during, "kvfree_requests_running") == 1
+        assert metric_value(during, "kvfree_pool_slots_used") == slots_before + 1
+    left = time.monotonic()
+
+    def freed() -> bool:
+        text = metrics(tiny_server)
+        return (
+            metric_value(text, "kvfree_requests_running") == 0
+            and metric_value(text, "kvfree_pool_slots_used") <= slots_before + 1  # + the idle session's slot
+        )
+
+    wait_for(freed, timeout=5, message="the aborted request to free its slot")
+    assert time.monotonic() - left < 5
+    # Aborted, not run to the end: the 4096 tokens were never all generated.
+    assert metric_value(metrics(tiny_server), "kvfree_generation_tokens_total") - generated_before < 4096
+    # The session is free again (not 409 busy) and usable: a prompt that does not extend what it consumed
+    # starts it over, correctly.
+    client = tiny_server.openai()
+    kw = {"model": "kvfree-tiny", "prompt": "A new story", "max_tokens": 6, "temperature": 0}
+    r = client.completions.create(extra_body={"session_id": sid}, **kw)
+    assert r.choices[0].text == client.completions.create(**kw).choices[0].text
+    assert session_ext(r)["reset"] is True
+    with tiny_server.http() as http:
+        assert http.delete(f"/v1/sessions/{sid}").status_code == 200
+    assert metric_value(metrics(tiny_server), "kvfree_pool_slots_used") == slots_before
+
+
+# == 8. back-pressure ==============================================================================================
+
+
+def test_queue_full_is_429_with_retry_after_and_the_rest_complete(ckpts):
+    server = _thread_server(ckpts["tiny"], "kvfree-tiny", max_sessions=1, max_waiting=1)
+    try:
+        body = {"prompt": "Busy busy", "max_tokens": 150, "ignore_eos": True, "temperature": 0}
+        sdk_body = {"prompt": "Busy busy", "max_tokens": 150, "temperature": 0, "extra_body": {"ignore_eos": True}}
+
+        async def fire():
+            async with httpx.AsyncClient(base_url=server.url, timeout=120) as http:
+                return await asyncio.gather(*(http.post("/v1/completions", json=body) for _ in range(6)))
+
+        responses = asyncio.run(fire())
+        ok = [r for r in responses if r.status_code == 200]
+        busy = [r for r in responses if r.status_code == 429]
+        assert len(ok) + len(busy) == 6, [r.status_code for r in responses]
+        assert ok and busy, [r.status_code for r in responses]
+        texts = {r.json()["choices"][0]["text"] for r in ok}
+        assert len(texts) == 1 and all(r.json()["usage"]["completion_tokens"] == 150 for r in ok)
+        for r in busy:
+            err = assert_openai_error(r, 429, error_type="rate_limit_error")
+            assert err["code"] == "rate_limit_exceeded"
+            assert int(r.headers["retry-after"]) >= 1
+
+        # The SDK (retries off) raises RateLimitError for the refused ones, with the header at hand.
+        async def sdk():
+            async with server.async_openai() as client:
+                return await asyncio.gather(
+                    *(client.completions.create(model="kvfree-tiny", **sdk_body) for _ in range(4)),
+                    return_exceptions=True,
+                )
+
+        results = asyncio.run(sdk())
+        refused = [r for r in results if isinstance(r, Exception)]
+        assert refused and all(isinstance(e, openai.RateLimitError) for e in refused), results
+        assert all(int(e.response.headers["retry-after"]) >= 1 for e in refused)
+        assert all(r.choices[0].text in texts for r in results if not isinstance(r, Exception))
+
+        text = metrics(server)
+        assert metric_value(text, "kvfree_requests_rejected_total", 'reason="QueueFull"') == len(busy) + len(refused)
+        # And once the queue drains, requests are served again.
+        c = server.openai().completions.create(model="kvfree-tiny", **sdk_body)
+        assert c.choices[0].text in texts
+    finally:
+        server.stop()
+
+
+# == 9. API keys ===================================================================================================
+
+
+def test_api_keys_authenticate_and_isolate_sessions(ckpts):
+    server = _thread_server(ckpts["tiny"], "kvfree-tiny", env={"KVFREE_API_KEYS": "k1,k2"})
+    try:
+        k1 = {"Authorization": "Bearer k1"}
+        k2 = {"Authorization": "Bearer k2"}
+        msgs = [SYSTEM, {"role": "user", "content": "hi"}]
+        with server.http() as http:
+            for headers in ({}, {"Authorization": "Bearer nope"}, {"Authorization": "Basic azE6"}):
+                for method, path in (("GET", "/v1/models"), ("POST", "/v1/chat/completions"), ("POST", "/v1/sessions")):
+                    r = http.request(method, path, headers=headers, json={"messages": msgs})
+                    assert_openai_error(r, 401)
+                    assert r.headers["www-authenticate"] == "Bearer"
+            with pytest.raises(openai.AuthenticationError):
+                server.openai(api_key="nope").models.list()
+
+            r = http.post("/v1/sessions", headers=k1, json={"messages": [SYSTEM]})
+            assert r.status_code == 200, r.text
+            sid = r.json()["id"]
+            first = chat(server, msgs, session_id=sid, extra_headers=k1)  # header wins over the SDK's key
+            cached = session_ext(first)["num_tokens"]
+
+            # Another key: the session does not exist, on every route.
+            assert_openai_error(http.get(f"/v1/sessions/{sid}", headers=k2), 404)
+            r = http.post("/v1/chat/completions", headers=k2, json={"messages": msgs, "session_id": sid})
+            assert_openai_error(r, 404, param="session_id")
+            assert_openai_error(http.get(f"/v1/sessions/{sid}/snapshot", headers=k2), 404)
+            assert_openai_error(http.post(f"/v1/sessions/{sid}/fork", headers=k2), 404)
+            assert_openai_error(http.delete(f"/v1/sessions/{sid}", headers=k2), 404)
+            with pytest.raises(openai.NotFoundError):
+                server.openai(api_key="k2").chat.completions.create(
+                    model="kvfree-tiny", messages=msgs, max_tokens=4, extra_body={"session_id": sid}
+                )
+
+            # The owner still has it, untouched.
+            assert http.get(f"/v1/sessions/{sid}", headers=k1).json()["num_tokens"] == cached
+            history = [
+                *msgs,
+                {"role": "assistant", "content": first.choices[0].message.content},
+                {"role": "user", "content": "more"},
+            ]
+            r = server.openai(api_key="k1").chat.completions.create(
+                model="kvfree-tiny", messages=history, max_tokens=8, temperature=0, extra_body={"session_id": sid}
+            )
+            assert session_ext(r)["cached_tokens"] == cached
+            ref = server.openai(api_key="k2").chat.completions.create(
+                model="kvfree-tiny", messages=history, max_tokens=8, temperature=0
+            )
+            same_reply(r, ref)
+            # A snapshot restored by k2 belongs to k2.
+            data = http.get(f"/v1/sessions/{sid}/snapshot", headers=k1).content
+            r = http.post(
+                "/v1/sessions/restore", headers={**k2, "content-type": "application/octet-stream"}, content=data
+            )
+            assert r.status_code == 200
+            assert http.get(f"/v1/sessions/{r.json()['id']}", headers=k2).status_code == 200
+            assert_openai_error(http.get(f"/v1/sessions/{r.json()['id']}", headers=k1), 404)
+            assert http.delete(f"/v1/sessions/{sid}", headers=k1).status_code == 200
+            # Liveness, readiness and metrics stay open (probes and scrapers carry no key).
+            assert http.get("/health").status_code == 200
+            assert http.get("/ready").status_code == 200
+            assert http.get("/metrics").status_code == 200
+    finally:
+        server.stop()
+
+
+# == 10. graceful shutdown and restart =============================================================================
+
+
+def test_sigterm_finishes_requests_persists_sessions_and_a_restart_continues_them(ckpts, tmp_path):
+    snapshots = tmp_path / "snapshots"
+    args = ["--served-model-name", "kvfree-tiny", "--snapshot-dir", str(snapshots), "--shutdown-grace", "5"]
+    first = ProcServer(ckpts["tiny"], args, tmp_path / "first.log").start()
+    try:
+        sid = new_session(first)["id"]
+        history = [SYSTEM, {"role": "user", "content": "Remember the number 42."}]
+        r = chat(first, history, session_id=sid, extra_headers={"X-Request-ID": "graceful-turn-1"})
+        num_tokens = session_ext(r)["num_tokens"]
+        history += [
+            {"role": "assistant", "content": r.choices[0].message.content},
+            {"role": "user", "content": "Which number?"},
+        ]
+        reference = chat(first, history)  # the next turn, as an uninterrupted server computes it
+
+        # A request in flight when SIGTERM arrives is finished, not cut.
+        result: dict[str, Any] = {}
+
+        def long_request():
+            with first.http() as http:
+                result["r"] = http.post(
+                    "/v1/completions",
+                    json={"prompt": "In flight", "max_tokens": 300, "ignore_eos": True, "temperature": 0},
+                )
+
+        worker = threading.Thread(target=long_request)
+        worker.start()
+        wait_for(
+            lambda: metric_value(metrics(first), "kvfree_requests_running") == 1,
+            timeout=10,
+            message="the long request to run",
+        )
+        start = time.monotonic()
+        code = first.terminate(timeout=30)
+        elapsed = time.monotonic() - start
+        worker.join(30)
+        assert code == 0, first.log()
+        assert elapsed < 5 + 5, f"shutdown took {elapsed:.1f}s with a 5s grace period"
+        assert result["r"].status_code == 200 and result["r"].json()["usage"]["completion_tokens"] == 300
+        assert (snapshots / f"{sid}.safetensors").is_file()
+        log = first.log()
+        assert "graceful-turn-1 POST /v1/chat/completions 200" in log
+    finally:
+        first.kill()
+
+    second = ProcServer(ckpts["tiny"], args, tmp_path / "second.log").start()
+    try:
+        info = get_session(second, sid)
+        assert info.status_code == 200, info.text
+        assert info.json()["num_tokens"] == num_tokens and info.json()["location"] == "disk"
+        r = chat(second, history, session_id=sid)
+        same_reply(r, reference)
+        assert session_ext(r)["cached_tokens"] == num_tokens and session_ext(r)["reset"] is False
+    finally:
+        second.kill()
+
+
+# == 11. operations ================================================================================================
+
+
+def test_health_ready_metrics_request_ids_and_request_log(tiny_server, caplog):
+    caplog.set_level(logging.INFO, logger="kvfree.server")
+    with tiny_server.http() as http:
+        r = http.get("/health")
+        assert (r.status_code, r.json()) == (200, {"status": "ok"})
+        r = http.get("/ready")
+        assert (r.status_code, r.json()) == (200, {"status": "ready"})
+
+        r = http.get("/v1/models", headers={"X-Request-ID": "my-request-1"})
+        assert r.headers["x-request-id"] == "my-request-1"
+        assert r.json()["object"] == "list" and [m["id"] for m in r.json()["data"]] == ["kvfree-tiny"]
+        r = http.post(
+            "/v1/completions", json={"prompt": "hi", "max_tokens": 2}, headers={"X-Request-ID": "my-request-2"}
+        )
+        assert r.status_code == 200 and r.headers["x-request-id"] == "my-request-2"
+        r = http.post("/v1/completions", json={"prompt": ""}, headers={"X-Request-ID": "my-request-3"})
+        assert r.status_code == 400 and r.headers["x-request-id"] == "my-request-3"
+        generated = http.get("/health").headers["x-request-id"]
+        assert generated.startswith("req-") and len(generated) > 8
+        assert http.get("/health", headers={"X-Request-ID": "x" * 500}).headers["x-request-id"].startswith("req-")
+
+        text = http.get("/metrics").text
+    for name in (
+        "kvfree_requests_total",
+        "kvfree_requests_rejected",
+        "kvfree_prompt_tokens_total",
+        "kvfree_generation_tokens_total",
+        "kvfree_cached_prompt_tokens_total",
+        "kvfree_time_to_first_token_seconds_bucket",
+        "kvfree_inter_token_latency_seconds_bucket",
+        "kvfree_e2e_request_latency_seconds_bucket",
+        "kvfree_requests_running",
+        "kvfree_requests_waiting",
+        'kvfree_sessions{location="gpu"}',
+        'kvfree_sessions{location="host"}',
+        'kvfree_sessions{location="disk"}',
+        "kvfree_pool_slots_used",
+        "kvfree_pool_slots_total",
+        "kvfree_state_bytes_per_session",
+        "kvfree_state_bytes_in_use",
+    ):
+        assert name in text, name
+    assert metric_value(text, "kvfree_pool_slots_total") == 16
+    assert 'kvfree_requests_total{route="/v1/completions",status="400"}' in text
+    assert metric_value(text, "kvfree_state_bytes_per_session") > 0
+
+    wait_for(
+        lambda: all(any(f"my-request-{i} " in m for m in caplog.messages) for i in (1, 2, 3)),
+        timeout=5,
+        message="the request log lines",
+    )
+    for i, (method, path, status) in enumerate(
+        [("GET", "/v1/models", 200), ("POST", "/v1/completions", 200), ("POST", "/v1/completions", 400)], start=1
+    ):
+        lines = [m for m in caplog.messages if m.startswith(f"my-request-{i} ")]
+        assert len(lines) == 1, lines
+        assert lines[0].startswith(f"my-request-{i} {method} {path} {status} ")
+    completion_line = next(m for m in caplog.messages if m.startswith("my-request-2 "))
+    assert "prompt=2 completion=2 cached=0" in completion_line
+
+
+# == 12. fuzzing from the OpenAPI schema ===========================================================================
+
+
+def _fuzz(strategy, base_url: str, label: str, seen: dict[str, set[int]], max_examples: int) -> None:
+    """Send `max_examples` cases drawn from `strategy`; fail on any 5xx (schemathesis' not_a_server_error)."""
+    from hypothesis import HealthCheck, Phase, given, settings
+    from schemathesis.checks import not_a_server_error
+
+    @settings(
+        max_examples=max_examples,
+        deadline=None,
+        database=None,
+        phases=[Phase.explicit, Phase.generate],
+        suppress_health_check=list(HealthCheck),
+    )
+    @given(case=strategy)
+    def run(case):
+        response = case.call(base_url=base_url, timeout=60)
+        seen.setdefault(label, set()).add(response.status_code)
+        case.validate_response(response, checks=[not_a_server_error])
+
+    run()
+
+
+def test_fuzz_from_openapi_schema_no_server_errors(limits_server):
+    """Property-based fuzzing of every route in the server's own OpenAPI schema (schemathesis, positive and negative
+    cases, bounded to about a minute): no request, valid or not, may get a 5xx. No route is excluded."""
+    import schemathesis
+    from hypothesis.errors import Unsatisfiable
+    from schemathesis.generation import GenerationMode
+
+    schema = schemathesis.openapi.from_url(limits_server.url + "/openapi.json")
+    operations = [result.ok() for result in schema.get_all_operations()]
+    labels = sorted(op.label for op in operations)
+    assert len(labels) == 12, labels  # every route is fuzzed; none is excluded
+    deadline = time.monotonic() + 60
+    seen: dict[str, set[int]] = {}
+    unsatisfiable: list[str] = []
+    # Besides random ids and bodies, aim at sessions that exist (one per route and mode, made before the fuzzing
+    # of POST /v1/sessions can fill the server up) and upload a valid snapshot.
+    modes = (GenerationMode.POSITIVE, GenerationMode.NEGATIVE)
+    sids = {
+        (op.label, mode): new_session(limits_server, prompt="fuzz me")["id"]
+        for op in operations
+        for mode in modes
+        if "{session_id}" in op.path
+    }
+    snapshot = snapshot_of(limits_server, next(iter(sids.values())))
+
+    for mode in modes:
+        for op in operations:
+            if time.monotonic() > deadline:
+                break
+            strategies = [op.as_strategy(generation_mode=mode)]
+            if "{session_id}" in op.path:
+                strategies.append(
+                    op.as_strategy(generation_mode=mode, path_parameters={"session_id": sids[op.label, mode]})
+                )
+            if op.label == "POST /v1/sessions/restore" and mode == GenerationMode.POSITIVE:
+                strategies.append(op.as_strategy(body=snapshot, media_type="application/octet-stream"))
+            for strategy in strategies:
+                try:
+                    _fuzz(strategy, limits_server.url, op.label, seen, max_examples=MAX_FUZZ_EXAMPLES)
+                except Unsatisfiable:
+                    # Nothing to make invalid (no parameters, no body): negative mode cannot generate a case.
+                    assert mode == GenerationMode.NEGATIVE, op.label
+                    unsatisfiable.append(op.label)
+    assert set(seen) == set(labels)
+    assert set(unsatisfiable) <= {"GET /health", "GET /ready", "GET /metrics", "GET /v1/models"}, unsatisfiable
+    # After the fuzzing the server still serves.
+    r = limits_server.openai().completions.create(model="kvfree-tiny", prompt="hi", max_tokens=2)
+    assert r.choices[0].text is not None
+
+
+def test_n_larger_than_the_pool_is_refused_not_queued_forever(tmp_path) -> None:
+    """Every choice needs a state slot at once: n beyond the pool is a 400 naming n, not a request that never runs."""
+    from fastapi.testclient import TestClient
+
+    from server.app import create_app
+    from server.settings import ServerSettings
+
+    with TestClient(create_app(ServerSettings(max_sessions=2))) as client:
+        r = client.post("/v1/completions", json={"prompt": "hi", "n": 3, "max_tokens": 2})
+        assert r.status_code == 400 and r.json()["error"]["param"] == "n"
+        assert client.post("/v1/completions", json={"prompt": "hi", "n": 2, "max_tokens": 2}).status_code == 200
