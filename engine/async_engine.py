@@ -268,6 +268,9 @@ class AsyncEngine:
             "pool_slots_used": pool.used_slots,
             "pool_slots_total": pool.capacity,
             "state_bytes_per_session": pool.bytes_per_session(),
+            # What resident sessions actually hold: constant per session for recurrent layers; the attention
+            # baseline's KV cache counts only its filled entries.
+            "state_bytes_in_use": sum(pool.bytes_per_session(n) for n in self.sessions.resident_tokens()),
             "sessions": self.sessions.counts(),
         }
         if torch.cuda.is_available() and self.llm.model.device.type == "cuda":

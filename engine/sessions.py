@@ -160,6 +160,10 @@ class SessionManager:
         disk, gpu = len(self._disk), len(self._resident) - self._ephemeral_resident()
         return {"gpu": gpu, "host": len(self) - gpu - disk, "disk": disk}
 
+    def resident_tokens(self) -> list[int]:
+        """Tokens consumed by each session that holds a pool slot (a snapshot of the list: safe from any thread)."""
+        return [s.num_tokens for s in list(self._resident.values())]
+
     def host_bytes(self) -> int:
         """Host memory held by sessions' state copies."""
         return sum(t.numel() * t.element_size() for s in self._host.values() for t in s.host_state.values())

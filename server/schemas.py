@@ -722,7 +722,10 @@ class SessionInfo(ResponseModel):
     model: str
     num_tokens: int = Field(description="Tokens the state has consumed.")
     location: str = Field(description="Where the state is now: `gpu` (a pool slot), `host` memory or `disk`.")
-    state_bytes: int = Field(description="Size of the state in bytes (fixed for a model).")
+    state_bytes: int = Field(
+        description="Bytes of state the session holds: fixed for recurrent layers, whatever the context; layers "
+        "with a KV cache (the attention baseline) add their filled entries."
+    )
 
 
 class SessionDeleted(ResponseModel):

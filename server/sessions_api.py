@@ -30,7 +30,7 @@ def session_info(state: ServerState, session: Session) -> SessionInfo:
         model=state.model_name,
         num_tokens=session.num_tokens,
         location=session.location,
-        state_bytes=state.engine.llm.pool.bytes_per_session(),
+        state_bytes=state.engine.llm.pool.bytes_per_session(session.num_tokens),
     )
 
 

@@ -1353,3 +1353,26 @@ def test_n_larger_than_the_pool_is_refused_not_queued_forever(tmp_path) -> None:
         r = client.post("/v1/completions", json={"prompt": "hi", "n": 3, "max_tokens": 2})
         assert r.status_code == 400 and r.json()["error"]["param"] == "n"
         assert client.post("/v1/completions", json={"prompt": "hi", "n": 2, "max_tokens": 2}).status_code == 200
+
+
+def test_session_state_bytes_are_constant_for_recurrent_and_grow_for_attention(tmp_path) -> None:
+    """SessionInfo.state_bytes and kvfree_state_bytes_in_use report what a session holds: the same at any length
+    for Mamba-2, and the attention baseline's filled KV entries (4 layers x k,v x 2 heads x 32 dims x 4 B per token)."""
+    from fastapi.testclient import TestClient
+
+    from engine.presets import init_checkpoint
+    from server.app import create_app
+    from server.settings import ServerSettings
+
+    for preset, per_token in (("tiny", 0), ("tiny-attention", 4 * 2 * 2 * 32 * 4)):
+        path = init_checkpoint(preset, tmp_path / preset)
+        with TestClient(create_app(ServerSettings(model=path, max_context=512))) as client:
+            short = client.post("/v1/sessions", json={"prompt": [65] * 10}).json()
+            long = client.post("/v1/sessions", json={"prompt": [66] * 310}).json()
+            assert (short["num_tokens"], long["num_tokens"]) == (10, 310)
+            assert long["state_bytes"] - short["state_bytes"] == 300 * per_token
+            metrics = client.get("/metrics").text
+            in_use = next(
+                float(line.split()[-1]) for line in metrics.splitlines() if line.startswith("kvfree_state_bytes_in_use")
+            )
+            assert in_use == short["state_bytes"] + long["state_bytes"]
