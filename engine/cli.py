@@ -135,6 +135,13 @@ def cmd_serve(args: argparse.Namespace) -> int:
     return 0
 
 
+def cmd_loadtest(args: argparse.Namespace) -> int:
+    # Imported here: the load generator speaks HTTP only and has its own parser (`kvfree loadtest --help`).
+    from loadtest.cli import main as loadtest_main
+
+    return loadtest_main(args.loadtest_args)
+
+
 def _cpu():
     import torch
 
@@ -228,6 +235,17 @@ def build_parser() -> argparse.ArgumentParser:
         help="directory with tokenizer.json (+ tokenizer_config.json) if SRC has none",
     )
     p.set_defaults(func=cmd_convert)
+
+    # Every argument goes to loadtest.cli's own parser: prefix_chars="+" keeps argparse from reading `--url`, `-h`
+    # ... here, so they all land in the REMAINDER list.
+    p = sub.add_parser(
+        "loadtest",
+        help="load-test servers over HTTP: memory vs context, latency vs concurrency, verified session soak",
+        add_help=False,
+        prefix_chars="+",
+    )
+    p.add_argument("loadtest_args", nargs=argparse.REMAINDER)
+    p.set_defaults(func=cmd_loadtest)
     return parser
 
 
