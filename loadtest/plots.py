@@ -90,7 +90,7 @@ def _memory_plot(plt, servers: list[ServerReport], path: Path) -> bool:
                 alpha=0.6,
                 label=f"{s.role} fit: {fit.slope:,.1f} B/token",
             )
-    _log2_axis(ax, "context length (tokens)", token_labels=True)
+    _log2_axis(ax, "context length (tokens, log scale)", token_labels=True)
     ax.set_ylabel(f"state per session ({unit})")
     ax.set_ylim(bottom=0)
     ax.set_title("Session memory against context length")
@@ -132,7 +132,7 @@ def _sessions_plot(plt, servers: list[ServerReport], path: Path, device_memory_g
             )
         drawn = True
     if drawn:
-        _log2_axis(ax, "context length (tokens)", token_labels=True)
+        _log2_axis(ax, "context length (tokens, log scale)", token_labels=True)
         ax.set_yscale("log")
         ax.set_ylabel("sessions")
         ax.set_title(f"Sessions that fit in {device_memory_gib:g} GiB")
