@@ -189,6 +189,47 @@ def _stream_error(message: str) -> str:
     return sse_event(ErrorResponse(error=ErrorInfo(message=message, type="server_error", param=None, code=None)))
 
 
+@dataclass
+class Tally:
+    """Token counts of a streamed request, accumulated as its outputs pass by."""
+
+    completion_tokens: int = 0
+    cached: int = 0
+
+
+async def _tallied(
+    outputs: AsyncIterator[RequestOutput], tally: Tally, timer: RequestTimer
+) -> AsyncIterator[RequestOutput]:
+    async for out in outputs:
+        tally.completion_tokens += len(out.token_ids)
+        tally.cached = out.cached_tokens
+        timer.tokens(len(out.token_ids))
+        yield out
+
+
+async def _sse_stream(
+    ctx: Context,
+    request: Request,
+    timer: RequestTimer,
+    tally: Tally,
+    events: AsyncIterator[str],
+    usage_chunk: Callable[[Usage, SessionUsage | None], str] | None,
+) -> AsyncIterator[str]:
+    """The events of a streamed reply, then (when asked) a usage chunk, then `[DONE]`. An engine failure midway is
+    reported in-band as an error event, since the HTTP status has already been sent."""
+    try:
+        async for event in events:
+            yield event
+    except Exception as exc:
+        yield _stream_error(f"generation failed: {exc}")
+        yield SSE_DONE
+        return
+    usage = _record(ctx, timer, request, tally.completion_tokens, tally.cached)
+    if usage_chunk is not None:
+        yield usage_chunk(usage, await _session_usage(ctx, tally.cached))
+    yield SSE_DONE
+
+
 def router(owner_dependency: Callable) -> APIRouter:
     """The routes, with `owner_dependency` resolving the caller's API key to its owner id (None: auth off)."""
     api = APIRouter(tags=["OpenAI"])
@@ -238,19 +279,17 @@ def router(owner_dependency: Callable) -> APIRouter:
             session=await _session_usage(ctx, cached),
         )
 
-    async def _completion_stream(
+    def _completion_stream(
         ctx: Context, body: CompletionRequest, outputs: AsyncIterator[RequestOutput], timer: RequestTimer, request
     ) -> AsyncIterator[str]:
         chunk_id = new_id("cmpl")
         tok = ctx.state.engine.tokenizer
         model = ctx.state.model_name
-        completion_tokens = cached = 0
-        offsets = [0] * ctx.n
-        try:
-            async for out in outputs:
-                completion_tokens += len(out.token_ids)
-                cached = out.cached_tokens
-                timer.tokens(len(out.token_ids))
+        tally = Tally()
+
+        async def events() -> AsyncIterator[str]:
+            offsets = [0] * ctx.n
+            async for out in _tallied(outputs, tally, timer):
                 finish = _finish(out.finish_reason)
                 if not out.text and finish is None and not out.logprobs:
                     continue
@@ -260,18 +299,11 @@ def router(owner_dependency: Callable) -> APIRouter:
                 offsets[out.index] += len(out.text)
                 choice = CompletionChoice(index=out.index, text=out.text, logprobs=logprobs, finish_reason=finish)
                 yield sse_event(CompletionChunk(id=chunk_id, model=model, choices=[choice]))
-        except Exception as exc:  # the engine failed mid-stream: tell the client in-band
-            yield _stream_error(f"generation failed: {exc}")
-            yield SSE_DONE
-            return
-        usage = _record(ctx, timer, request, completion_tokens, cached)
-        if body.include_usage:
-            yield sse_event(
-                CompletionChunk(
-                    id=chunk_id, model=model, choices=[], usage=usage, session=await _session_usage(ctx, cached)
-                )
-            )
-        yield SSE_DONE
+
+        def usage_chunk(usage: Usage, session: SessionUsage | None) -> str:
+            return sse_event(CompletionChunk(id=chunk_id, model=model, choices=[], usage=usage, session=session))
+
+        return _sse_stream(ctx, request, timer, tally, events(), usage_chunk if body.include_usage else None)
 
     @api.post("/v1/chat/completions", response_model=ChatCompletionResponse, responses=errors)
     async def chat_completions(
@@ -323,7 +355,7 @@ def router(owner_dependency: Callable) -> APIRouter:
             model=state.model_name, choices=result, usage=usage, session=await _session_usage(ctx, cached)
         )
 
-    async def _chat_stream(
+    def _chat_stream(
         ctx: Context,
         body: ChatCompletionRequest,
         outputs: AsyncIterator[RequestOutput],
@@ -336,28 +368,24 @@ def router(owner_dependency: Callable) -> APIRouter:
         tok = ctx.state.engine.tokenizer
         model = ctx.state.model_name
         parsers = [ToolCallStreamParser(fmt.start, fmt.end, allowed) for _ in range(ctx.n)] if fmt else None
+        tally = Tally()
 
         def chunk(index: int, delta: DeltaMessage, finish: str | None = None, logprobs=None) -> str:
             choice = ChatCompletionChunkChoice(index=index, delta=delta, finish_reason=finish, logprobs=logprobs)
             return sse_event(ChatCompletionChunk(id=chunk_id, model=model, choices=[choice]))
 
-        for i in range(ctx.n):
-            yield chunk(i, DeltaMessage(role="assistant", content=""))
-        completion_tokens = cached = 0
-        try:
-            async for out in outputs:
-                completion_tokens += len(out.token_ids)
-                cached = out.cached_tokens
-                timer.tokens(len(out.token_ids))
-                logprobs = (
-                    _chat_logprobs(tok, out.logprobs) if ctx.params.logprobs is not None and out.logprobs else None
-                )
+        async def events() -> AsyncIterator[str]:
+            for i in range(ctx.n):
+                yield chunk(i, DeltaMessage(role="assistant", content=""))
+            async for out in _tallied(outputs, tally, timer):
+                want_logprobs = ctx.params.logprobs is not None and out.logprobs
+                logprobs = _chat_logprobs(tok, out.logprobs) if want_logprobs else None
                 deltas: list[DeltaMessage] = []
                 if parsers is not None:
-                    events = parsers[out.index].feed(out.text)
+                    found = parsers[out.index].feed(out.text)
                     if out.finish_reason is not None:
-                        events += parsers[out.index].finish()
-                    for event in events:
+                        found += parsers[out.index].finish()
+                    for event in found:
                         if isinstance(event, ContentDelta):
                             deltas.append(DeltaMessage(content=event.text))
                         elif isinstance(event, DeltaToolCall):
@@ -374,18 +402,11 @@ def router(owner_dependency: Callable) -> APIRouter:
                         finish = "tool_calls"
                     if finish is not None:
                         yield chunk(out.index, DeltaMessage(), finish)
-        except Exception as exc:  # the engine failed mid-stream: tell the client in-band
-            yield _stream_error(f"generation failed: {exc}")
-            yield SSE_DONE
-            return
-        usage = _record(ctx, timer, request, completion_tokens, cached)
-        if body.include_usage:
-            yield sse_event(
-                ChatCompletionChunk(
-                    id=chunk_id, model=model, choices=[], usage=usage, session=await _session_usage(ctx, cached)
-                )
-            )
-        yield SSE_DONE
+
+        def usage_chunk(usage: Usage, session: SessionUsage | None) -> str:
+            return sse_event(ChatCompletionChunk(id=chunk_id, model=model, choices=[], usage=usage, session=session))
+
+        return _sse_stream(ctx, request, timer, tally, events(), usage_chunk if body.include_usage else None)
 
     return api
 
