@@ -8,6 +8,7 @@ The thread runs scheduler steps while there is work and sleeps on the command qu
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import logging
 import queue
 import threading
@@ -272,6 +273,9 @@ class AsyncEngine:
             # baseline's KV cache counts only its filled entries.
             "state_bytes_in_use": sum(pool.bytes_per_session(n) for n in self.sessions.resident_tokens()),
             "sessions": self.sessions.counts(),
+            "pool_reserved_bytes": pool.reserved_bytes(),
+            "host_state_bytes": self.sessions.host_bytes(),
+            "session_moves": dataclasses.asdict(self.sessions.counters),
         }
         if torch.cuda.is_available() and self.llm.model.device.type == "cuda":
             stats["gpu_memory_allocated"] = torch.cuda.memory_allocated(self.llm.model.device)

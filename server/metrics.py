@@ -82,6 +82,18 @@ class Metrics:
         self.gpu_memory_reserved = Gauge(
             "kvfree_gpu_memory_reserved_bytes", "torch.cuda.memory_reserved (0: CPU).", registry=r
         )
+        self.pool_reserved_bytes = Gauge(
+            "kvfree_pool_reserved_bytes", "Device bytes the state pool occupies (all slots, preallocated).", registry=r
+        )
+        self.host_state_bytes = Gauge(
+            "kvfree_host_state_bytes", "Bytes of session state offloaded to host memory.", registry=r
+        )
+        self.session_moves = Gauge(
+            "kvfree_session_moves",
+            "Session state moves between tiers since start (evictions: GPU->host, spills: host->disk, reloads).",
+            ["kind"],
+            registry=r,
+        )
         for location in SESSION_LOCATIONS:
             self.sessions.labels(location=location).set(0)
 
@@ -113,6 +125,8 @@ class Metrics:
             "pool_slots_used": self.pool_slots_used,
             "pool_slots_total": self.pool_slots_total,
             "state_bytes_per_session": self.state_bytes_per_session,
+            "pool_reserved_bytes": self.pool_reserved_bytes,
+            "host_state_bytes": self.host_state_bytes,
         }
         for key, gauge in gauges.items():
             if key in stats:
@@ -125,6 +139,8 @@ class Metrics:
             counts: Mapping[str, int] = stats["sessions"]
             for location in {*SESSION_LOCATIONS, *counts}:
                 self.sessions.labels(location=location).set(counts.get(location, 0))
+        for kind, count in stats.get("session_moves", {}).items():
+            self.session_moves.labels(kind=kind).set(count)
         self.gpu_memory_allocated.set(stats.get("gpu_memory_allocated", 0))
         self.gpu_memory_reserved.set(stats.get("gpu_memory_reserved", 0))
 

@@ -238,7 +238,16 @@ def router(owner_dependency: Callable) -> APIRouter:
     @api.get("/v1/models", response_model=ModelList, responses=error_responses(401))
     async def list_models(request: Request, owner: str | None = Depends(owner_dependency)) -> ModelList:  # noqa: B008
         """The model this server serves."""
-        return ModelList(data=[ModelCard(id=state_of(request).model_name)])
+        state = state_of(request)
+        pool = state.engine.llm.pool
+        card = ModelCard(
+            id=state.model_name,
+            max_prompt_tokens=state.settings.max_prompt_tokens,
+            max_output_tokens=state.settings.max_output_tokens,
+            max_context=pool.max_context if pool.bytes_per_token() else None,
+            state_bytes_per_session=pool.bytes_per_session(),
+        )
+        return ModelList(data=[card])
 
     @api.post("/v1/completions", response_model=CompletionResponse, responses=errors)
     async def completions(

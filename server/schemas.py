@@ -665,6 +665,13 @@ class ModelCard(ResponseModel):
     object: Literal["model"] = "model"
     created: int = Field(default_factory=_now)
     owned_by: str = "kvfree"
+    # Extensions (as vLLM's max_model_len): the server's limits, so clients and load tests need not probe for them.
+    max_prompt_tokens: int | None = Field(default=None, description="Longest prompt accepted (tokens).")
+    max_output_tokens: int | None = Field(default=None, description="Largest max_tokens accepted.")
+    max_context: int | None = Field(
+        default=None, description="Prompt + output limit of models with attention layers; null: no limit (recurrent)."
+    )
+    state_bytes_per_session: int | None = Field(default=None, description="Reserved state bytes per pool slot.")
 
 
 class ModelList(ResponseModel):

@@ -1376,3 +1376,28 @@ def test_session_state_bytes_are_constant_for_recurrent_and_grow_for_attention(t
                 float(line.split()[-1]) for line in metrics.splitlines() if line.startswith("kvfree_state_bytes_in_use")
             )
             assert in_use == short["state_bytes"] + long["state_bytes"]
+
+
+def test_models_card_and_metrics_expose_limits_and_memory(tmp_path) -> None:
+    """/v1/models tells the limits a load test would otherwise probe for; /metrics the pool and host memory."""
+    from fastapi.testclient import TestClient
+
+    from engine.presets import init_checkpoint
+    from server.app import create_app
+    from server.settings import ServerSettings
+
+    path = init_checkpoint("tiny-attention", tmp_path / "att")
+    settings = ServerSettings(model=path, max_context=512, max_prompt_tokens=300, max_output_tokens=40, max_sessions=2)
+    with TestClient(create_app(settings)) as client:
+        card = client.get("/v1/models").json()["data"][0]
+        assert (card["max_prompt_tokens"], card["max_output_tokens"], card["max_context"]) == (300, 40, 512)
+        per_slot = card["state_bytes_per_session"]
+        assert per_slot == 4 * 2 * 512 * 2 * 32 * 4 + 4 * 8  # KV cache at max_context + the length counters
+        metrics = {
+            line.split()[0]: float(line.split()[-1])
+            for line in client.get("/metrics").text.splitlines()
+            if line.startswith("kvfree_") and " " in line
+        }
+        assert metrics["kvfree_pool_reserved_bytes"] == 2 * per_slot
+        assert metrics["kvfree_host_state_bytes"] == 0
+        assert 'kvfree_session_moves{kind="evictions"}' in metrics
