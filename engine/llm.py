@@ -2,7 +2,8 @@
 
 from __future__ import annotations
 
-from collections import deque
+import itertools
+import sys
 from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
@@ -14,7 +15,9 @@ from checkpoints import default_checkpoint_path
 from engine.loader import load_model
 from engine.model_runner import ModelRunner
 from engine.sampling import SamplingParams
+from engine.scheduler import Request, RequestOutput, Scheduler
 from engine.sequence import Sequence, TokenLogprob
+from engine.sessions import SessionManager
 from engine.state_pool import StatePool
 from engine.tokenizer import Tokenizer
 
@@ -40,7 +43,7 @@ class LLM:
         device, dtype: where and how to run ("auto": CUDA + bf16 when available, else CPU + fp32).
         max_sessions: state-pool slots, i.e. sequences decoded at once.
         max_context: tokens of context per session for models with full attention (sizes the KV cache).
-        prefill_chunk: most prompt tokens fed per prefill call (bounds activation memory for long prompts).
+        prefill_chunk: tokens per engine step, decode tokens included (bounds activation memory for long prompts).
         config_overrides: config values to replace at load, by dotted key, e.g. `{"gka.num_iter": 10}`.
     """
 
@@ -61,6 +64,9 @@ class LLM:
         self.pool = StatePool(self.model, max_sessions, max_context)
         self.runner = ModelRunner(self.model, self.pool)
         self.prefill_chunk = prefill_chunk
+        self._scheduler: Scheduler | None = None
+        self._ids = itertools.count()
+        self.last_sequence: Sequence | None = None
 
     @property
     def config(self):
@@ -77,65 +83,44 @@ class LLM:
             raise ValueError(f"prompt token id {bad[0]!r} is outside the vocabulary [0, {vocab})")
         return ids
 
-    def new_sequence(self, prompt: Prompt, params: SamplingParams) -> Sequence:
+    def _request(self, prompt: Prompt, params: SamplingParams, outputs: list[RequestOutput]) -> Request:
+        """A checked scheduler request whose outputs are appended to `outputs`."""
         ids = self.encode(prompt)
         if self.pool.bytes_per_token() and len(ids) + params.max_tokens > self.pool.max_context:
             raise ValueError(
                 f"prompt ({len(ids)} tokens) plus max_tokens ({params.max_tokens}) exceeds this model's "
                 f"max_context of {self.pool.max_context} tokens"
             )
-        return Sequence.create(ids, params, self.tokenizer, self.config.vocab_size, self.model.device)
+        return Request(f"llm-{next(self._ids)}", ids, params, emit=outputs.append)
 
-    # -- the step loop ----------------------------------------------------------------------------------------
-    def _prefill(self, seqs: list[Sequence]) -> None:
-        """Prefill whole prompts, at most `prefill_chunk` tokens per call, then sample each first token."""
-        offsets = [0] * len(seqs)
-        last_logits: dict[int, torch.Tensor] = {}
-        while any(o < len(s.prompt_token_ids) for o, s in zip(offsets, seqs, strict=True)):
-            budget, batch, chunks = self.prefill_chunk, [], []
-            for i, seq in enumerate(seqs):
-                remaining = len(seq.prompt_token_ids) - offsets[i]
-                if remaining and budget:
-                    n = min(remaining, budget)
-                    batch.append(i)
-                    chunks.append(seq.prompt_token_ids[offsets[i] : offsets[i] + n])
-                    offsets[i] += n
-                    budget -= n
-            logits = self.runner.prefill([seqs[i] for i in batch], chunks)
-            for row, i in enumerate(batch):
-                if offsets[i] == len(seqs[i].prompt_token_ids):
-                    last_logits[i] = logits[row]
-        self.runner.sample(seqs, torch.stack([last_logits[i] for i in range(len(seqs))]))
+    @property
+    def scheduler(self) -> Scheduler:
+        """The same continuous-batching scheduler the server uses, over this LLM's pool (created on first use, so
+        a server, which builds its own over the same pool, never makes this one)."""
+        if self._scheduler is None:
+            # Offline requests hold slots only while they run: no session tiers, no snapshots.
+            sessions = SessionManager(self.pool, fingerprint="offline", max_host_sessions=0)
+            self._scheduler = Scheduler(
+                self.runner, sessions, self.tokenizer, max_waiting=sys.maxsize, max_batch_tokens=self.prefill_chunk
+            )
+        return self._scheduler
 
-    def _run(self, seqs: list[Sequence]) -> Iterator[Sequence]:
-        """Continuous batching: admit while slots are free, decode all running, free slots as sequences finish.
-        Yields each sequence after every token it gets (so callers can stream)."""
-        waiting, running = deque(seqs), []
+    def _drive(self, requests: list[Request]) -> Iterator[None]:
+        """Step the scheduler until `requests` are done, yielding after each step (so callers can stream). If the
+        caller stops early or a step fails, the requests are aborted and their slots freed."""
+        scheduler = self.scheduler
+        for req in requests:
+            scheduler.add(req)
         try:
-            while waiting or running:
-                admitted = []
-                while waiting and self.pool.free_slots:
-                    seq = waiting.popleft()
-                    seq.slot = self.pool.alloc()
-                    admitted.append(seq)
-                if admitted:
-                    self._prefill(admitted)
-                    running += admitted
-                    yield from admitted
-                decoding = [s for s in running if not s.finished]
-                if decoding:
-                    self.runner.sample(decoding, self.runner.decode(decoding))
-                    yield from decoding
-                for seq in running:
-                    if seq.finished:
-                        self.pool.free(seq.slot)
-                        seq.slot = None
-                running = [s for s in running if s.slot is not None]
+            while scheduler.has_work:
+                scheduler.step()
+                yield
         finally:
-            for seq in running:  # the caller stopped early: give the slots back
-                if seq.slot is not None:
-                    self.pool.free(seq.slot)
-                    seq.slot = None
+            if scheduler.has_work:
+                for req in requests:
+                    scheduler.abort(req.request_id)
+                while scheduler.has_work:  # aborted sequences only need their slots freed: no model calls
+                    scheduler.step()
 
     def generate(
         self, prompts: Prompt | list[Prompt], params: SamplingParams | list[SamplingParams] | None = None
@@ -147,25 +132,30 @@ class LLM:
         per_prompt = params if isinstance(params, list) else [params] * len(prompts)
         if len(per_prompt) != len(prompts):
             raise ValueError(f"got {len(per_prompt)} SamplingParams for {len(prompts)} prompts")
-        seqs = [self.new_sequence(p, sp) for p, sp in zip(prompts, per_prompt, strict=True)]
-        for _ in self._run(seqs):
+        outputs: list[list[RequestOutput]] = [[] for _ in prompts]
+        requests = [self._request(p, sp, out) for p, sp, out in zip(prompts, per_prompt, outputs, strict=True)]
+        for _ in self._drive(requests):
             pass
-        return [
-            CompletionOutput(
-                prompt_token_ids=s.prompt_token_ids,
-                token_ids=s.output_token_ids,
-                text=s.text,
-                finish_reason=s.finish_reason or "length",
-                logprobs=s.logprobs if s.params.logprobs is not None else None,
-            )
-            for s in seqs
-        ]
+        return [_completion(req, outs) for req, outs in zip(requests, outputs, strict=True)]
 
     def stream(self, prompt: Prompt, params: SamplingParams | None = None) -> Iterator[str]:
         """Complete one prompt, yielding text as it is produced. `last_sequence` holds the record afterwards."""
-        seq = self.new_sequence(prompt, params or SamplingParams())
-        self.last_sequence = seq
-        for _ in self._run([seq]):
-            delta = seq.take_delta()
-            if delta:
-                yield delta
+        outputs: list[RequestOutput] = []
+        req = self._request(prompt, params or SamplingParams(), outputs)
+        for _ in self._drive([req]):
+            self.last_sequence = req.sequences[0] if req.sequences else None
+            while outputs:
+                delta = outputs.pop(0).text
+                if delta:
+                    yield delta
+
+
+def _completion(req: Request, outputs: list[RequestOutput]) -> CompletionOutput:
+    """Assemble one request's streamed outputs into its result."""
+    return CompletionOutput(
+        prompt_token_ids=req.prompt_token_ids,
+        token_ids=[t for out in outputs for t in out.token_ids],
+        text="".join(out.text for out in outputs),
+        finish_reason=next((o.finish_reason for o in reversed(outputs) if o.finish_reason), "length"),
+        logprobs=[lp for out in outputs for lp in out.logprobs] if req.params.logprobs is not None else None,
+    )
