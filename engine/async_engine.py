@@ -142,7 +142,7 @@ class AsyncEngine:
             req.emit(exc)  # type: ignore[arg-type]
             for seq in req.sequences:
                 seq.finish_reason = seq.finish_reason or "abort"
-                seq.consumed.clear()
+                seq.prefilled = seq.decoded = 0  # nothing of the failed batch stays in the reset session
             if req.session is not None:
                 if req.session.slot is not None:
                     self.llm.pool.reset(req.session.slot)

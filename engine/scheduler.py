@@ -116,7 +116,7 @@ class Scheduler:
         if decoding:
             logits = self.runner.decode(decoding)
             for seq in decoding:
-                seq.fed(seq.output_token_ids[-1])
+                seq.decoded += 1
             self.runner.sample(decoding, logits)
             self._emit(decoding)
         self._prefill(budget=max(1, self.max_batch_tokens - len(decoding)))
@@ -200,7 +200,6 @@ class Scheduler:
         done_rows = []
         for row, (seq, chunk) in enumerate(zip(batch, chunks, strict=True)):
             seq.prefilled += len(chunk)
-            seq.fed_many(chunk)
             if seq.prefilled == len(seq.to_prefill):
                 done_rows.append(row)
         for row in done_rows:

@@ -39,14 +39,14 @@ class Sequence:
     # Penalty bookkeeping, created only for requests that use penalties: [V] counts and prompt membership.
     counts: torch.Tensor | None = None
     prompt_mask: torch.Tensor | None = None
-    # Serving bookkeeping (engine/scheduler.py): which request and choice this is, the prompt part still to feed
-    # (a session may already hold the rest), how much of it is in, and every token fed into the state since.
+    # Serving bookkeeping (engine/scheduler.py): which request and choice this is, the prompt part to feed (a
+    # session may already hold the rest), how much of it is in, and how many output tokens decode fed back.
     request_id: str = ""
     index: int = 0
     to_prefill: list[int] = field(default_factory=list)
     prefilled: int = 0
     prefill_done: bool = False
-    consumed: list[int] = field(default_factory=list)
+    decoded: int = 0
     emitted_tokens: int = 0
     session: object | None = None
     _text: str = ""  # output text with any stop string cut off
@@ -78,13 +78,10 @@ class Sequence:
     def text(self) -> str:
         return self._text
 
-    def fed(self, token_id: int) -> None:
-        """Record that `token_id` went into the state (a decode step)."""
-        self.consumed.append(token_id)
-
-    def fed_many(self, token_ids: list[int]) -> None:
-        """Record that a prefill chunk went into the state."""
-        self.consumed.extend(token_ids)
+    @property
+    def consumed(self) -> list[int]:
+        """Every token this sequence fed into its state: the prefilled prompt part, then the decoded outputs."""
+        return self.to_prefill[: self.prefilled] + self.output_token_ids[: self.decoded]
 
     def append(self, token_id: int, logprob: TokenLogprob | None = None) -> None:
         """Record a sampled token and decide whether the sequence is finished."""
