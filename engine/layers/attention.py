@@ -95,9 +95,10 @@ class AttentionMixer(Mixer):
         q, k, v = self._qkv(x)  # [B, H, D]
         n = state["length"].index_select(0, slots)  # [B] tokens seen before this one
         capacity = state["k"].shape[1]
-        if self.window is None and int(n.max()) >= capacity:
+        longest = int(n.max())  # the one host sync of this step: it sizes the keys gathered below
+        if self.window is None and longest >= capacity:
             raise ContextOverflowError(
-                f"a session reached {int(n.max()) + 1} tokens but the attention KV cache holds {capacity} "
+                f"a session reached {longest + 1} tokens but the attention KV cache holds {capacity} "
                 "(raise max_context)"
             )
         # apply_rope's token axis is the batch axis here: one position per session.
@@ -108,7 +109,7 @@ class AttentionMixer(Mixer):
         state["v"][slots, idx] = v.to(state["v"].dtype)
         # Only the first min(n+1, S) cache entries hold this session's keys; for the ring that is all of them
         # once it has wrapped, and RoPE already encodes the positions so entry order does not matter.
-        used = int(torch.clamp(n + 1, max=capacity).max())
+        used = min(longest + 1, capacity)
         keys = state["k"][slots, :used]
         values = state["v"][slots, :used]
         mask = torch.arange(used, device=x.device)[None, :] < (n + 1)[:, None]
