@@ -17,7 +17,18 @@ from engine.layers.bmojo import BMojoMixer, state_bytes
 from engine.model import HybridLM
 from engine.state_pool import StatePool
 from kernels.bmojo import eidetic_update
-from tests.conftest import VOCAB, randomize, rel_err
+from tests.conftest import (
+    VOCAB,
+    assert_states_close,
+    greedy,
+    mixer_decode_all,
+    mixer_prefill,
+    model_prefill,
+    random_ids,
+    randomize,
+    rel_err,
+    state_rows,
+)
 
 TOL = 1e-5
 D = 32
@@ -75,26 +86,6 @@ def mixer_and_pool(seed: int = 0, capacity: int = 4, **bmojo) -> tuple[BMojoMixe
     model = make_model(["bmojo"], seed=seed, **bmojo)
     pool = StatePool(model, capacity=capacity)
     return model.layers[0].mixer, pool.tensors[0], pool
-
-
-def prefill(mixer: BMojoMixer, state: dict, slot: int, x: torch.Tensor) -> torch.Tensor:
-    return mixer.prefill(x, state, PrefillBatch(torch.tensor([slot]), [x.shape[0]]))
-
-
-def decode_all(mixer: BMojoMixer, state: dict, slot: int, x: torch.Tensor) -> torch.Tensor:
-    return torch.cat([mixer.decode(x[t : t + 1], state, torch.tensor([slot])) for t in range(x.shape[0])])
-
-
-def rows(state: dict, slot: int) -> dict[str, torch.Tensor]:
-    return {k: v[slot].clone() for k, v in state.items()}
-
-
-def assert_states_close(a: dict, b: dict, tol: float = TOL) -> None:
-    for name in a:
-        if a[name].is_floating_point():
-            assert rel_err(a[name], b[name]) <= tol, name
-        else:
-            assert torch.equal(a[name], b[name]), name
 
 
 # ---------------------------------------------------------------------------------------------------------------
@@ -223,8 +214,8 @@ def test_forward_prefill_decode_match_float64_oracle(variant: str) -> None:
     u = torch.randn(2, T, D, generator=torch.Generator().manual_seed(4))
     ref = torch.stack([oracle_set_definition(mixer, u[b]) for b in range(2)])
     assert rel_err(mixer(u), ref) <= TOL  # batched training forward
-    assert rel_err(prefill(mixer, state, 0, u[1]), ref[1]) <= TOL
-    assert rel_err(decode_all(mixer, state, 1, u[1]), ref[1]) <= TOL
+    assert rel_err(mixer_prefill(mixer, state, 0, u[1]), ref[1]) <= TOL
+    assert rel_err(mixer_decode_all(mixer, state, 1, u[1]), ref[1]) <= TOL
 
 
 # ---------------------------------------------------------------------------------------------------------------
@@ -239,14 +230,14 @@ def test_prefill_equals_decode_steps(variant: str, prefix_len: int) -> None:
     prefix, x = torch.randn(prefix_len, D, generator=gen), torch.randn(3 * mixer.w + 2, D, generator=gen)
     for slot in (0, 1):
         if prefix_len:
-            prefill(mixer, state, slot, prefix)
-    y_prefill = prefill(mixer, state, 0, x)
-    y_decode = decode_all(mixer, state, 1, x)
+            mixer_prefill(mixer, state, slot, prefix)
+    y_prefill = mixer_prefill(mixer, state, 0, x)
+    y_decode = mixer_decode_all(mixer, state, 1, x)
     assert rel_err(y_prefill, y_decode) <= TOL
-    assert_states_close(rows(state, 0), rows(state, 1))
+    assert_states_close(state_rows(state, 0), state_rows(state, 1))
     # And they keep agreeing afterwards (prefill -> decode hand-off), across the next chunk boundary.
     more = torch.randn(mixer.w + 1, D, generator=gen)
-    assert rel_err(decode_all(mixer, state, 0, more), decode_all(mixer, state, 1, more)) <= TOL
+    assert rel_err(mixer_decode_all(mixer, state, 0, more), mixer_decode_all(mixer, state, 1, more)) <= TOL
 
 
 @pytest.mark.parametrize("variant", list(VARIANTS))
@@ -257,31 +248,13 @@ def test_random_splits_and_decode_tail_equal_one_prefill(variant: str, seed: int
     gen = torch.Generator().manual_seed(10 + seed)
     w, T = mixer.w, 6 * mixer.w + 3
     x = torch.randn(T, D, generator=gen)
-    whole = prefill(mixer, state, 0, x)
+    whole = mixer_prefill(mixer, state, 0, x)
     cuts = set(torch.randperm(T - 8, generator=gen)[:4].add(1).tolist()) | {w, 3 * w}
     cuts = sorted(c for c in cuts if c < T - 7)
-    pieces = [prefill(mixer, state, 1, x[a:b]) for a, b in zip([0, *cuts], [*cuts, T - 7], strict=True)]
-    pieces.append(decode_all(mixer, state, 1, x[T - 7 :]))
+    pieces = [mixer_prefill(mixer, state, 1, x[a:b]) for a, b in zip([0, *cuts], [*cuts, T - 7], strict=True)]
+    pieces.append(mixer_decode_all(mixer, state, 1, x[T - 7 :]))
     assert rel_err(torch.cat(pieces), whole) <= TOL
-    assert_states_close(rows(state, 1), rows(state, 0))
-
-
-def test_packed_prefill_equals_separate() -> None:
-    mixer, state, _ = mixer_and_pool(seed=6)
-    gen = torch.Generator().manual_seed(7)
-    lens = [5, 19, 1, 8]
-    xs = [torch.randn(n, D, generator=gen) for n in lens]
-    for slot in range(4):  # distinct starting states, some chunk-aligned (8, 16) and some not
-        prefill(mixer, state, slot, torch.randn([3, 8, 16, 13][slot], D, generator=gen))
-    saved = {k: v.clone() for k, v in state.items()}
-    alone = [prefill(mixer, state, slot, x) for slot, x in enumerate(xs)]
-    after_alone = {k: v.clone() for k, v in state.items()}
-    for k in state:
-        state[k].copy_(saved[k])
-    packed = mixer.prefill(torch.cat(xs), state, PrefillBatch(torch.tensor([0, 1, 2, 3]), lens))
-    assert rel_err(packed, torch.cat(alone)) <= TOL
-    for slot in range(4):
-        assert_states_close(rows(state, slot), {k: v[slot] for k, v in after_alone.items()})
+    assert_states_close(state_rows(state, 1), state_rows(state, 0))
 
 
 @pytest.mark.parametrize("layers", [["bmojo"], ["bmojo", "mamba2", "bmojo"]])
@@ -313,8 +286,8 @@ def test_selection_parity_between_paths_and_oracle() -> None:
     mixer, state, _ = mixer_and_pool(seed=11)
     w, m_e = mixer.w, mixer.m_e
     u = torch.randn(12 * w + 5, D, generator=torch.Generator().manual_seed(11))
-    prefill(mixer, state, 0, u)
-    decode_all(mixer, state, 1, u)
+    mixer_prefill(mixer, state, 0, u)
+    mixer_decode_all(mixer, state, 1, u)
     s = (u.shape[0] // w) * w
     expected = topm_positions(oracle_intermediates(mixer, u)["eps"], s, m_e)
     agree = len(set(state["eid_pos"][0].tolist()) & set(expected)) / m_e
@@ -387,8 +360,8 @@ def test_ring_holds_exactly_the_last_w_tokens(T: int) -> None:
     mixer, state, _ = mixer_and_pool(seed=13)
     w = mixer.w
     u = torch.randn(T, D, generator=torch.Generator().manual_seed(T))
-    prefill(mixer, state, 0, u[: T // 2])
-    prefill(mixer, state, 0, u[T // 2 :])
+    mixer_prefill(mixer, state, 0, u[: T // 2])
+    mixer_prefill(mixer, state, 0, u[T // 2 :])
     ref = oracle_intermediates(mixer, u)
     held = list(range(max(0, T - w), T))
     slots = [p % w for p in held]
@@ -404,58 +377,18 @@ def test_ring_holds_exactly_the_last_w_tokens(T: int) -> None:
 # ---------------------------------------------------------------------------------------------------------------
 # Pool-level invariants: snapshot/restore, interleaved sessions, freed slots, bytes.
 # ---------------------------------------------------------------------------------------------------------------
-def _model_prefill(model: HybridLM, pool: StatePool, slot: int, ids: list[int], chunk: int = 4096) -> torch.Tensor:
-    logits = None
-    for start in range(0, len(ids), chunk):
-        piece = torch.tensor(ids[start : start + chunk])
-        logits = model.prefill(piece, pool.tensors, PrefillBatch(torch.tensor([slot]), [len(piece)]))
-    return logits[0]
-
-
-def _greedy(model: HybridLM, pool: StatePool, slots: list[int], first: list[int], steps: int):
-    tokens, ids, logits_all = [[] for _ in slots], torch.tensor(first), []
-    for _ in range(steps):
-        logits = model.decode(ids, pool.tensors, torch.tensor(slots))
-        logits_all.append(logits)
-        ids = logits.argmax(-1)
-        for row, t in enumerate(ids.tolist()):
-            tokens[row].append(t)
-    return tokens, torch.stack(logits_all, 1)
-
-
-def _ids(n: int, seed: int) -> list[int]:
-    return torch.randint(0, 256, (n,), generator=torch.Generator().manual_seed(seed)).tolist()
-
-
 def test_snapshot_restore_mid_sequence_continues_identically() -> None:
     model = make_model(["bmojo", "mamba2", "bmojo"], seed=14, mlp=True)
     pool = StatePool(model, capacity=2)
-    first = int(_model_prefill(model, pool, 1, _ids(21, 14)).argmax())  # mid-chunk (w = 8)
-    warm, _ = _greedy(model, pool, [1], [first], 4)
+    first = int(model_prefill(model, pool, 1, random_ids(21, 14)).argmax())  # mid-chunk (w = 8)
+    warm, _ = greedy(model, pool, [1], [first], 4)
     snapshot = pool.export(1)
-    expected, logits = _greedy(model, pool, [1], [warm[0][-1]], 20)  # crosses two chunk boundaries
+    expected, logits = greedy(model, pool, [1], [warm[0][-1]], 20)  # crosses two chunk boundaries
     other = StatePool(model, capacity=3)
     other.import_(2, snapshot)
-    got, got_logits = _greedy(model, other, [2], [warm[0][-1]], 20)
+    got, got_logits = greedy(model, other, [2], [warm[0][-1]], 20)
     assert got == expected
     assert torch.equal(got_logits, logits)
-
-
-def test_interleaved_sessions_match_each_alone() -> None:
-    """Sessions at different chunk phases decoded in one batch (publishes hit a subset of rows) == each alone."""
-    model = make_model(["bmojo", "bmojo"], seed=15, mlp=True)
-    prompts = [_ids(13, 1), _ids(30, 2), _ids(8, 3)]
-    slots = [2, 0, 3]
-    pool = StatePool(model, capacity=4)
-    firsts = [int(_model_prefill(model, pool, s, p).argmax()) for s, p in zip(slots, prompts, strict=True)]
-    together, logits_together = _greedy(model, pool, slots, firsts, 19)
-    for row, prompt in enumerate(prompts):
-        alone_pool = StatePool(model, capacity=1)
-        first = int(_model_prefill(model, alone_pool, 0, prompt).argmax())
-        alone, logits_alone = _greedy(model, alone_pool, [0], [first], 19)
-        assert together[row] == alone[0]
-        assert rel_err(logits_together[row], logits_alone[0]) <= TOL
-    assert not any(t.any() for t in pool.export(1).values())  # the idle slot was never touched
 
 
 def test_freed_slot_keeps_nothing_of_the_old_session() -> None:
@@ -463,7 +396,7 @@ def test_freed_slot_keeps_nothing_of_the_old_session() -> None:
     pool = StatePool(model, capacity=2)
     fresh = {k: v.clone() for k, v in pool.export(0).items()}
     slot = pool.alloc()
-    _model_prefill(model, pool, slot, _ids(45, 3))
+    model_prefill(model, pool, slot, random_ids(45, 3))
     assert any(v.any() for k, v in pool.export(slot).items() if k.endswith("eid_k"))
     pool.free(slot)
     again = pool.alloc()
@@ -471,8 +404,8 @@ def test_freed_slot_keeps_nothing_of_the_old_session() -> None:
     for key, tensor in pool.export(again).items():
         assert torch.equal(tensor, fresh[key]), key
     new_pool = StatePool(model, capacity=1)
-    prompt = _ids(19, 4)
-    assert torch.equal(_model_prefill(model, pool, again, prompt), _model_prefill(model, new_pool, 0, prompt))
+    prompt = random_ids(19, 4)
+    assert torch.equal(model_prefill(model, pool, again, prompt), model_prefill(model, new_pool, 0, prompt))
 
 
 def test_bytes_per_session_constant_and_equal_to_formula() -> None:
@@ -480,8 +413,8 @@ def test_bytes_per_session_constant_and_equal_to_formula() -> None:
     2*Hkv*dh*(w + m_f + m_e)*b + 4*(w + m_e) + 8*m_e + 3*8 + 4*H_s*P*N + b*(K-1)*(H_s*P + 2*G*N) + 4*L*d."""
     model = make_model(["bmojo", "bmojo"], seed=17)
     pool = StatePool(model, capacity=2, max_context=64)
-    _model_prefill(model, pool, 0, _ids(10, 8))
-    _model_prefill(model, pool, 1, _ids(3000, 9), chunk=1000)
+    model_prefill(model, pool, 0, random_ids(10, 8))
+    model_prefill(model, pool, 1, random_ids(3000, 9), chunk=1000)
     c = model.config.bmojo
     b = 4  # fp32 activations on CPU
     per_layer = (
@@ -506,7 +439,7 @@ def test_state_stays_bounded_and_exact_at_a_million_positions() -> None:
     mixer, state, pool = mixer_and_pool(seed=18)
     gen = torch.Generator().manual_seed(18)
     w = mixer.w
-    prefill(mixer, state, 0, torch.randn(5 * w + 3, D, generator=gen))
+    mixer_prefill(mixer, state, 0, torch.randn(5 * w + 3, D, generator=gen))
     before = pool.session_bytes(0)
     shift = (1_000_000 // w) * w  # keep the chunk phase, move every stored position by `shift`
     state["t"][0] += shift
@@ -514,8 +447,8 @@ def test_state_stays_bounded_and_exact_at_a_million_positions() -> None:
     for name in state:
         state[name][1].copy_(state[name][0])
     x = torch.randn(3 * w + 1, D, generator=gen)
-    assert rel_err(prefill(mixer, state, 0, x), decode_all(mixer, state, 1, x)) <= TOL
-    assert_states_close(rows(state, 0), rows(state, 1))
+    assert rel_err(mixer_prefill(mixer, state, 0, x), mixer_decode_all(mixer, state, 1, x)) <= TOL
+    assert_states_close(state_rows(state, 0), state_rows(state, 1))
     assert int(state["t"][0]) == shift + 8 * w + 4 and int(state["eid_pos"][0].min()) >= 0
     assert pool.session_bytes(0) == before
 
@@ -530,8 +463,8 @@ def test_16k_session_is_finite_and_decode_matches_chunked_prefill() -> None:
     model = make_model(["bmojo", "bmojo"], seed=19, window=32, eidetic_tokens=8, ssm_chunk_size=64)
     pool = StatePool(model, capacity=2)
     n, tail = 16_384, 64
-    ids = _ids(n, 19)
-    _model_prefill(model, pool, 0, ids[: n - tail], chunk=4000)  # 4000 is not a multiple of w: mid-chunk splits
+    ids = random_ids(n, 19)
+    model_prefill(model, pool, 0, ids[: n - tail], chunk=4000)  # 4000 is not a multiple of w: mid-chunk splits
     step_logits = torch.stack(
         [model.decode(torch.tensor([i]), pool.tensors, torch.tensor([0]))[0] for i in ids[n - tail :]]
     )
@@ -542,7 +475,7 @@ def test_16k_session_is_finite_and_decode_matches_chunked_prefill() -> None:
     for layer in pool.tensors:
         assert int(layer["t"][0]) == int(layer["t"][1]) == n
         assert layer["eid_pos"][0].tolist() == layer["eid_pos"][1].tolist()
-        assert_states_close(rows(layer, 0), rows(layer, 1), tol=1e-4)
+        assert_states_close(state_rows(layer, 0), state_rows(layer, 1), tol=1e-4)
     assert time.perf_counter() - start < 120
 
 

@@ -27,7 +27,17 @@ from engine.loader import load_model, save_model
 from engine.model import HybridLM
 from engine.state_pool import StatePool
 from kernels.gka import gka_chunked, gka_step, omega_schedule
-from tests.conftest import VOCAB, randomize, rel_err
+from tests.conftest import (
+    VOCAB,
+    assert_states_close,
+    greedy,
+    mixer_prefill,
+    model_prefill,
+    random_ids,
+    randomize,
+    rel_err,
+    state_rows,
+)
 
 HIDDEN = 32
 GKA = {"num_heads": 2, "head_dim": 8, "value_head_dim": 6, "chunk_size": 8}  # Dv != D catches transposes
@@ -70,19 +80,6 @@ def make_model(layers: list[str] | None = None, seed: int = 0, mlp: bool = False
 def new_state(mixer, capacity: int, dtype: torch.dtype) -> dict[str, torch.Tensor]:
     """A state dict like the pool's, in `dtype` throughout (float64 runs keep H and S in float64 too)."""
     return {n: torch.zeros((capacity, *s.shape), dtype=dtype) for n, s in mixer.state_specs(0).items()}
-
-
-def prefill(mixer, state, slot: int, x: torch.Tensor) -> torch.Tensor:
-    return mixer.prefill(x, state, PrefillBatch(torch.tensor([slot]), [x.shape[0]]))
-
-
-def rows(state, slot: int) -> dict[str, torch.Tensor]:
-    return {k: v[slot].clone() for k, v in state.items()}
-
-
-def assert_states_close(a: dict, b: dict, tol: float) -> None:
-    for name in a:
-        assert rel_err(a[name], b[name]) <= tol, name
 
 
 def unit(x: torch.Tensor) -> torch.Tensor:
@@ -368,8 +365,8 @@ def _parity_prefill_vs_decode(dtype: torch.dtype, T: int, seed: int) -> tuple[fl
     gen = torch.Generator().manual_seed(seed)
     prefix, x = torch.randn(11, HIDDEN, generator=gen, dtype=dtype), torch.randn(T, HIDDEN, generator=gen, dtype=dtype)
     for slot in (0, 1):
-        prefill(mixer, state, slot, prefix)
-    y_prefill = prefill(mixer, state, 0, x)
+        mixer_prefill(mixer, state, slot, prefix)
+    y_prefill = mixer_prefill(mixer, state, 0, x)
     y_decode = torch.cat([mixer.decode(x[t : t + 1], state, torch.tensor([1])) for t in range(T)])
     assert y_prefill.shape == (T, HIDDEN)
     worst_state = max(rel_err(state[n][1], state[n][0]) for n in state)
@@ -392,11 +389,11 @@ def test_split_prefill_equals_one_prefill(dtype: torch.dtype) -> None:
     state = new_state(mixer, 2, dtype)
     T = 45
     x = torch.randn(T, HIDDEN, generator=gen, dtype=dtype)
-    whole = prefill(mixer, state, 0, x)
+    whole = mixer_prefill(mixer, state, 0, x)
     cuts = sorted(torch.randperm(T - 1, generator=gen)[:4].add(1).tolist())
-    pieces = [prefill(mixer, state, 1, x[a:b]) for a, b in zip([0, *cuts], [*cuts, T], strict=True)]
+    pieces = [mixer_prefill(mixer, state, 1, x[a:b]) for a, b in zip([0, *cuts], [*cuts, T], strict=True)]
     assert rel_err(torch.cat(pieces), whole) <= (FP64_TOL if dtype == F64 else OUT_TOL)
-    assert_states_close(rows(state, 1), rows(state, 0), 1e-12 if dtype == F64 else STATE_TOL)
+    assert_states_close(state_rows(state, 1), state_rows(state, 0), 1e-12 if dtype == F64 else STATE_TOL)
 
 
 @pytest.mark.parametrize("dtype", [F64, torch.float32])
@@ -408,16 +405,18 @@ def test_packed_prefill_equals_separate(dtype: torch.dtype) -> None:
     lens = [5, 19, 1]
     xs = [torch.randn(n, HIDDEN, generator=gen, dtype=dtype) for n in lens]
     for slot in range(3):
-        prefill(mixer, state, slot, torch.randn(4 + slot, HIDDEN, generator=gen, dtype=dtype))
+        mixer_prefill(mixer, state, slot, torch.randn(4 + slot, HIDDEN, generator=gen, dtype=dtype))
     saved = {k: v.clone() for k, v in state.items()}
-    alone = [prefill(mixer, state, slot, x) for slot, x in enumerate(xs)]
+    alone = [mixer_prefill(mixer, state, slot, x) for slot, x in enumerate(xs)]
     after_alone = {k: v.clone() for k, v in state.items()}
     for k in state:
         state[k].copy_(saved[k])
     packed = mixer.prefill(torch.cat(xs), state, PrefillBatch(torch.tensor([0, 1, 2]), lens))
     assert rel_err(packed, torch.cat(alone)) <= (FP64_TOL if dtype == F64 else OUT_TOL)
     for slot in range(3):
-        assert_states_close(rows(state, slot), rows(after_alone, slot), 1e-12 if dtype == F64 else STATE_TOL)
+        assert_states_close(
+            state_rows(state, slot), state_rows(after_alone, slot), 1e-12 if dtype == F64 else STATE_TOL
+        )
 
 
 @pytest.mark.parametrize("dtype", [F64, torch.float32])
@@ -446,51 +445,17 @@ def test_training_forward_is_differentiable() -> None:
 
 
 # -- state pool: sessions, snapshots, memory -------------------------------------------------------------------------
-def _prefill_ids(model, pool, slot: int, ids: list[int]) -> torch.Tensor:
-    return model.prefill(torch.tensor(ids), pool.tensors, PrefillBatch(torch.tensor([slot]), [len(ids)]))[0]
-
-
-def _greedy(model, pool, slots: list[int], first: list[int], steps: int):
-    tokens, ids, logits_all = [[] for _ in slots], torch.tensor(first), []
-    for _ in range(steps):
-        logits = model.decode(ids, pool.tensors, torch.tensor(slots))
-        logits_all.append(logits)
-        ids = logits.argmax(-1)
-        for row, t in enumerate(ids.tolist()):
-            tokens[row].append(t)
-    return tokens, torch.stack(logits_all, 1)
-
-
-def _ids(n: int, seed: int) -> list[int]:
-    return torch.randint(0, 256, (n,), generator=torch.Generator().manual_seed(seed)).tolist()
-
-
-def test_interleaved_sessions_match_each_alone() -> None:
-    model = make_model(["gka", "gka"], seed=9, mlp=True)
-    prompts = [_ids(13, 1), _ids(30, 2)]
-    pool = StatePool(model, capacity=3)
-    firsts = [int(_prefill_ids(model, pool, slot, p).argmax()) for slot, p in zip([2, 0], prompts, strict=True)]
-    together, logits_together = _greedy(model, pool, [2, 0], firsts, 12)
-    for row, prompt in enumerate(prompts):
-        alone_pool = StatePool(model, capacity=1)
-        first = int(_prefill_ids(model, alone_pool, 0, prompt).argmax())
-        alone, logits_alone = _greedy(model, alone_pool, [0], [first], 12)
-        assert together[row] == alone[0]
-        # Projections round differently per batch size (BLAS); that rounding goes through the solve (module doc).
-        assert rel_err(logits_together[row], logits_alone[0]) <= OUT_TOL
-
-
 def test_export_import_continues_identically() -> None:
     model = make_model(["gka", "gka"], seed=7)
     pool = StatePool(model, capacity=2)
-    first = int(_prefill_ids(model, pool, 1, _ids(25, 5)).argmax())
-    warm, _ = _greedy(model, pool, [1], [first], 5)
+    first = int(model_prefill(model, pool, 1, random_ids(25, 5)).argmax())
+    warm, _ = greedy(model, pool, [1], [first], 5)
     snapshot = pool.export(1)
     assert snapshot["layers.0.h"].dtype == torch.float32
-    expected, logits_expected = _greedy(model, pool, [1], [warm[0][-1]], 15)
+    expected, logits_expected = greedy(model, pool, [1], [warm[0][-1]], 15)
     other = StatePool(model, capacity=3)
     other.import_(2, snapshot)
-    got, logits_got = _greedy(model, other, [2], [warm[0][-1]], 15)
+    got, logits_got = greedy(model, other, [2], [warm[0][-1]], 15)
     assert got == expected
     assert torch.equal(logits_got, logits_expected)
 
@@ -500,7 +465,7 @@ def test_freed_slot_keeps_nothing_of_the_old_session() -> None:
     pool = StatePool(model, capacity=2)
     fresh = {k: v.clone() for k, v in pool.export(0).items()}
     slot = pool.alloc()
-    _prefill_ids(model, pool, slot, _ids(40, 3))
+    model_prefill(model, pool, slot, random_ids(40, 3))
     assert pool.export(slot)["layers.0.h"].abs().sum() > 0
     pool.free(slot)
     again = pool.alloc()
@@ -508,8 +473,8 @@ def test_freed_slot_keeps_nothing_of_the_old_session() -> None:
     for key, tensor in pool.export(again).items():
         assert torch.equal(tensor, fresh[key]), key
     new_pool = StatePool(model, capacity=1)
-    prompt = _ids(9, 4)
-    assert torch.equal(_prefill_ids(model, pool, again, prompt), _prefill_ids(model, new_pool, 0, prompt))
+    prompt = random_ids(9, 4)
+    assert torch.equal(model_prefill(model, pool, again, prompt), model_prefill(model, new_pool, 0, prompt))
 
 
 @pytest.mark.parametrize("gka", [{}, {"use_v_conv": False, "conv_kernel": 3}])
@@ -525,7 +490,7 @@ def test_bytes_per_session_is_constant_and_matches_formula(gka: dict) -> None:
     big = StatePool(model, capacity=2, max_context=1 << 20)
     assert big.bytes_per_session() == pool.bytes_per_session() == pool.bytes_per_session(100_000)
     assert pool.bytes_per_token() == 0
-    _prefill_ids(model, pool, 0, _ids(70, 1))
+    model_prefill(model, pool, 0, random_ids(70, 1))
     assert pool.session_bytes(0) == 3 * per_layer
     # bf16 activations: the conv tail halves, H and S stay fp32.
     half = StatePool(model.to(torch.bfloat16), capacity=1)
@@ -542,7 +507,7 @@ def test_num_iter_override_at_load(tmp_path) -> None:
     with tempfile.TemporaryDirectory() as tok:
         write_byte_tokenizer(tok)
         path = save_model(model, tmp_path / "ckpt", tokenizer_from=tok)
-    ids = torch.tensor(_ids(100, 12))
+    ids = torch.tensor(random_ids(100, 12))
     default = load_model(path, device="cpu", dtype="float32")(ids[None])[0]
     fewer = load_model(path, device="cpu", dtype="float32", config_overrides={"gka.num_iter": 10})
     assert fewer.config.gka.num_iter == 10 and fewer.layers[0].mixer.cfg.num_iter == 10
@@ -576,7 +541,7 @@ def test_long_session_16k() -> None:
         model.layers[0].mixer.A_log.fill_(math.log(1e-3))
         model.layers[1].mixer.A_log.fill_(math.log(1e-5))
     T, tail = 16_384, 64
-    ids = torch.tensor(_ids(T, 14))
+    ids = torch.tensor(random_ids(T, 14))
     pool = StatePool(model, capacity=2)
     full = model.prefill(ids, pool.tensors, PrefillBatch(torch.tensor([0]), [T]), all_logits=True)
     model.prefill(ids[: T - tail], pool.tensors, PrefillBatch(torch.tensor([1]), [T - tail]))

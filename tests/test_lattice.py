@@ -21,7 +21,7 @@ from engine.layers.lattice import MU_MIN
 from engine.model import HybridLM
 from engine.state_pool import StatePool
 from kernels.lattice import lattice_recurrent, lattice_step, lattice_unnormalised_update, orthonormal_columns
-from tests.conftest import VOCAB, randomize, rel_err
+from tests.conftest import VOCAB, assert_states_close, mixer_prefill, randomize, rel_err, state_rows
 
 TOL = 1e-5
 # ENC's write coefficient c = gamma (k - S^T v) grows with the un-normalised ||v||, so its recurrence amplifies fp32
@@ -71,19 +71,6 @@ def mixer_and_state(seed: int = 0, capacity: int = 4, **lattice):
     model = make_model(seed=seed, **lattice)
     pool = make_pool(model, capacity)
     return model.layers[0].mixer, pool.tensors[0], pool
-
-
-def prefill(mixer, state, slot: int, x: torch.Tensor) -> torch.Tensor:
-    return mixer.prefill(x, state, PrefillBatch(torch.tensor([slot]), [x.shape[0]]))
-
-
-def rows(state, slot: int) -> dict[str, torch.Tensor]:
-    return {k: v[slot].clone() for k, v in state.items()}
-
-
-def assert_states_close(a: dict, b: dict, tol: float = TOL) -> None:
-    for name in a:
-        assert rel_err(a[name], b[name]) <= tol, name
 
 
 def unit_orthonormal(H: int, d: int, m: int, gen: torch.Generator) -> torch.Tensor:
@@ -237,7 +224,7 @@ def test_layer_matches_float64_spec_implementation(variant: str) -> None:
     x = torch.randn(24, D)
     ref = reference_layer(mixer, x)
     assert rel_err(mixer(x[None])[0], ref) <= TOL
-    assert rel_err(prefill(mixer, make_pool(model, 1).tensors[0], 0, x), ref) <= TOL
+    assert rel_err(mixer_prefill(mixer, make_pool(model, 1).tensors[0], 0, x), ref) <= TOL
 
 
 # -- serving invariants --------------------------------------------------------------------------------------------
@@ -248,12 +235,12 @@ def test_prefill_equals_decode_steps(variant: str, T: int) -> None:
     mixer, state, _ = mixer_and_state(variant=variant)
     prefix, x = torch.randn(11, D), torch.randn(T, D)
     for slot in (0, 1):  # both sessions start from the same non-trivial state
-        prefill(mixer, state, slot, prefix)
-    y_prefill = prefill(mixer, state, 0, x)
+        mixer_prefill(mixer, state, slot, prefix)
+    y_prefill = mixer_prefill(mixer, state, 0, x)
     y_decode = torch.cat([mixer.decode(x[t : t + 1], state, torch.tensor([1])) for t in range(T)])
     assert y_prefill.shape == (T, D)
     assert rel_err(y_prefill, y_decode) <= TOL_VARIANT[variant]
-    assert_states_close(rows(state, 0), rows(state, 1), TOL_VARIANT[variant])
+    assert_states_close(state_rows(state, 0), state_rows(state, 1), TOL_VARIANT[variant])
 
 
 @pytest.mark.parametrize(
@@ -271,60 +258,10 @@ def test_config_options_keep_forward_prefill_decode_equal(options: dict) -> None
     mixer, state = model.layers[0].mixer, make_pool(model, 2).tensors[0]
     x = torch.randn(19, D)
     y_forward = mixer(x[None])[0]
-    y_prefill = prefill(mixer, state, 0, x)
+    y_prefill = mixer_prefill(mixer, state, 0, x)
     y_decode = torch.cat([mixer.decode(x[t : t + 1], state, torch.tensor([1])) for t in range(19)])
     assert rel_err(y_prefill, y_forward) <= TOL and rel_err(y_decode, y_forward) <= TOL
-    assert_states_close(rows(state, 0), rows(state, 1))
-
-
-@pytest.mark.parametrize("seed", [0, 1, 2])
-def test_split_prefill_equals_one_prefill(seed: int) -> None:
-    gen = torch.Generator().manual_seed(seed)
-    mixer, state, _ = mixer_and_state(seed=seed)
-    T = 45
-    x = torch.randn(T, D, generator=gen)
-    whole = prefill(mixer, state, 0, x)
-    cuts = sorted(torch.randperm(T - 1, generator=gen)[:4].add(1).tolist())
-    pieces = [prefill(mixer, state, 1, x[a:b]) for a, b in zip([0, *cuts], [*cuts, T], strict=True)]
-    assert rel_err(torch.cat(pieces), whole) <= TOL
-    assert_states_close(rows(state, 1), rows(state, 0))
-
-
-def test_packed_prefill_equals_separate() -> None:
-    """Sessions of different lengths in one packed call (right-padded, masked, per-session conv tails)."""
-    torch.manual_seed(3)
-    mixer, state, _ = mixer_and_state()
-    lens = [5, 19, 1]
-    xs = [torch.randn(n, D) for n in lens]
-    for slot in (0, 1, 2):  # distinct non-trivial starting states
-        prefill(mixer, state, slot, torch.randn(4 + slot, D))
-    saved = {k: v.clone() for k, v in state.items()}
-    alone = [prefill(mixer, state, slot, x) for slot, x in enumerate(xs)]
-    after_alone = {k: v.clone() for k, v in state.items()}
-    for k in state:
-        state[k].copy_(saved[k])
-    packed = mixer.prefill(torch.cat(xs), state, PrefillBatch(torch.tensor([0, 1, 2]), lens))
-    assert rel_err(packed, torch.cat(alone)) <= TOL
-    for slot in range(3):
-        assert_states_close(rows(state, slot), {k: v[slot] for k, v in after_alone.items()})
-    assert torch.equal(state["S"][3], saved["S"][3])  # the slot not in the batch is untouched
-
-
-def test_batched_decode_rows_are_independent() -> None:
-    torch.manual_seed(4)
-    mixer, state, _ = mixer_and_state(capacity=4)
-    for slot in range(4):
-        prefill(mixer, state, slot, torch.randn(3 + 2 * slot, D))
-    saved = {k: v.clone() for k, v in state.items()}
-    xs = torch.randn(9, 3, D)
-    together = torch.stack([mixer.decode(xs[t], state, torch.tensor([2, 0, 3])) for t in range(9)])
-    for k in state:
-        state[k].copy_(saved[k])
-    for row, slot in enumerate([2, 0, 3]):
-        alone = torch.cat([mixer.decode(xs[t, row : row + 1], state, torch.tensor([slot])) for t in range(9)])
-        assert rel_err(together[:, row], alone) <= 1e-6
-    for k in state:
-        assert torch.equal(state[k][1], saved[k][1])
+    assert_states_close(state_rows(state, 0), state_rows(state, 1))
 
 
 @pytest.mark.parametrize("variant", ["dec", "sim"])
@@ -410,33 +347,6 @@ def test_snapshot_restore_mid_sequence_continues_identically() -> None:
         assert torch.equal(dst.export(2)[key], tensor), key
 
 
-def test_interleaved_sessions_match_each_alone() -> None:
-    model = make_model(("lattice", "lattice"), mlp=True, seed=10)
-    gen = torch.Generator().manual_seed(10)
-    prompts = [torch.randint(0, 256, (n,), generator=gen) for n in (13, 30)]
-    pool = make_pool(model, 3)
-    firsts = []
-    for slot, p in zip([2, 0], prompts, strict=True):
-        firsts.append(int(model.prefill(p, pool.tensors, PrefillBatch(torch.tensor([slot]), [len(p)]))[0].argmax()))
-    ids, together = torch.tensor(firsts), []
-    for _ in range(12):
-        logits = model.decode(ids, pool.tensors, torch.tensor([2, 0]))
-        together.append(logits)
-        ids = logits.argmax(-1)
-    together = torch.stack(together, 1)
-    for row, p in enumerate(prompts):
-        alone_pool = make_pool(model, 1)
-        ids = model.prefill(p, alone_pool.tensors, PrefillBatch(torch.tensor([0]), [len(p)])).argmax(-1)
-        alone = []
-        for _ in range(12):
-            logits = model.decode(ids, alone_pool.tensors, torch.tensor([0]))
-            alone.append(logits)
-            ids = logits.argmax(-1)
-        alone = torch.cat(alone)
-        assert torch.equal(together[row].argmax(-1), alone.argmax(-1))
-        assert rel_err(together[row], alone) <= TOL
-
-
 def test_fold_at_load_keeps_the_function() -> None:
     """The forget gate is trained as Eq. (16) and served folded into gamma (on_load): same function before/after."""
     torch.manual_seed(11)
@@ -451,9 +361,9 @@ def test_fold_at_load_keeps_the_function() -> None:
     def serve() -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, dict]:
         pool = make_pool(model, 1)
         state = pool.tensors[0]
-        y = prefill(mixer, state, 0, x)
+        y = mixer_prefill(mixer, state, 0, x)
         yd = torch.cat([mixer.decode(xd[t : t + 1], state, torch.tensor([0])) for t in range(5)])
-        return y, yd, mixer(x[None])[0], rows(state, 0)
+        return y, yd, mixer(x[None])[0], state_rows(state, 0)
 
     y0, yd0, f0, st0 = serve()
     assert not mixer.folded and mixer._project(x)[3] is not None

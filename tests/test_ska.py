@@ -22,7 +22,19 @@ from engine.layers.mlp import KoopmanMLP
 from engine.model import HybridLM
 from engine.state_pool import StatePool
 from kernels.ska import cholesky_fallback_count, robust_cholesky, ska_readout
-from tests.conftest import SUBCONFIGS, VOCAB, randomize, rel_err
+from tests.conftest import (
+    SUBCONFIGS,
+    VOCAB,
+    assert_states_close,
+    greedy,
+    mixer_decode_all,
+    mixer_prefill,
+    model_prefill,
+    random_ids,
+    randomize,
+    rel_err,
+    state_rows,
+)
 
 D = 32
 SKA = {"num_heads": 2, "rank": 6, "head_dim": 8, "chunk_size": 8}
@@ -52,26 +64,6 @@ def ska_mixer(seed: int = 0, capacity: int = 4, **ska):
     model = make_model(["ska"], seed=seed, **ska)
     pool = StatePool(model, capacity=capacity)
     return model.layers[0].mixer, pool.tensors[0], pool
-
-
-def prefill(mixer, state, slot: int, x: torch.Tensor) -> torch.Tensor:
-    return mixer.prefill(x, state, PrefillBatch(torch.tensor([slot]), [x.shape[0]]))
-
-
-def decode_all(mixer, state, slot: int, x: torch.Tensor) -> torch.Tensor:
-    return torch.cat([mixer.decode(x[t : t + 1], state, torch.tensor([slot])) for t in range(x.shape[0])])
-
-
-def rows(state, slot: int) -> dict[str, torch.Tensor]:
-    return {k: v[slot].clone() for k, v in state.items()}
-
-
-def assert_states_close(a: dict, b: dict, tol: float = TOL) -> None:
-    for name in a:
-        if a[name].is_floating_point():
-            assert rel_err(a[name], b[name]) <= tol, name
-        else:
-            assert torch.equal(a[name], b[name]), name
 
 
 # -- an independent float64 SKA, straight from the paper's equations ---------------------------------------------
@@ -173,7 +165,7 @@ def test_2_mode_c_prefill_then_decode_equals_chunked_forward(key_norm: str) -> N
     assert torch.equal(whole[:S], torch.zeros(S, D))
     assert whole[S:].abs().min() > 0
     for slot, cut in enumerate((13, 16, 5)):
-        y = torch.cat([prefill(mixer, state, slot, x[:cut]), decode_all(mixer, state, slot, x[cut:])])
+        y = torch.cat([mixer_prefill(mixer, state, slot, x[:cut]), mixer_decode_all(mixer, state, slot, x[cut:])])
         assert torch.equal(y[:S], torch.zeros(S, D))
         assert rel_err(y, whole) <= TOL, cut
 
@@ -294,61 +286,12 @@ def test_prefill_equals_decode_steps(T: int) -> None:
     mixer, state, _ = ska_mixer()
     prefix, x = torch.randn(11, D), torch.randn(T, D)
     for slot in (0, 1):
-        prefill(mixer, state, slot, prefix)
-    y_prefill = prefill(mixer, state, 0, x)
-    y_decode = decode_all(mixer, state, 1, x)
+        mixer_prefill(mixer, state, slot, prefix)
+    y_prefill = mixer_prefill(mixer, state, 0, x)
+    y_decode = mixer_decode_all(mixer, state, 1, x)
     assert y_prefill.shape == (T, D)
     assert rel_err(y_decode, y_prefill) <= TOL
-    assert_states_close(rows(state, 1), rows(state, 0))
-
-
-@pytest.mark.parametrize("seed", [0, 1, 2])
-def test_split_prefill_equals_one_prefill(seed: int) -> None:
-    gen = torch.Generator().manual_seed(seed)
-    mixer, state, _ = ska_mixer(seed=seed)
-    T = 45
-    x = torch.randn(T, D, generator=gen)
-    whole = prefill(mixer, state, 0, x)
-    cuts = sorted(torch.randperm(T - 1, generator=gen)[:4].add(1).tolist())
-    pieces = [prefill(mixer, state, 1, x[a:b]) for a, b in zip([0, *cuts], [*cuts, T], strict=True)]
-    assert rel_err(torch.cat(pieces), whole) <= TOL
-    assert_states_close(rows(state, 1), rows(state, 0))
-
-
-def test_packed_prefill_equals_separate() -> None:
-    torch.manual_seed(9)
-    mixer, state, _ = ska_mixer()
-    lens = [5, 19, 1]
-    xs = [torch.randn(n, D) for n in lens]
-    for slot in (0, 1, 2):  # distinct starting states, at different offsets of the chunk grid
-        prefill(mixer, state, slot, torch.randn(4 + 5 * slot, D))
-    saved = {k: v.clone() for k, v in state.items()}
-    alone = [prefill(mixer, state, slot, x) for slot, x in enumerate(xs)]
-    after = {k: v.clone() for k, v in state.items()}
-    for k in state:
-        state[k].copy_(saved[k])
-    packed = mixer.prefill(torch.cat(xs), state, PrefillBatch(torch.tensor([0, 1, 2]), lens))
-    assert rel_err(packed, torch.cat(alone)) <= TOL
-    for slot in range(3):
-        assert_states_close(rows(state, slot), {k: v[slot] for k, v in after.items()})
-
-
-def test_batched_decode_rows_are_independent() -> None:
-    """Sessions at different chunk offsets decoded together (some crossing a chunk boundary, some not)."""
-    torch.manual_seed(10)
-    mixer, state, _ = ska_mixer(capacity=4)
-    for slot in range(4):
-        prefill(mixer, state, slot, torch.randn(3 + 2 * slot, D))
-    saved = {k: v.clone() for k, v in state.items()}
-    xs = torch.randn(11, 3, D)
-    together = torch.stack([mixer.decode(xs[t], state, torch.tensor([2, 0, 3])) for t in range(11)])
-    for k in state:
-        state[k].copy_(saved[k])
-    for row, slot in enumerate([2, 0, 3]):
-        alone = torch.cat([mixer.decode(xs[t, row : row + 1], state, torch.tensor([slot])) for t in range(11)])
-        assert rel_err(together[:, row], alone) <= 1e-6
-    for k in state:
-        assert torch.equal(state[k][1], saved[k][1])
+    assert_states_close(state_rows(state, 1), state_rows(state, 0))
 
 
 MLPS = [None, {"intermediate_size": 64}, {"intermediate_size": 64, "kind": "koopman"}]
@@ -379,50 +322,19 @@ def test_training_forward_is_differentiable() -> None:
     assert model.layers[0].mlp.omega.grad.abs().sum() > 0
 
 
-def _greedy(model, pool, slot: int, first: int, steps: int) -> tuple[list[int], torch.Tensor]:
-    ids, toks, logits = torch.tensor([first]), [], []
-    for _ in range(steps):
-        out = model.decode(ids, pool.tensors, torch.tensor([slot]))
-        logits.append(out[0])
-        ids = out.argmax(-1)
-        toks.append(int(ids))
-    return toks, torch.stack(logits)
-
-
 def test_snapshot_restore_mid_sequence_continues_identically() -> None:
     model = make_model(["mamba2", "ska"], seed=13, mlp={"intermediate_size": 64, "kind": "koopman"})
     pool = StatePool(model, capacity=2)
-    ids = torch.randint(0, 256, (21,), generator=torch.Generator().manual_seed(13))
-    first = int(model.prefill(ids, pool.tensors, PrefillBatch(torch.tensor([1]), [21]))[0].argmax())
-    warm, _ = _greedy(model, pool, 1, first, 5)  # stop mid-chunk (26 tokens consumed)
+    first = int(model_prefill(model, pool, 1, random_ids(21, 13)).argmax())
+    (warm,), _ = greedy(model, pool, [1], [first], 5)  # stop mid-chunk (26 tokens consumed)
     snapshot = pool.export(1)
     assert snapshot["layers.1.G"].dtype == F64 and int(snapshot["layers.1.pos"]) == 26
-    expected, exp_logits = _greedy(model, pool, 1, warm[-1], 15)
+    (expected,), exp_logits = greedy(model, pool, [1], [warm[-1]], 15)
     other = StatePool(model, capacity=3)
     other.import_(2, snapshot)
-    got, got_logits = _greedy(model, other, 2, warm[-1], 15)
+    (got,), got_logits = greedy(model, other, [2], [warm[-1]], 15)
     assert got == expected
     assert torch.equal(got_logits, exp_logits)
-
-
-def test_interleaved_sessions_match_each_alone() -> None:
-    model = make_model(["mamba2", "ska"], seed=14, mlp={"intermediate_size": 64})
-    prompts = [torch.randint(0, 256, (n,), generator=torch.Generator().manual_seed(n)) for n in (13, 30)]
-    pool = StatePool(model, capacity=3)
-    firsts = []
-    for slot, p in zip([2, 0], prompts, strict=True):
-        firsts.append(int(model.prefill(p, pool.tensors, PrefillBatch(torch.tensor([slot]), [len(p)]))[0].argmax()))
-    ids, together = torch.tensor(firsts), []
-    for _ in range(12):
-        out = model.decode(ids, pool.tensors, torch.tensor([2, 0]))
-        together.append(out)
-        ids = out.argmax(-1)
-    together = torch.stack(together, 1)
-    for row, p in enumerate(prompts):
-        alone_pool = StatePool(model, capacity=1)
-        first = int(model.prefill(p, alone_pool.tensors, PrefillBatch(torch.tensor([0]), [len(p)]))[0].argmax())
-        _, logits = _greedy(model, alone_pool, 0, first, 12)
-        assert rel_err(together[row], logits) <= 1e-5
 
 
 def test_freed_slot_keeps_nothing_of_the_old_session() -> None:
@@ -450,7 +362,7 @@ def test_mode_p_prefill_reads_one_operator_over_the_whole_segment() -> None:
     torch.manual_seed(16)
     mixer, state, _ = ska_mixer(decode_mode="P")
     x = torch.randn(30, D)
-    y = torch.cat([prefill(mixer, state, 0, x[:19]), prefill(mixer, state, 0, x[19:])])
+    y = torch.cat([mixer_prefill(mixer, state, 0, x[:19]), mixer_prefill(mixer, state, 0, x[19:])])
     end = lambda t: 19 if t < 19 else 30  # noqa: E731
     assert rel_err(y, reference(mixer, x, end, end)) <= TOL
     assert not torch.allclose(y[:8], torch.zeros(8, D))  # unlike chunk-causal mode, chunk 0 reads the prompt
@@ -462,21 +374,21 @@ def test_mode_p_decode_reestimates_inclusively() -> None:
     torch.manual_seed(17)
     mixer, state, _ = ska_mixer(decode_mode="P")
     x = torch.randn(26, D)
-    y = torch.cat([prefill(mixer, state, 0, x[:20]), decode_all(mixer, state, 0, x[20:])])
+    y = torch.cat([mixer_prefill(mixer, state, 0, x[:20]), mixer_decode_all(mixer, state, 0, x[20:])])
     end = lambda t: 20 if t < 20 else t + 1  # noqa: E731
     assert rel_err(y[20:], reference(mixer, x, end, end)[20:]) <= TOL
     one = torch.cat(
-        [prefill(mixer, state, 1, x[:20]), *(prefill(mixer, state, 1, x[t : t + 1]) for t in range(20, 26))]
+        [mixer_prefill(mixer, state, 1, x[:20]), *(mixer_prefill(mixer, state, 1, x[t : t + 1]) for t in range(20, 26))]
     )
     assert rel_err(one, y) <= TOL
-    assert_states_close(rows(state, 1), rows(state, 0))
+    assert_states_close(state_rows(state, 1), state_rows(state, 0))
     mixer.cfg.decode_mode = "C"
     try:
-        prefill(mixer, state, 2, x[:20])
-        decode_all(mixer, state, 2, x[20:])
+        mixer_prefill(mixer, state, 2, x[:20])
+        mixer_decode_all(mixer, state, 2, x[20:])
     finally:
         mixer.cfg.decode_mode = "P"
-    p_state, c_state = rows(state, 0), rows(state, 2)
+    p_state, c_state = state_rows(state, 0), state_rows(state, 2)
     assert_states_close({k: p_state[k] for k in "GMC"}, {k: c_state[k] for k in "GMC"})
     assert torch.equal(p_state["m"], c_state["m"]) and torch.equal(p_state["pos"], c_state["pos"])
 
@@ -586,7 +498,7 @@ def test_koopman_model_prefill_equals_decode() -> None:
     dec = torch.cat([model.decode(ids[t : t + 1], pool.tensors, torch.tensor([1])) for t in range(23)])
     assert rel_err(dec, pre) <= TOL
     for layer_state in pool.tensors:
-        assert_states_close(rows(layer_state, 1), rows(layer_state, 0))
+        assert_states_close(state_rows(layer_state, 1), state_rows(layer_state, 0))
 
 
 def test_mlp_tensor_names_and_init() -> None:

@@ -27,7 +27,7 @@ from engine.snapshot import (
     token_hash,
 )
 from engine.state_pool import SnapshotMismatchError, StatePool
-from tests.conftest import make_config, make_model, randomize
+from tests.conftest import make_config, make_model, random_ids, randomize
 
 KEY = b"server-signing-key"
 
@@ -39,10 +39,6 @@ def _one_thread():
     torch.set_num_threads(1)
     yield
     torch.set_num_threads(threads)
-
-
-def random_ids(n: int, seed: int) -> list[int]:
-    return torch.randint(0, 256, (n,), generator=torch.Generator().manual_seed(seed)).tolist()
 
 
 def feed(model: HybridLM, pool: StatePool, slot: int, tokens: list[int], steps: int) -> tuple[list[int], torch.Tensor]:

@@ -10,35 +10,20 @@ import pytest
 import torch
 from safetensors.torch import save_file
 
-from engine.layers import PrefillBatch
 from engine.state_pool import SnapshotMismatchError, StatePool
-from tests.conftest import make_model, rel_err
+from tests.conftest import greedy, make_model, model_prefill, output_tol, random_ids, rel_err
 
-MODELS = [["mamba2", "mamba2"], ["attention"], ["swa", "mamba2"], ["mamba2", "attention", "swa"]]
-
-
-def prefill(model, pool, slot: int, ids: list[int], chunk: int = 4096) -> torch.Tensor:
-    logits = None
-    for start in range(0, len(ids), chunk):
-        piece = torch.tensor(ids[start : start + chunk])
-        logits = model.prefill(piece, pool.tensors, PrefillBatch(torch.tensor([slot]), [len(piece)]))
-    return logits[0]
-
-
-def greedy(model, pool, slots: list[int], first: list[int], steps: int) -> tuple[list[list[int]], torch.Tensor]:
-    """Greedy-decode `steps` tokens for sessions in `slots`, feeding `first` first. Returns tokens and logits."""
-    tokens, ids, all_logits = [[] for _ in slots], torch.tensor(first), []
-    for _ in range(steps):
-        logits = model.decode(ids, pool.tensors, torch.tensor(slots))
-        all_logits.append(logits)
-        ids = logits.argmax(-1)
-        for row, t in enumerate(ids.tolist()):
-            tokens[row].append(t)
-    return tokens, torch.stack(all_logits, 1)
-
-
-def random_ids(n: int, seed: int) -> list[int]:
-    return torch.randint(0, 256, (n,), generator=torch.Generator().manual_seed(seed)).tolist()
+# Every mixer kind, alone or in a hybrid.
+MODELS = [
+    ["mamba2", "mamba2"],
+    ["attention"],
+    ["swa", "mamba2"],
+    ["mamba2", "attention", "swa"],
+    ["mamba2", "ska"],
+    ["gka"],
+    ["lattice", "mamba2"],
+    ["bmojo"],
+]
 
 
 @pytest.mark.parametrize("layers", MODELS)
@@ -46,14 +31,15 @@ def test_interleaved_sessions_match_each_alone(layers) -> None:
     model = make_model(layers, mlp=True)
     prompts = [random_ids(13, 1), random_ids(30, 2)]
     pool = StatePool(model, capacity=3, max_context=128)
-    firsts = [int(prefill(model, pool, slot, p).argmax()) for slot, p in zip([2, 0], prompts, strict=True)]
+    firsts = [int(model_prefill(model, pool, slot, p).argmax()) for slot, p in zip([2, 0], prompts, strict=True)]
     together, logits_together = greedy(model, pool, [2, 0], firsts, 12)
     for row, prompt in enumerate(prompts):
         alone_pool = StatePool(model, capacity=1, max_context=128)
-        first = int(prefill(model, alone_pool, 0, prompt).argmax())
+        first = int(model_prefill(model, alone_pool, 0, prompt).argmax())
         alone, logits_alone = greedy(model, alone_pool, [0], [first], 12)
         assert together[row] == alone[0]
-        assert rel_err(logits_together[row], logits_alone[0]) <= 1e-5  # BLAS picks other paths per batch size
+        # BLAS picks other paths per batch size, so not bit-identical: fp32 rounding, amplified by GKA's solve.
+        assert rel_err(logits_together[row], logits_alone[0]) <= output_tol(layers)
 
 
 @pytest.mark.parametrize("layers", MODELS)
@@ -62,7 +48,7 @@ def test_freed_slot_keeps_nothing_of_the_old_session(layers) -> None:
     pool = StatePool(model, capacity=2, max_context=128)
     fresh = {k: v.clone() for k, v in pool.export(0).items()}
     slot = pool.alloc()
-    prefill(model, pool, slot, random_ids(40, 3))
+    model_prefill(model, pool, slot, random_ids(40, 3))
     pool.free(slot)
     again = pool.alloc()
     assert again == slot
@@ -71,7 +57,7 @@ def test_freed_slot_keeps_nothing_of_the_old_session(layers) -> None:
     # And the reused slot continues exactly like a brand-new pool.
     new_pool = StatePool(model, capacity=1, max_context=128)
     prompt = random_ids(9, 4)
-    assert torch.equal(prefill(model, pool, again, prompt), prefill(model, new_pool, 0, prompt))
+    assert torch.equal(model_prefill(model, pool, again, prompt), model_prefill(model, new_pool, 0, prompt))
 
 
 def test_alloc_and_free_errors() -> None:
@@ -89,7 +75,7 @@ def test_alloc_and_free_errors() -> None:
 def test_export_import_continues_bit_identically(layers) -> None:
     model = make_model(layers, seed=7)
     pool = StatePool(model, capacity=2, max_context=128)
-    first = int(prefill(model, pool, 1, random_ids(25, 5)).argmax())
+    first = int(model_prefill(model, pool, 1, random_ids(25, 5)).argmax())
     warm, _ = greedy(model, pool, [1], [first], 5)
     snapshot = pool.export(1)
     expected, _ = greedy(model, pool, [1], [warm[0][-1]], 15)
@@ -108,7 +94,7 @@ def test_export_import_across_processes(tmp_path) -> None:
     ckpt = init_checkpoint("tiny-hybrid", tmp_path / "ckpt", seed=3)
     model = load_model(ckpt, device="cpu")
     pool = StatePool(model, capacity=1, max_context=256)
-    first = int(prefill(model, pool, 0, random_ids(40, 6)).argmax())
+    first = int(model_prefill(model, pool, 0, random_ids(40, 6)).argmax())
     save_file(pool.export(0), tmp_path / "state.safetensors")
     expected, _ = greedy(model, pool, [0], [first], 20)
 
@@ -153,8 +139,8 @@ def test_import_rejects_mismatched_state() -> None:
 def test_bytes_per_session_constant_for_mamba2() -> None:
     model = make_model(["mamba2", "mamba2"])
     pool = StatePool(model, capacity=2, max_context=64)
-    prefill(model, pool, 0, random_ids(100, 8))
-    prefill(model, pool, 1, random_ids(10_000, 9))
+    model_prefill(model, pool, 0, random_ids(100, 8))
+    model_prefill(model, pool, 1, random_ids(10_000, 9))
     assert pool.session_bytes(0) == pool.session_bytes(1) == pool.bytes_per_session(100)
     assert pool.bytes_per_session(100) == pool.bytes_per_session(10_000) == pool.bytes_per_session()
     assert pool.bytes_per_token() == 0
@@ -172,7 +158,7 @@ def test_bytes_per_session_grows_linearly_for_attention() -> None:
     model = make_model(["attention", "attention"])
     pool = StatePool(model, capacity=3, max_context=10_000)
     for slot, n in enumerate([100, 5_000, 10_000]):
-        prefill(model, pool, slot, random_ids(n, 10 + slot), chunk=1024)
+        model_prefill(model, pool, slot, random_ids(n, 10 + slot), chunk=1024)
     sizes = [pool.session_bytes(slot) for slot in range(3)]
     cfg = model.config.attention
     per_token = 2 * 2 * cfg.num_kv_heads * cfg.head_dim * 4  # layers x (k, v) x heads x dim x fp32
