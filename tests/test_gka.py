@@ -30,7 +30,6 @@ from kernels.gka import gka_chunked, gka_step, omega_schedule
 from tests.conftest import (
     VOCAB,
     assert_states_close,
-    greedy,
     mixer_prefill,
     model_prefill,
     random_ids,
@@ -445,38 +444,6 @@ def test_training_forward_is_differentiable() -> None:
 
 
 # -- state pool: sessions, snapshots, memory -------------------------------------------------------------------------
-def test_export_import_continues_identically() -> None:
-    model = make_model(["gka", "gka"], seed=7)
-    pool = StatePool(model, capacity=2)
-    first = int(model_prefill(model, pool, 1, random_ids(25, 5)).argmax())
-    warm, _ = greedy(model, pool, [1], [first], 5)
-    snapshot = pool.export(1)
-    assert snapshot["layers.0.h"].dtype == torch.float32
-    expected, logits_expected = greedy(model, pool, [1], [warm[0][-1]], 15)
-    other = StatePool(model, capacity=3)
-    other.import_(2, snapshot)
-    got, logits_got = greedy(model, other, [2], [warm[0][-1]], 15)
-    assert got == expected
-    assert torch.equal(logits_got, logits_expected)
-
-
-def test_freed_slot_keeps_nothing_of_the_old_session() -> None:
-    model = make_model(["gka"], seed=4)
-    pool = StatePool(model, capacity=2)
-    fresh = {k: v.clone() for k, v in pool.export(0).items()}
-    slot = pool.alloc()
-    model_prefill(model, pool, slot, random_ids(40, 3))
-    assert pool.export(slot)["layers.0.h"].abs().sum() > 0
-    pool.free(slot)
-    again = pool.alloc()
-    assert again == slot
-    for key, tensor in pool.export(again).items():
-        assert torch.equal(tensor, fresh[key]), key
-    new_pool = StatePool(model, capacity=1)
-    prompt = random_ids(9, 4)
-    assert torch.equal(model_prefill(model, pool, again, prompt), model_prefill(model, new_pool, 0, prompt))
-
-
 @pytest.mark.parametrize("gka", [{}, {"use_v_conv": False, "conv_kernel": 3}])
 def test_bytes_per_session_is_constant_and_matches_formula(gka: dict) -> None:
     """§14.7 / §9.3 per layer: (K-1)(2 He D + He Dv [v conv]) b_act + He (4 D^2 + 4 D Dv)."""

@@ -49,6 +49,8 @@ def test_freed_slot_keeps_nothing_of_the_old_session(layers) -> None:
     fresh = {k: v.clone() for k, v in pool.export(0).items()}
     slot = pool.alloc()
     model_prefill(model, pool, slot, random_ids(40, 3))
+    used = pool.export(slot)
+    assert any(not torch.equal(used[k], fresh[k]) for k in fresh if used[k].shape == fresh[k].shape)  # it was used
     pool.free(slot)
     again = pool.alloc()
     assert again == slot
