@@ -2,9 +2,8 @@
 
 from __future__ import annotations
 
-import math
-
 import torch
+import torch.nn.functional as F
 
 from kernels.common import state_math
 
@@ -29,17 +28,21 @@ def apply_rope(x: torch.Tensor, positions: torch.Tensor, theta: float) -> torch.
 def attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
     """Softmax attention with a boolean mask, grouped-query aware.
 
+    Runs through `F.scaled_dot_product_attention`, so on a GPU the T x S score matrix is never materialised
+    (a 128K-token prefill chunk would otherwise need gigabytes of fp32 scores); softmax accumulates in fp32.
+
     Args:
         q: `[B, T, Hq, D]`;  k, v: `[B, S, Hkv, D]` with Hkv dividing Hq;
         mask: `[B, T, S]` True where query t may attend key s (every row must allow at least one key).
 
     Returns:
-        `[B, T, Hq, D]` in q's dtype (accumulated in fp32).
+        `[B, T, Hq, D]` in q's dtype.
     """
     Hq, Hkv = q.shape[2], k.shape[2]
-    kf = k.float().repeat_interleave(Hq // Hkv, dim=2)
-    vf = v.float().repeat_interleave(Hq // Hkv, dim=2)
-    scores = torch.einsum("bthd,bshd->bhts", q.float(), kf) / math.sqrt(q.shape[-1])
-    scores = scores.masked_fill(~mask[:, None], float("-inf"))
-    out = torch.einsum("bhts,bshd->bthd", scores.softmax(dim=-1), vf)
-    return out.to(q.dtype)
+    dtype = q.dtype
+    k = k.to(dtype).repeat_interleave(Hq // Hkv, dim=2)
+    v = v.to(dtype).repeat_interleave(Hq // Hkv, dim=2)
+    out = F.scaled_dot_product_attention(
+        q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), attn_mask=mask[:, None]
+    )
+    return out.transpose(1, 2)
