@@ -1,0 +1,104 @@
+"""Train every MQAR family at once, spread over the GPUs of one machine, and tabulate the held-out grids.
+
+    python -m checkpoints.train_all --out runs/mqar --time-limit 400 --per-gpu 4
+
+Each run is `checkpoints/train.py` in its own process (`CUDA_VISIBLE_DEVICES` picks its GPU); the models are small
+and the steps launch-bound, so several share a GPU. A family may run at several learning rates; the run with the
+best mean held-out accuracy is the one reported first for that family. Logs go to `<out>/<run>/train.log`.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import torch
+
+from checkpoints.train import FAMILIES, format_table
+
+DEFAULT_RUNS = [
+    "mamba2:1e-3",
+    "mamba2-attention:1e-3",
+    "mamba2-ska:1e-3",
+    "mamba2-ska:3e-3",
+    "mamba2-gka:1e-3",
+    "mamba2-lattice:1e-3",
+    "mamba2-bmojo:1e-3",
+]
+
+
+def parse_run(spec: str) -> tuple[str, float]:
+    """ "family:lr" -> (family, lr)."""
+    family, _, lr = spec.partition(":")
+    if family not in FAMILIES or not lr:
+        raise argparse.ArgumentTypeError(f"run {spec!r}: expected FAMILY:LR with FAMILY one of {sorted(FAMILIES)}")
+    return family, float(lr)
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--out", type=Path, required=True)
+    parser.add_argument("--runs", type=parse_run, nargs="+", default=[parse_run(r) for r in DEFAULT_RUNS])
+    parser.add_argument("--time-limit", type=float, default=400.0, help="training seconds per run")
+    parser.add_argument("--per-gpu", type=int, default=4, help="runs sharing one GPU")
+    parser.add_argument("--steps", type=int, default=20000)
+    parser.add_argument("--eval-sequences", type=int, default=1024)
+    args, passthrough = parser.parse_known_args(argv)
+
+    gpus = max(1, torch.cuda.device_count())
+    # Physical ids as this process sees them, so a parent's CUDA_VISIBLE_DEVICES=2,3 is honoured.
+    visible = os.environ.get("CUDA_VISIBLE_DEVICES", ",".join(map(str, range(gpus)))).split(",")
+    if len(args.runs) > gpus * args.per_gpu:
+        parser.error(f"{len(args.runs)} runs do not fit {gpus} GPU(s) x {args.per_gpu} per GPU")
+    procs: list[tuple[str, str, subprocess.Popen]] = []
+    for i, (family, lr) in enumerate(args.runs):
+        name = f"{family}-lr{lr:g}"
+        out = args.out / name
+        out.mkdir(parents=True, exist_ok=True)
+        env = {**os.environ, "PYTHONUNBUFFERED": "1"}
+        if torch.cuda.is_available():
+            env["CUDA_VISIBLE_DEVICES"] = visible[i % gpus]
+        cmd = [sys.executable, "-m", "checkpoints.train", "--family", family, "--lr", str(lr), "--out", str(out)]
+        cmd += ["--time-limit", str(args.time_limit), "--steps", str(args.steps)]
+        cmd += ["--eval-sequences", str(args.eval_sequences), *passthrough]
+        log = (out / "train.log").open("w")
+        procs.append((family, name, subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, env=env)))
+        time.sleep(0.5)  # stagger CUDA context creation
+    failed = [name for _, name, p in procs if p.wait() != 0]
+
+    results: dict[str, list[dict]] = {}
+    for family, name, _ in procs:
+        report = args.out / name / "mqar.json"
+        if report.exists():
+            data = json.loads(report.read_text())
+            data["run"] = name
+            data["mean"] = sum(data["accuracy"].values()) / len(data["accuracy"])
+            results.setdefault(family, []).append(data)
+    summary = {}
+    for family, runs in results.items():
+        runs.sort(key=lambda r: -r["mean"])
+        for rank, r in enumerate(runs):
+            last = r["log"][-1] if r["log"] else {}
+            print(
+                f"\n### {r['run']}{' (best)' if rank == 0 else ''}: {r['params']} params, {r['steps']} steps, "
+                f"{r['train_seconds']:.0f} s, final train loss {last.get('loss', float('nan')):.3f}, "
+                f"mean held-out {100 * r['mean']:.1f}%"
+            )
+            cells = [key.split(",") for key in r["accuracy"]]  # "M=4,gap=64"
+            pairs = sorted({int(m.removeprefix("M=")) for m, _ in cells})
+            gaps = sorted({int(g.removeprefix("gap=")) for _, g in cells})
+            print(format_table(r["accuracy"], pairs, gaps))
+        summary[family] = runs[0]["run"]
+    (args.out / "summary.json").write_text(json.dumps({"best": summary, "failed": failed}, indent=2) + "\n")
+    if failed:
+        print(f"\nfailed runs: {failed} (see their train.log)")
+    return 1 if failed else 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
