@@ -12,6 +12,7 @@ from __future__ import annotations
 import asyncio
 import json
 import time
+from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -63,6 +64,19 @@ class StreamResult:
     @property
     def rate_limited(self) -> bool:
         return self.status == 429
+
+
+async def sse_lines(response: httpx.Response) -> AsyncIterator[str]:
+    """The lines of an SSE body, split at \\n only (SSE's own rule, with \\r stripped): httpx's aiter_lines splits
+    like str.splitlines, so a raw U+2028 or U+0085 inside an event's JSON (which JSON allows) would cut it in two."""
+    pending = ""
+    async for text in response.aiter_text():
+        pending += text
+        *lines, pending = pending.split("\n")
+        for line in lines:
+            yield line.removesuffix("\r")
+    if pending:
+        yield pending.removesuffix("\r")
 
 
 def _error_message(raw: bytes) -> str:
@@ -173,7 +187,7 @@ class ServerClient:
                     res.retry_after = _retry_after(r.headers)
                     res.e2e = time.perf_counter() - start
                     return res
-                async for line in r.aiter_lines():
+                async for line in sse_lines(r):
                     if not line.startswith("data:"):
                         continue
                     data = line[len("data:") :].strip()

@@ -652,9 +652,20 @@ class ChatCompletionChunk(ResponseModel):
 SSE_DONE = "data: [DONE]\n\n"
 
 
+# Characters that str.splitlines() (and so httpx's aiter_lines and many SSE readers) treats as line breaks but
+# JSON leaves raw; a model emitting one would cut its event in two. Control characters are escaped by JSON already.
+_LINE_BREAKS_JSON_KEEPS = {"\x85": "\\u0085", "\u2028": "\\u2028", "\u2029": "\\u2029"}
+
+
 def sse_event(body: BaseModel) -> str:
-    """One server-sent event carrying `body` as JSON (a chunk, or an `ErrorResponse` when a stream fails)."""
-    return f"data: {body.model_dump_json()}\n\n"
+    """One server-sent event carrying `body` as JSON (a chunk, or an `ErrorResponse` when a stream fails).
+
+    The event is one line whatever the text holds: the Unicode line separators are written as JSON escapes.
+    """
+    data = body.model_dump_json()
+    for raw, escaped in _LINE_BREAKS_JSON_KEEPS.items():
+        data = data.replace(raw, escaped)
+    return f"data: {data}\n\n"
 
 
 # -- models -------------------------------------------------------------------------------------------------------

@@ -10,6 +10,7 @@ command line's help and argument errors.
 
 from __future__ import annotations
 
+import asyncio
 import json
 import struct
 import subprocess
@@ -28,6 +29,7 @@ from fastapi.responses import StreamingResponse
 from engine.cli import main as kvfree_main
 from loadtest.capacity import capacity_table
 from loadtest.cli import main as loadtest_main
+from loadtest.client import sse_lines
 from loadtest.context_sweep import ContextPoint, ContextSweepResult
 from loadtest.prom import MetricsSnapshot, ServerMemory, histogram_quantiles
 from loadtest.stats import fit_line
@@ -432,3 +434,24 @@ def test_python_dash_m_loadtest_is_the_same_command(tmp_path):
         [sys.executable, "-m", "loadtest", "--url", "nope"], cwd=ROOT, capture_output=True, text=True, timeout=60
     )
     assert r.returncode == 2 and "no scheme" in r.stderr
+
+
+def test_sse_lines_split_at_newlines_only():
+    # httpx's aiter_lines splits like str.splitlines, so a raw U+2028 inside an event's JSON cut it in two.
+    class Chunks:
+        def __init__(self, pieces: list[str]) -> None:
+            self.pieces = pieces
+
+        async def aiter_text(self):
+            for piece in self.pieces:
+                yield piece
+
+    body = 'data: {"t": "a\u2028b\x85c"}\r\n\ndata: [DONE]\n\n'
+    pieces = [body[i : i + 5] for i in range(0, len(body), 5)]  # lines arrive cut anywhere
+
+    async def collect() -> list[str]:
+        return [line async for line in sse_lines(Chunks(pieces))]
+
+    lines = asyncio.run(collect())
+    assert lines == ['data: {"t": "a\u2028b\x85c"}', "", "data: [DONE]", ""]
+    assert json.loads(lines[0].removeprefix("data: ")) == {"t": "a\u2028b\x85c"}

@@ -747,3 +747,15 @@ def test_metrics_render_every_metric_and_instances_do_not_clash() -> None:
     assert "kvfree_e2e_request_latency_seconds_count 1.0" in text
     assert "kvfree_e2e_request_latency_seconds_sum 1.0" in text
     assert "kvfree_requests_total{" not in other.render()[0].decode()
+
+
+def test_sse_event_is_one_line_whatever_the_text_holds():
+    # A byte-level model can emit U+2028, U+2029 or U+0085: JSON leaves them raw, but str.splitlines (httpx's
+    # aiter_lines, many SSE readers) breaks lines at them, which cut an event in two on the device run.
+    text = "a\u2028b\u2029c\x85d\re\nf\x1cg"
+    chunk = ChatCompletionChunk(
+        id="chatcmpl-1", model="m", choices=[ChatCompletionChunkChoice(index=0, delta=DeltaMessage(content=text))]
+    )
+    event = sse_event(chunk)
+    assert event.endswith("\n\n") and len(event.removesuffix("\n\n").splitlines()) == 1
+    assert json.loads(event.removeprefix("data: "))["choices"][0]["delta"]["content"] == text
