@@ -96,10 +96,11 @@ PRESETS: dict[str, dict[str, Any]] = {
         },
     ),
     # The shapes of state-spaces/mamba2-130m and -370m (with the byte vocabulary), and an attention baseline of
-    # the same width and depth, for memory and speed measurements.
+    # the same width and depth for each, for memory and speed measurements.
     "mamba2-130m": _model(768, ["mamba2"] * 24, mamba2=_mamba2(768, 24, 64, 128)),
     "mamba2-370m": _model(1024, ["mamba2"] * 48, mamba2=_mamba2(1024, 32, 64, 128)),
     "attention-130m": _model(768, ["attention"] * 24, attention={"num_heads": 12, "num_kv_heads": 12, "head_dim": 64}),
+    "attention-370m": _model(1024, ["attention"] * 48, attention={"num_heads": 16, "num_kv_heads": 16, "head_dim": 64}),
     # The papers' sizes, with the byte vocabulary (so a random checkpoint of them pairs with the shipped tokenizer;
     # the papers' own vocabularies are 32K-50K, which adds only embedding rows). The Mamba-2 sizes inside Echo are
     # assumptions (ska.md §4.6).

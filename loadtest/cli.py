@@ -32,7 +32,7 @@ EPILOG = """\
 profiles:
   --quick  (default) contexts 64..1024, 1/2/4 clients, ~20 s soak: under 2 minutes on a CPU with the tiny
            checkpoints. Serve the attention baseline with --max-context >= 1100.
-  --gpu    contexts 1K..128K, 1..256 clients (1,2,4,8,16,32,64,128,256), 5-minute soak. Serve with
+  --gpu    contexts 1K..128K, 1/16/64/256 clients, 45 s soak, ~7 minutes (loadtest/gpu_run.sh). Serve with
            --max-prompt-tokens >= 131200, and the attention baseline with --max-context >= 131200.
 
 lists take comma-separated integers, with K for 1024: --contexts 1K,4K,16K --concurrency 1,16,64,256

@@ -135,17 +135,20 @@ async def run_soak(
     )
     ids: list[str] = []
     histories: list[list[dict[str, Any]]] = []
-    for i in range(sessions):
-        if soak_deadline.expired:
+    # Sessions are opened `concurrency` at a time (one by one, 512 of them would eat a short soak).
+    full = False
+    for first in range(0, sessions, max(1, concurrency)):
+        if soak_deadline.expired or full:
             break
-        created = await client.create_session({**base, "messages": [system]})
-        if not created.ok:
-            result.create_errors.append(f"{created.status}: {created.error}")
-            if created.status in (0, 429):  # the server is full or gone: use the sessions we have
-                break
-            continue
-        ids.append(created.body["id"])
-        histories.append([system, {"role": "user", "content": user_turn(seed, i, 0, user_chars)}])
+        batch = range(first, min(sessions, first + max(1, concurrency)))
+        replies = await asyncio.gather(*(client.create_session({**base, "messages": [system]}) for _ in batch))
+        for created in replies:
+            if not created.ok:
+                result.create_errors.append(f"{created.status}: {created.error}")
+                full = full or created.status in (0, 429)  # the server is full or gone: use the sessions we have
+                continue
+            histories.append([system, {"role": "user", "content": user_turn(seed, len(ids), 0, user_chars)}])
+            ids.append(created.body["id"])
     result.sessions_created = len(ids)
 
     active = [True] * len(ids)
