@@ -37,7 +37,8 @@ profiles:
 
 lists take comma-separated integers, with K for 1024: --contexts 1K,4K,16K --concurrency 1,16,64,256
 
-exit status: 0 ok; 1 the soak found mismatches (or verified nothing); 2 bad arguments or unreachable server.
+exit status: 0 ok; 1 the soak found mismatches other than near-tie flips (or verified nothing); 2 bad arguments or
+unreachable server.
 
 example:
   kvfree serve ./tiny --port 8000 &  kvfree serve ./tiny-attention --port 8001 --max-context 2048 &
@@ -269,7 +270,8 @@ def _summary(report: LoadTestReport, json_path: Path, md_path: Path, plots: list
             lines.append(f"  {server.role}: memory slope {server.context.slope.slope:,.2f} bytes/token")
         if server.soak is not None:
             soak = server.soak
-            lines.append(f"  {server.role}: soak {soak.compared} turns verified, {soak.mismatches} mismatches")
+            ties = f" ({soak.near_ties} near-tie flips)" if soak.near_ties else ""
+            lines.append(f"  {server.role}: soak {soak.compared} turns verified, {soak.mismatches} mismatches{ties}")
     lines += [f"  failure: {f}" for f in report.failures]
     lines.append(f"  report: {md_path} ({json_path.name}, {len(plots)} plots)")
     return "\n".join(lines)

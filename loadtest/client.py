@@ -36,6 +36,30 @@ class ApiResult:
 
 
 @dataclass
+class TokenLogprob:
+    """One generated token of a chat stream with `logprobs`: its identity, log-probability and the top alternatives.
+
+    `token` identifies the token by its bytes where the server sends them (byte-level tokens that are not valid
+    UTF-8 all read as "\ufffd"), else by its text; `top` maps the alternatives' identities to log-probabilities.
+    """
+
+    token: str
+    logprob: float
+    top: dict[str, float] = field(default_factory=dict)
+
+    @staticmethod
+    def identity(entry: dict[str, Any]) -> str:
+        raw = entry.get("bytes")
+        return bytes(raw).hex() if raw is not None else entry["token"]
+
+    @classmethod
+    def of(cls, entry: dict[str, Any]) -> TokenLogprob:
+        """From one entry of `choices[].logprobs.content`."""
+        top = {cls.identity(alt): alt["logprob"] for alt in entry.get("top_logprobs") or []}
+        return cls(cls.identity(entry), entry["logprob"], top)
+
+
+@dataclass
 class StreamResult:
     """One streamed generation, timed on the client. Times are seconds; None where nothing arrived."""
 
@@ -52,6 +76,7 @@ class StreamResult:
     completion_tokens: int | None = None
     cached_tokens: int | None = None
     session: dict[str, Any] | None = None  # kvfree's `session` extension: cached_tokens, reset, num_tokens
+    tokens: list[TokenLogprob] = field(default_factory=list)  # chat `logprobs.content`, when the request asked
 
     @property
     def tpot(self) -> float | None:
@@ -209,6 +234,8 @@ class ServerClient:
                             else:
                                 res.itl.append(now - last)
                             last = now
+                        for entry in (choice.get("logprobs") or {}).get("content") or []:
+                            res.tokens.append(TokenLogprob.of(entry))
                         if choice.get("finish_reason"):
                             res.finish_reason = choice["finish_reason"]
                     usage = event.get("usage")

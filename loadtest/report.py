@@ -15,6 +15,7 @@ from typing import Any
 
 from loadtest.capacity import GIB
 from loadtest.runner import LoadTestReport, ServerReport
+from loadtest.soak import NEAR_TIE_NATS
 from loadtest.stats import Percentiles
 
 REPORT_JSON = "report.json"
@@ -271,6 +272,11 @@ def _soak_section(server: ServerReport | None) -> list[str]:
         f"{verdict}: {soak.compared} turns verified against the reference (the same conversation sent without "
         f"`session_id`), **{soak.mismatches} mismatches**"
         + (f" ({soak.injected} injected by --inject-mismatch)" if soak.injected else "")
+        + (
+            f" ({soak.near_ties} of them near-tie flips: both paths' margin under {NEAR_TIE_NATS} nats, not failures)"
+            if soak.near_ties
+            else ""
+        )
         + f", {soak.errors} errors.",
         "",
         f"- sessions: {soak.sessions_created} of {soak.sessions_planned} planned, over "
@@ -300,12 +306,13 @@ def _soak_section(server: ServerReport | None) -> list[str]:
                 t.location_before or "–",
                 "yes" if t.injected else "no",
                 str(t.first_difference),
+                "–" if t.tie_margin is None else f"{t.tie_margin:.3f}" + (" (near tie)" if t.near_tie else ""),
                 f"`{(t.reply or '')!r}`",
                 f"`{(t.reference or '')!r}`",
             ]
             for t in bad[:10]
         ]
-        header = ["session", "turn", "was on", "injected", "first diff", "reply", "reference"]
+        header = ["session", "turn", "was on", "injected", "first diff", "margin (nats)", "reply", "reference"]
         lines += _table(header, rows)
     return [*lines, ""]
 

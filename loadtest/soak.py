@@ -17,7 +17,10 @@ fallback, not the reload; the report counts both.
 the checker, not of the server). The conversation always continues with the session's own reply.
 
 A mismatch can also come from a near tie in greedy decoding that the two prefill paths (cached prefix + suffix
-versus the whole history) round differently; `first_difference` helps tell a flipped late token from garbage.
+versus the whole history, in batches of other sizes) round differently, which bf16 on a GPU does. Both requests ask
+for the top-2 log-probabilities, so at the first token where the replies part the soak sees each path's margin
+between the two candidates: if both margins are under `NEAR_TIE_NATS`, the turn is a near-tie flip (counted, shown,
+not a failure); otherwise it is a hard mismatch, which fails the soak. A lost or corrupted state gives hard ones.
 """
 
 from __future__ import annotations
@@ -28,7 +31,7 @@ from collections import Counter
 from dataclasses import dataclass, field
 from typing import Any
 
-from loadtest.client import ServerClient, StreamResult
+from loadtest.client import ServerClient, StreamResult, TokenLogprob
 from loadtest.deadline import Deadline
 from loadtest.progress import Bar
 from loadtest.prom import ServerMemory
@@ -37,6 +40,9 @@ from loadtest.workload import user_turn
 SYSTEM_PROMPT = "You are a terse assistant. Answer in one short sentence."
 INJECTED_SUFFIX = " [reference corrupted by --inject-mismatch]"
 _SHOWN_CHARS = 160  # of each reply kept in the report for a mismatch
+# Both paths' margin between the two tokens where the replies part, under which a mismatch is a rounding flip of
+# a near tie. bf16 logits of a random-weight 370M model move by a few hundredths of a nat between prefill paths.
+NEAR_TIE_NATS = 0.1
 
 
 @dataclass
@@ -56,6 +62,8 @@ class SoakTurn:
     ttft: float | None = None  # the session request's
     reference_ttft: float | None = None
     first_difference: int | None = None  # character index where the replies part, for a mismatch
+    tie_margin: float | None = None  # for a mismatch: the larger of the two paths' margins where they part (nats)
+    near_tie: bool | None = None  # for a mismatch: both margins under NEAR_TIE_NATS (a rounding flip)
     reply: str | None = None  # both replies (cut), only for a mismatch
     reference: str | None = None
 
@@ -70,6 +78,7 @@ class SoakResult:
     turns: list[SoakTurn] = field(default_factory=list)
     compared: int = 0
     mismatches: int = 0
+    near_ties: int = 0  # mismatches that are rounding flips of a near tie (not failures)
     injected: int = 0
     errors: int = 0
     create_errors: list[str] = field(default_factory=list)
@@ -79,7 +88,7 @@ class SoakResult:
     resets: int = 0
     memory_after: ServerMemory | None = None
 
-    # No mismatch, and at least one turn compared (a soak that verified nothing proves nothing).
+    # No mismatch but near-tie flips, and at least one turn compared (a soak that verified nothing proves nothing).
     passed: bool = False
 
 
@@ -88,6 +97,20 @@ def _first_difference(a: str, b: str) -> int:
         if x != y:
             return i
     return min(len(a), len(b))
+
+
+def tie_margin(got: list[TokenLogprob], ref: list[TokenLogprob]) -> float | None:
+    """Where two greedy token streams first part, how far each path preferred its own token over the other's.
+
+    Returns the larger of the two margins (nats); +inf where a path did not rank the other's token in its top
+    alternatives; None where the streams do not part (or carry no log-probabilities).
+    """
+    for a, b in zip(got, ref, strict=False):
+        if a.token != b.token:
+            margin_got = a.logprob - a.top.get(b.token, float("-inf"))
+            margin_ref = b.logprob - b.top.get(a.token, float("-inf"))
+            return max(margin_got, margin_ref)
+    return None
 
 
 def _same_reply(got: StreamResult, ref: StreamResult) -> bool:
@@ -165,6 +188,7 @@ async def run_soak(
             if info.ok:
                 record.location_before = info.body.get("location")
             body = {**base, "messages": histories[i], "max_tokens": max_tokens, "temperature": 0}
+            body |= {"logprobs": True, "top_logprobs": 2}  # to tell a near-tie flip from a wrong state
             got = await client.stream("/v1/chat/completions", {**body, "session_id": ids[i]})
             ref = await client.stream("/v1/chat/completions", body)
             record.ttft, record.reference_ttft = got.ttft, ref.ttft
@@ -196,6 +220,9 @@ async def run_soak(
                 record.match = _same_reply(got, ref)
                 if not record.match:
                     record.first_difference = _first_difference(got.text, ref.text)
+                    if not record.injected:
+                        record.tie_margin = tie_margin(got.tokens, ref.tokens)
+                        record.near_tie = record.tie_margin is not None and record.tie_margin < NEAR_TIE_NATS
                     record.reply, record.reference = got.text[:_SHOWN_CHARS], ref.text[:_SHOWN_CHARS]
             result.turns.append(record)
             bar.advance()
@@ -233,6 +260,7 @@ async def run_soak(
     )
     result.turns_with_cached_tokens = sum(1 for t in compared if (t.cached_tokens or 0) > 0)
     result.resets = sum(1 for t in compared if t.reset)
-    result.passed = result.mismatches == 0 and result.compared > 0
+    result.near_ties = sum(1 for t in compared if t.near_tie)
+    result.passed = result.mismatches == result.near_ties and result.compared > 0
     result.turns.sort(key=lambda t: (t.turn, t.session))
     return result

@@ -29,9 +29,10 @@ from fastapi.responses import StreamingResponse
 from engine.cli import main as kvfree_main
 from loadtest.capacity import capacity_table
 from loadtest.cli import main as loadtest_main
-from loadtest.client import sse_lines
+from loadtest.client import TokenLogprob, sse_lines
 from loadtest.context_sweep import ContextPoint, ContextSweepResult
 from loadtest.prom import MetricsSnapshot, ServerMemory, histogram_quantiles
+from loadtest.soak import NEAR_TIE_NATS, tie_margin
 from loadtest.stats import fit_line
 from loadtest.target import TargetError, is_loopback, parse_target_url
 from server.settings import ServerSettings
@@ -455,3 +456,30 @@ def test_sse_lines_split_at_newlines_only():
     lines = asyncio.run(collect())
     assert lines == ['data: {"t": "a\u2028b\x85c"}', "", "data: [DONE]", ""]
     assert json.loads(lines[0].removeprefix("data: ")) == {"t": "a\u2028b\x85c"}
+
+
+def test_tie_margin_tells_a_rounding_flip_from_a_different_distribution():
+    def tok(token: str, logprob: float, **top: float) -> TokenLogprob:
+        return TokenLogprob(token, logprob, {token: logprob, **top})
+
+    same = [tok("a", -0.1, b=-3.0), tok("b", -0.2, c=-2.0)]
+    assert tie_margin(same, same) is None  # the streams never part
+    # Both paths rank the same two tokens within 0.02 nats of each other, in opposite order: a near tie.
+    flip_got = [tok("a", -0.1, b=-3.0), tok("x", -0.70, y=-0.71)]
+    flip_ref = [tok("a", -0.1, b=-3.0), tok("y", -0.69, x=-0.70)]
+    assert tie_margin(flip_got, flip_ref) == pytest.approx(0.01) and tie_margin(flip_got, flip_ref) < NEAR_TIE_NATS
+    # One path is sure of its token: not a near tie, whatever the other thinks.
+    sure = [tok("a", -0.1, b=-3.0), tok("x", -0.01, y=-5.0)]
+    assert tie_margin(sure, flip_ref) == pytest.approx(4.99)
+    # The other path did not even rank the token: an infinite margin.
+    unranked = [tok("a", -0.1, b=-3.0), tok("z", -0.5, w=-0.6)]
+    assert tie_margin(unranked, flip_ref) == float("inf")
+    # Two byte tokens that both print as U+FFFD are told apart by their bytes.
+    entry = {
+        "token": "\ufffd",
+        "bytes": [0xE2],
+        "logprob": -0.5,
+        "top_logprobs": [{"token": "\ufffd", "bytes": [0x9C], "logprob": -0.6}],
+    }
+    parsed = TokenLogprob.of(entry)
+    assert parsed.token == "e2" and parsed.top == {"9c": -0.6}
