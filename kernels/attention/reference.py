@@ -40,8 +40,9 @@ def attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor
     """
     Hq, Hkv = q.shape[2], k.shape[2]
     dtype = q.dtype
-    k = k.to(dtype).repeat_interleave(Hq // Hkv, dim=2)
-    v = v.to(dtype).repeat_interleave(Hq // Hkv, dim=2)
+    k, v = k.to(dtype), v.to(dtype)
+    if Hq != Hkv:  # grouped-query: each KV head serves Hq / Hkv query heads (no copy when they are equal)
+        k, v = k.repeat_interleave(Hq // Hkv, dim=2), v.repeat_interleave(Hq // Hkv, dim=2)
     out = F.scaled_dot_product_attention(
         q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), attn_mask=mask[:, None]
     )
