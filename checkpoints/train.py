@@ -130,9 +130,23 @@ def train(
     )
     gen = torch.Generator().manual_seed(seed)
     autocast = torch.autocast(device.type, dtype=torch.bfloat16, enabled=device.type == "cuda")
-    log, start, running, correct = [], time.perf_counter(), [], []
+    log: list[dict[str, float]] = []
+    start, losses, hits = time.perf_counter(), [], []  # per step since the last log entry
     warmup = min(200, steps // 10 + 1)
-    done = 0
+
+    def log_period(done: int) -> None:
+        """One log entry for the steps since the last one: mean loss and accuracy at the query keys."""
+        entry = {
+            "step": done,
+            "loss": float(torch.stack(losses).mean()),
+            "train_acc": float(torch.stack(hits).mean()),
+            "seconds": time.perf_counter() - start,
+        }
+        log.append(entry)
+        print(json.dumps(entry), flush=True)
+        losses.clear()
+        hits.clear()
+
     model.train()
     for step in range(steps):
         elapsed = time.perf_counter() - start
@@ -155,24 +169,13 @@ def train(
         loss.backward()
         torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
         opt.step()
-        done = step + 1
-        running.append(loss.detach())
-        scored_here = targets != IGNORE
-        correct.append((logits.detach().argmax(-1) == targets)[scored_here].float().mean())
+        losses.append(loss.detach())
+        scored = targets != IGNORE
+        hits.append((logits.detach().argmax(-1) == targets)[scored].float().mean())
         if (step + 1) % log_every == 0:
-            entry = {
-                "step": step + 1,
-                "loss": float(torch.stack(running).mean()),
-                "train_acc": float(torch.stack(correct).mean()),
-                "seconds": time.perf_counter() - start,
-            }
-            log.append(entry)
-            print(json.dumps(entry), flush=True)
-            running, correct = [], []
-    if running:  # the steps after the last full logging period
-        entry = {"step": done, "loss": float(torch.stack(running).mean()), "seconds": time.perf_counter() - start}
-        entry["train_acc"] = float(torch.stack(correct).mean())
-        log.append(entry)
+            log_period(step + 1)
+    if losses:  # the steps after the last full logging period (training stopped by its time limit)
+        log_period(int(log[-1]["step"]) + len(losses) if log else len(losses))
     model.eval()
     return log
 

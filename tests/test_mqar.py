@@ -108,6 +108,8 @@ def test_train_script_writes_a_loadable_checkpoint_and_report(tmp_path) -> None:
     report = json.loads((out / "mqar.json").read_text())
     assert report["family"] == "mamba2-attention" and report["layers"] == ["mamba2", "mamba2", "attention", "attention"]
     assert set(report["accuracy"]) == {"M=2,gap=4"} and 0 <= report["accuracy"]["M=2,gap=4"] <= 1
+    # Fewer steps than one logging period still leave a log entry, and the report counts every step run.
+    assert report["steps"] == 3 and [entry["step"] for entry in report["log"]] == [3]
     model = load_model(out, device="cpu")
     assert model.config.layers == report["layers"]
     assert "| 4 | " in format_table(report["accuracy"], [2], [4])
