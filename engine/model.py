@@ -70,9 +70,10 @@ class HybridLM(nn.Module):
         """Random initialisation for a new checkpoint: N(0, std) projections, unit norms, mixer-specific rest.
 
         `std=None` keeps PyTorch's own initialisation of every Linear (uniform, +-1/sqrt(fan_in)) and Embedding
-        (N(0, 1)). Small models train much better that way: at width 64-128 a 2-layer attention model stays on
+        (N(0, 1)). Small models train much better that way: at width 64 a 2-layer attention model stays on
         the "guess a not-yet-asked value" plateau of MQAR with N(0, 0.02) (GPT-2's choice for width 768+), and
-        solves the task in ~800 steps with PyTorch's defaults (checkpoints/train.py uses them).
+        solves the task in ~1,000 steps with PyTorch's defaults and an untied LM head (checkpoints/train.py uses
+        both; BENCHMARKS.md has the bisection).
 
         Two passes, so that a mixer's own init of its projections (e.g. SKA's orthogonal keys and zero W_o) is
         applied after, and not overwritten by, the generic init of every Linear (modules() visits a mixer before
