@@ -23,6 +23,7 @@ import torch.nn.functional as F
 
 from checkpoints.byte_tokenizer import write_byte_tokenizer
 from checkpoints.mqar import IGNORE, VOCAB, held_out, make_mqar
+from engine.cli import parse_overrides
 from engine.config import ModelConfig
 from engine.layers import PrefillBatch
 from engine.loader import save_model
@@ -71,8 +72,8 @@ EVAL_PAIRS = [4, 8, 16, 32]
 EVAL_GAPS = [64, 256, 1024, 4096]
 
 
-def family_config(family: str) -> ModelConfig:
-    """The ModelConfig of a family name from FAMILIES."""
+def family_config(family: str, overrides: dict[str, Any] | None = None) -> ModelConfig:
+    """The ModelConfig of a family name from FAMILIES, with dotted `overrides` (e.g. {"ska.rank": 32}) applied."""
     if family not in FAMILIES:
         raise ValueError(f"unknown family {family!r}; known: {sorted(FAMILIES)}")
     layers = FAMILIES[family]
@@ -88,7 +89,7 @@ def family_config(family: str) -> ModelConfig:
     }
     for kind in set(layers):
         data.update({"mamba2": MAMBA2} if kind == "mamba2" else RECALL_LAYERS[kind])
-    return ModelConfig.from_dict(data)
+    return ModelConfig.from_dict(ModelConfig.apply_overrides(data, overrides or {}))
 
 
 def lr_at(step: int, progress: float, peak: float, warmup: int) -> float:
@@ -101,6 +102,25 @@ def lr_at(step: int, progress: float, peak: float, warmup: int) -> float:
 def batch_for(seq_len: int, tokens_per_step: int, max_batch: int) -> int:
     """Sequences per step for a sequence length: a fixed token budget, so long-gap cells get fewer rows."""
     return max(8, min(max_batch, tokens_per_step // seq_len))
+
+
+def mixed_batch(pairs: list[int], gap: int, rows: int, gen: torch.Generator) -> tuple[torch.Tensor, torch.Tensor]:
+    """`rows` MQAR sequences of one length, 4·max(pairs) + gap, each with its own number of pairs from `pairs`.
+
+    A row with M < max(pairs) pairs gets a gap longer by 4·(max(pairs) - M) so that every row ends together: one
+    step then trains every opened pair count at once (one count per step made the gradient swing between cells).
+    Returns input_ids and targets, `[rows, T]` each.
+    """
+    longest = max(pairs)
+    counts = torch.bincount(torch.randint(len(pairs), (rows,), generator=gen), minlength=len(pairs)).tolist()
+    parts = [make_mqar(M, gap + 4 * (longest - M), n, gen) for M, n in zip(pairs, counts, strict=True) if n]
+    return torch.cat([p.input_ids for p in parts]), torch.cat([p.targets for p in parts])
+
+
+def gap_weights(gaps: list[int]) -> torch.Tensor:
+    """Sampling weights ∝ 1/sqrt(gap): a long-gap step holds few sequences (token budget), so few queries to learn
+    from, while held-out accuracy depends on the number of pairs far more than on the gap (BENCHMARKS.md)."""
+    return torch.tensor([g**-0.5 if g > 0 else 1.0 for g in gaps])
 
 
 def train(
@@ -119,8 +139,9 @@ def train(
 
     Progress is whichever budget binds first (steps or seconds), so the learning-rate schedule and the curriculum
     complete even when the time limit ends training early. `pairs` and `gaps` are sorted easiest first; the
-    curriculum samples from a growing prefix of each. A step holds at most `batch` sequences and about
-    `tokens_per_step` tokens.
+    curriculum opens a growing prefix of each. A step draws one gap (weighted by `gap_weights`) and mixes every
+    opened pair count in its batch (`mixed_batch`); it holds at most `batch` sequences and about `tokens_per_step`
+    tokens.
     """
     device = model.device
     decay = [p for n, p in model.named_parameters() if p.ndim >= 2 and "embed" not in n]
@@ -155,10 +176,11 @@ def train(
         progress = max(step / steps, elapsed / time_limit)
         # Curriculum: the harder cells (more pairs, longer gaps) open up over the first half of training.
         opened = min(1.0, 0.25 + 1.5 * progress)
-        M = pairs[int(torch.randint(max(1, math.ceil(opened * len(pairs))), (1,), generator=gen))]
-        gap = gaps[int(torch.randint(max(1, math.ceil(opened * len(gaps))), (1,), generator=gen))]
-        data = make_mqar(M, gap, batch_for(4 * M + gap, tokens_per_step, batch), gen)
-        ids, targets = data.input_ids.to(device), data.targets.to(device)
+        open_pairs = pairs[: max(1, math.ceil(opened * len(pairs)))]
+        open_gaps = gaps[: max(1, math.ceil(opened * len(gaps)))]
+        gap = open_gaps[int(torch.multinomial(gap_weights(open_gaps), 1, generator=gen))]
+        rows = batch_for(4 * max(open_pairs) + gap, tokens_per_step, batch)
+        ids, targets = (t.to(device) for t in mixed_batch(open_pairs, gap, rows, gen))
         for group in opt.param_groups:
             group["lr"] = lr_at(step, progress, lr, warmup)
         with autocast:
@@ -181,31 +203,58 @@ def train(
 
 
 @torch.inference_mode()
-def evaluate_cell(model: HybridLM, num_pairs: int, gap: int, sequences: int, batch: int) -> float:
-    """Held-out accuracy of one cell, through StatePool + prefill + teacher-forced decode (the serving path)."""
+def evaluate_batch(model: HybridLM, num_pairs: int, gap: int, batch: int, index: int) -> tuple[int, int]:
+    """(correct, scored) answers over held-out batch `index` of a cell, through StatePool + prefill + teacher-forced
+    decode (the serving path)."""
+    data = held_out(num_pairs, gap, batch, index)
+    pool = StatePool(model, capacity=batch, max_context=data.input_ids.shape[1] + 1)
+    ids = data.input_ids.to(model.device)
+    B, T = ids.shape
+    slots = torch.tensor([pool.alloc() for _ in range(B)], device=model.device)
+    prefix = data.prefix_len
+    model.prefill(ids[:, :prefix].flatten(), pool.tensors, PrefillBatch(slots, [prefix] * B))
     correct = total = 0
-    pool = StatePool(model, capacity=batch, max_context=4 * num_pairs + gap + 1)
+    for pos in range(prefix, T - 1):
+        logits = model.decode(ids[:, pos], pool.tensors, slots)
+        if data.targets[0, pos] != IGNORE:
+            pred = logits[:, :VOCAB].argmax(-1)
+            correct += int((pred == ids[:, pos + 1]).sum())
+            total += B
+    return correct, total
+
+
+def evaluate_cell(model: HybridLM, num_pairs: int, gap: int, sequences: int, batch: int) -> float:
+    """Held-out accuracy of one cell over ceil(sequences / batch) batches of `batch` sequences."""
+    scores = [evaluate_batch(model, num_pairs, gap, batch, i) for i in range(math.ceil(sequences / batch))]
+    return sum(c for c, _ in scores) / sum(t for _, t in scores)
+
+
+def evaluate(
+    model: HybridLM,
+    pairs: list[int],
+    gaps: list[int],
+    sequences: int,
+    batch: int,
+    time_limit: float = math.inf,
+) -> tuple[dict[str, float], dict[str, int]]:
+    """Accuracy per cell, keyed "M=<pairs>,gap=<gap>", and the number of held-out sequences behind each.
+
+    Cells are visited round-robin, one batch each per round, so that when `time_limit` (seconds) runs out every
+    cell has the same number of sequences (give or take one batch). The first round always completes.
+    """
+    cells = [(M, g) for g in gaps for M in pairs]
+    scores = {cell: [0, 0, 0] for cell in cells}  # correct, scored, sequences
+    start = time.perf_counter()
     for index in range(math.ceil(sequences / batch)):
-        data = held_out(num_pairs, gap, batch, index)
-        ids = data.input_ids.to(model.device)
-        B, T = ids.shape
-        slots = torch.tensor([pool.alloc() for _ in range(B)], device=model.device)
-        prefix = data.prefix_len
-        model.prefill(ids[:, :prefix].flatten(), pool.tensors, PrefillBatch(slots, [prefix] * B))
-        for pos in range(prefix, T - 1):
-            logits = model.decode(ids[:, pos], pool.tensors, slots)
-            if data.targets[0, pos] != IGNORE:
-                pred = logits[:, :VOCAB].argmax(-1)
-                correct += int((pred == ids[:, pos + 1]).sum())
-                total += B
-        for slot in slots.tolist():
-            pool.free(slot)
-    return correct / total
-
-
-def evaluate(model: HybridLM, pairs: list[int], gaps: list[int], sequences: int, batch: int) -> dict[str, float]:
-    """Accuracy per cell, keyed "M=<pairs>,gap=<gap>"."""
-    return {f"M={M},gap={g}": evaluate_cell(model, M, g, sequences, batch) for g in gaps for M in pairs}
+        for M, g in cells:
+            if index > 0 and time.perf_counter() - start > time_limit:
+                break
+            correct, total = evaluate_batch(model, M, g, batch, index)
+            score = scores[(M, g)]
+            score[0], score[1], score[2] = score[0] + correct, score[1] + total, score[2] + batch
+    grid = {f"M={M},gap={g}": c / t for (M, g), (c, t, _) in scores.items()}
+    counts = {f"M={M},gap={g}": n for (M, g), (_, _, n) in scores.items()}
+    return grid, counts
 
 
 def format_table(grid: dict[str, float], pairs: list[int], gaps: list[int]) -> str:
@@ -234,10 +283,27 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--eval-gaps", type=int, nargs="+", default=EVAL_GAPS)
     parser.add_argument("--eval-sequences", type=int, default=1024)
     parser.add_argument("--eval-batch", type=int, default=256)
+    parser.add_argument(
+        "--eval-time-limit",
+        type=float,
+        default=math.inf,
+        help="seconds of evaluation at most; cells share it round-robin (the report says how many sequences each got)",
+    )
+    parser.add_argument(
+        "--set",
+        action="append",
+        default=[],
+        metavar="KEY=VALUE",
+        dest="overrides",
+        help="override a value of the family's config, e.g. --set ska.rank=32 (VALUE is JSON; repeatable)",
+    )
     args = parser.parse_args(argv)
+    for name in ("train_pairs", "train_gaps", "eval_pairs", "eval_gaps"):
+        setattr(args, name, sorted(getattr(args, name)))  # the curriculum opens them easiest first
+    overrides = parse_overrides(args.overrides)
 
     torch.manual_seed(args.seed)
-    config = family_config(args.family)
+    config = family_config(args.family, overrides)
     model = HybridLM(config)
     model.init_weights(args.seed, std=None)  # PyTorch's default init: see HybridLM.init_weights
     model.to(args.device)
@@ -258,7 +324,11 @@ def main(argv: list[str] | None = None) -> None:
     train_seconds = time.perf_counter() - start
     # The checkpoint is stored in bf16 (a few MB for every family together); evaluate exactly those weights.
     model.to(torch.bfloat16).to(torch.float32)
-    grid = evaluate(model, args.eval_pairs, args.eval_gaps, args.eval_sequences, args.eval_batch)
+    eval_start = time.perf_counter()
+    grid, counts = evaluate(
+        model, args.eval_pairs, args.eval_gaps, args.eval_sequences, args.eval_batch, args.eval_time_limit
+    )
+    eval_seconds = time.perf_counter() - eval_start
     table = format_table(grid, args.eval_pairs, args.eval_gaps)
     print(table, flush=True)
 
@@ -268,6 +338,7 @@ def main(argv: list[str] | None = None) -> None:
         save_model(model, args.out, tokenizer_from=tok)
     report = {
         "family": args.family,
+        "overrides": overrides,
         "layers": config.layers,
         "params": params,
         "device": torch.cuda.get_device_name() if args.device.startswith("cuda") else "cpu",
@@ -279,7 +350,9 @@ def main(argv: list[str] | None = None) -> None:
         "train_seconds": train_seconds,
         "train_pairs": args.train_pairs,
         "train_gaps": args.train_gaps,
-        "eval_sequences": args.eval_sequences,
+        "eval_sequences": min(counts.values()),
+        "eval_sequences_per_cell": counts,
+        "eval_seconds": eval_seconds,
         "accuracy": grid,
         "log": log,
     }
