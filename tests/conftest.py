@@ -89,6 +89,20 @@ def _no_grad():
         yield
 
 
+@pytest.fixture(scope="module")
+def one_thread():
+    """Run a module's tests with one intra-op thread; opt in with `pytestmark = pytest.mark.usefixtures("one_thread")`.
+
+    For files of many tiny ops (token loops, small models): on the loaded 2-core CI machine, intra-op threads waiting
+    on each other made single ops take a scheduler time slice (measured 10-100x slower files; e.g. oneDNN's depthwise
+    conv1d ~50 ms per call). One thread changes no result.
+    """
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(threads)
+
+
 # -- helpers shared by the mixer, pool and snapshot tests ------------------------------------------------------------
 def mixer_prefill(mixer, state: dict[str, torch.Tensor], slot: int, x: torch.Tensor) -> torch.Tensor:
     """One session's tokens x `[T, D]` through `mixer.prefill`, continuing the state in `slot`."""

@@ -57,14 +57,7 @@ VARIANTS = {
 MAMBA2 = {"num_heads": 4, "head_dim": 8, "state_size": 16, "n_groups": 2, "conv_kernel": 4, "chunk_size": 8}
 
 
-@pytest.fixture(autouse=True, scope="module")
-def _one_thread():
-    """These tensors are tiny: with several threads on a loaded machine, oneDNN's depthwise conv1d spends ~50 ms per
-    call waiting for its thread pool. One thread makes the file ~10x faster and changes no result."""
-    n = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(n)
+pytestmark = pytest.mark.usefixtures("one_thread")
 
 
 def make_cfg(layers: list[str], hidden: int = D, mlp: bool = False, **bmojo) -> ModelConfig:

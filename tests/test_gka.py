@@ -46,14 +46,7 @@ FP64_TOL = 1e-6  # float64 runs (the shared RMSNorm rounds to fp32)
 F64 = torch.float64
 
 
-@pytest.fixture(autouse=True, scope="module")
-def _one_thread():
-    """These tests run many tiny ops; on a loaded shared CPU, intra-op threads waiting on each other make every op
-    take a scheduler time slice (measured ~15 ms instead of ~0.1 ms here). One thread keeps the file fast."""
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(before)
+pytestmark = pytest.mark.usefixtures("one_thread")
 
 
 # -- builders --------------------------------------------------------------------------------------------------------

@@ -34,14 +34,7 @@ D = 32
 SUB = {"num_heads": 2, "head_dim": 8, "num_slots": 6, "conv_kernel": 3}
 
 
-@pytest.fixture(autouse=True)
-def _one_thread():
-    # The token loop runs thousands of tiny ops; on a shared 2-core machine intra-op threads only add contention
-    # (measured on this machine under load: up to 30x slower with 2 threads than with 1).
-    n = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(n)
+pytestmark = pytest.mark.usefixtures("one_thread")
 
 
 def make_model(layers: tuple[str, ...] = ("lattice",), seed: int = 0, mlp: bool = False, **lattice) -> HybridLM:

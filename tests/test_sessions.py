@@ -21,13 +21,7 @@ LAYERS = ["mamba2", "attention", "swa"]  # a recurrent state, a per-token KV cac
 CONTEXT = 96
 
 
-@pytest.fixture(scope="module", autouse=True)
-def _one_thread():
-    """These models are tiny: a second intra-op thread only adds synchronisation, which costs 100x under load."""
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
+pytestmark = pytest.mark.usefixtures("one_thread")
 
 
 @pytest.fixture(scope="module")
