@@ -199,6 +199,25 @@ def _mask_keys(z: torch.Tensor, v: torch.Tensor, a: torch.Tensor | None) -> tupl
     return z * w, v * w
 
 
+def _chunk_stats(
+    z: torch.Tensor, v: torch.Tensor, a: torch.Tensor | None, state: SKAState, front: int, nc: int, S: int
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Masked keys and the per-chunk sums of G, M, C over new tokens placed at offset `front` of an nc-chunk grid.
+
+    z: `[B, T, H, r]`, v: `[B, T, H, P]`, a: `[B, T]` or None. Returns (a z `[B, T, H, r]`, Gc, Mc `[B, nc, H, r, r]`,
+    Cc `[B, nc, H, P, r]`) in the state's accumulator dtype. Each lag pair z_t z_{t-1}^T belongs to the chunk of its
+    later token t (eqs. 7 + 9); the first token's partner is the stored z_prev.
+    """
+    acc = state.G.dtype
+    zw, vw = _mask_keys(z, v, a)
+    zl = torch.cat([state.z_prev[:, None].to(zw.dtype), zw[:, :-1]], dim=1)  # lag partner of each token
+    zc, lc, vc = (_grid(t.to(acc), front, nc, S) for t in (zw, zl, vw))  # [B, nc, S, H, r|P]
+    Gc = torch.einsum("bcshr,bcshk->bchrk", zc, zc)
+    Mc = torch.einsum("bcshr,bcshk->bchrk", zc, lc)
+    Cc = torch.einsum("bcshp,bcshr->bchpr", vc, zc)
+    return zw, Gc, Mc, Cc
+
+
 def _segment_m(
     m0: torch.Tensor, norms: torch.Tensor, t0: int, key_norm: str
 ) -> tuple[torch.Tensor | None, torch.Tensor]:
@@ -247,18 +266,9 @@ def ska_chunked(
     """
     B, T, H, r = z.shape
     S = chunk_size
-    acc = state.G.dtype
     front = t0 % S
     nc = -(-(front + T) // S)
-    zw, vw = _mask_keys(z, v, a)
-    zl = torch.cat([state.z_prev[:, None].to(zw.dtype), zw[:, :-1]], dim=1)  # lag partner of each token
-    zc = _grid(zw.to(acc), front, nc, S)  # [B, nc, S, H, r]
-    lc = _grid(zl.to(acc), front, nc, S)
-    vc = _grid(vw.to(acc), front, nc, S)
-    # Per-chunk sums; each lag pair z_t z_{t-1}^T belongs to the chunk of its later token t (eqs. 7 + 9).
-    Gc = torch.einsum("bcshr,bcshk->bchrk", zc, zc)
-    Mc = torch.einsum("bcshr,bcshk->bchrk", zc, lc)
-    Cc = torch.einsum("bcshp,bcshr->bchpr", vc, zc)
+    zw, Gc, Mc, Cc = _chunk_stats(z, v, a, state, front, nc, S)
     Gcs, Mcs, Ccs = Gc.cumsum(1), Mc.cumsum(1), Cc.cumsum(1)
     norms = _grid(zw.detach().norm(dim=-1), front, nc, S)  # [B, nc, S, H]; m is detached (ska.md §2.9)
     m_starts, m_new = _segment_m(state.m, norms, t0, key_norm)
@@ -328,15 +338,8 @@ def ska_prefix(
     so mode P and mode C leave the same totals. A one-token call is the paper's inclusive decode step.
     """
     B, T, H, r = z.shape
-    acc = state.G.dtype
-    S = chunk_size
-    nc = -(-T // S)
-    zw, vw = _mask_keys(z, v, a)
-    zl = torch.cat([state.z_prev[:, None].to(zw.dtype), zw[:, :-1]], dim=1)
-    zc, lc, vc = (_grid(t.to(acc), 0, nc, S) for t in (zw, zl, vw))
-    G = state.G + torch.einsum("bcshr,bcshk->bchrk", zc, zc).sum(1)
-    M = state.M + torch.einsum("bcshr,bcshk->bchrk", zc, lc).sum(1)
-    C = state.C + torch.einsum("bcshp,bcshr->bchpr", vc, zc).sum(1)
+    zw, Gc, Mc, Cc = _chunk_stats(z, v, a, state, 0, -(-T // chunk_size), chunk_size)
+    G, M, C = state.G + Gc.sum(1), state.M + Mc.sum(1), state.C + Cc.sum(1)
     m = _update_m(state.m, zw.detach().norm(dim=-1).amax(dim=1), torch.tensor(t0 == 0), key_norm)
     J = ska_readout(G, M, C, m, eps=eps, eta=eta, gamma=gamma, order=order, power_iters=power_iters).float()
     y = torch.einsum("bthr,bhpr->bthp", q.float(), J)
