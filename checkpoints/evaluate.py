@@ -32,8 +32,9 @@ def reevaluate(
 ) -> tuple[dict[str, float], dict[str, float]]:
     """(new grid, reported grid) over the chosen cells of the checkpoint at `path` (default: all of its report's).
 
-    `sequences` sets the held-out sequences per cell; without it each cell gets exactly the report's sequences, and
-    only then is the reported grid returned for comparison (empty otherwise: other sequences, other numbers).
+    `sequences` sets the held-out sequences per cell (rounded up to whole batches of the report's `eval_batch`);
+    without it each cell gets exactly the report's sequences, and only then is the reported grid returned for
+    comparison (empty otherwise: other sequences, other numbers).
     """
     report = json.loads((path / "mqar.json").read_text())
     reported: dict[str, float] = report["accuracy"]
@@ -60,7 +61,9 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     parser.add_argument("--pairs", type=int, nargs="+", help="numbers of pairs to score (default: the report's)")
     parser.add_argument("--gaps", type=int, nargs="+", help="gaps to score (default: the report's)")
-    parser.add_argument("--sequences", type=int, help="held-out sequences per cell (default: as many as the report)")
+    parser.add_argument(
+        "--sequences", type=int, help="held-out sequences per cell, rounded up to whole batches (default: the report's)"
+    )
     args = parser.parse_args(argv)
     if not (args.checkpoint / "mqar.json").is_file():
         parser.error(f"{args.checkpoint}: no mqar.json (not a checkpoint written by checkpoints/train.py)")

@@ -176,9 +176,11 @@ def test_shipped_checkpoints_reproduce_their_reports(name: str) -> None:
 def test_evaluate_script_rescores_a_cell_of_a_shipped_checkpoint(capsys) -> None:
     grid, reported = reevaluate(TRAINED / "mqar-mamba2-ska", "cpu", pairs=[4], gaps=[64], sequences=16)
     assert set(grid) == {"M=4,gap=64"} and grid["M=4,gap=64"] >= 62 / 64 and reported == {}
-    evaluate_main([str(TRAINED / "mqar-mamba2-ska"), "--device", "cpu", "--pairs", "8", "--gaps", "64"])
+    # A cell the H200 did not score perfectly (99.93%: 2 misses in 3,072 answers over its 768 sequences), so only the
+    # same sequences through the same path can give the same count.
+    evaluate_main([str(TRAINED / "mqar-mamba2-ska"), "--device", "cpu", "--pairs", "4", "--gaps", "64"])
     out = capsys.readouterr().out
-    assert "| 64 | 100.0 |" in out  # the report's 512 sequences of this cell (100.0% on the H200), scored again
+    assert "| 64 | 99.9 |" in out
     assert "largest difference from the report: 0.00 points over 1 cells" in out
 
 
