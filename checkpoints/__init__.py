@@ -1,6 +1,6 @@
 """Checkpoint format (a directory of config, safetensors weights and tokenizer), converters, shipped checkpoints."""
 
-from checkpoints.format import (
+from kvfree.checkpoints.format import (
     CONFIG_FILE,
     TOKENIZER_CONFIG_FILE,
     TOKENIZER_FILE,

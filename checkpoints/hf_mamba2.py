@@ -8,7 +8,7 @@ of `engine/config.py`, written here as a plain dict because `checkpoints` must n
 
 Usage::
 
-    from checkpoints.hf_mamba2 import convert_hf_mamba2
+    from kvfree.checkpoints.hf_mamba2 import convert_hf_mamba2
     convert_hf_mamba2("path/to/hf-mamba2", "path/to/kvfree-checkpoint", tokenizer_from=None)
 """
 
@@ -25,7 +25,7 @@ import torch
 from safetensors import SafetensorError
 from safetensors.torch import load_file
 
-from checkpoints.format import (
+from kvfree.checkpoints.format import (
     CONFIG_FILE,
     TOKENIZER_CONFIG_FILE,
     TOKENIZER_FILE,

@@ -20,11 +20,11 @@ from typing import Any
 
 import torch
 
-from engine.llm import LLM
-from engine.sampling import SamplingParams
-from engine.scheduler import QueueFull, Request, RequestOutput, Scheduler
-from engine.sessions import Session, SessionManager
-from engine.snapshot import model_fingerprint
+from kvfree.engine.llm import LLM
+from kvfree.engine.sampling import SamplingParams
+from kvfree.engine.scheduler import QueueFull, Request, RequestOutput, Scheduler
+from kvfree.engine.sessions import Session, SessionManager
+from kvfree.engine.snapshot import model_fingerprint
 
 log = logging.getLogger("kvfree.engine")
 

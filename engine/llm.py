@@ -11,15 +11,15 @@ from typing import Any
 
 import torch
 
-from checkpoints import default_checkpoint_path
-from engine.loader import load_model
-from engine.model_runner import ModelRunner
-from engine.sampling import SamplingParams
-from engine.scheduler import Request, RequestOutput, Scheduler
-from engine.sequence import Sequence, TokenLogprob
-from engine.sessions import SessionManager
-from engine.state_pool import StatePool
-from engine.tokenizer import Tokenizer
+from kvfree.checkpoints import default_checkpoint_path
+from kvfree.engine.loader import load_model
+from kvfree.engine.model_runner import ModelRunner
+from kvfree.engine.sampling import SamplingParams
+from kvfree.engine.scheduler import Request, RequestOutput, Scheduler
+from kvfree.engine.sequence import Sequence, TokenLogprob
+from kvfree.engine.sessions import SessionManager
+from kvfree.engine.state_pool import StatePool
+from kvfree.engine.tokenizer import Tokenizer
 
 Prompt = str | list[int]
 

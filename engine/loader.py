@@ -7,9 +7,9 @@ from typing import Any
 
 import torch
 
-from checkpoints import CheckpointError, default_checkpoint_path, read_checkpoint, write_checkpoint
-from engine.config import ConfigError, ModelConfig
-from engine.model import HybridLM
+from kvfree.checkpoints import CheckpointError, default_checkpoint_path, read_checkpoint, write_checkpoint
+from kvfree.engine.config import ConfigError, ModelConfig
+from kvfree.engine.model import HybridLM
 
 
 def resolve_dtype(dtype: str | torch.dtype | None, device: torch.device) -> torch.dtype:

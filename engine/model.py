@@ -5,10 +5,10 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from engine.config import ModelConfig
-from engine.layers import Mixer, PrefillBatch, build_mixer
-from engine.layers.mlp import KoopmanMLP, build_mlp
-from engine.layers.norms import RMSNorm
+from kvfree.engine.config import ModelConfig
+from kvfree.engine.layers import Mixer, PrefillBatch, build_mixer
+from kvfree.engine.layers.mlp import KoopmanMLP, build_mlp
+from kvfree.engine.layers.norms import RMSNorm
 
 State = list[dict[str, torch.Tensor]]  # per layer: name -> pool tensor [capacity, *shape]
 
@@ -72,7 +72,7 @@ class HybridLM(nn.Module):
         `std=None` keeps PyTorch's own initialisation of every Linear (uniform, +-1/sqrt(fan_in)) and Embedding
         (N(0, 1)). Small models train much better that way: at width 64 a 2-layer attention model stays on
         the "guess a not-yet-asked value" plateau of MQAR with N(0, 0.02) (GPT-2's choice for width 768+), and
-        solves the task in ~1,000 steps with PyTorch's defaults and an untied LM head (checkpoints/train.py uses
+        solves the task in ~1,000 steps with PyTorch's defaults and an untied LM head (training/train.py uses
         both; BENCHMARKS.md has the bisection).
 
         Two passes, so that a mixer's own init of its projections (e.g. SKA's orthogonal keys and zero W_o) is

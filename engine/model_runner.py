@@ -4,11 +4,11 @@ from __future__ import annotations
 
 import torch
 
-from engine.layers import PrefillBatch
-from engine.model import HybridLM
-from engine.sampling import SampleOutput, sample
-from engine.sequence import Sequence, TokenLogprob
-from engine.state_pool import StatePool
+from kvfree.engine.layers import PrefillBatch
+from kvfree.engine.model import HybridLM
+from kvfree.engine.sampling import SampleOutput, sample
+from kvfree.engine.sequence import Sequence, TokenLogprob
+from kvfree.engine.state_pool import StatePool
 
 
 class ModelRunner:

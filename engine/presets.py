@@ -8,10 +8,10 @@ from typing import Any
 
 import torch
 
-from checkpoints.byte_tokenizer import write_byte_tokenizer
-from engine.config import ModelConfig
-from engine.loader import save_model
-from engine.model import HybridLM
+from kvfree.checkpoints.byte_tokenizer import write_byte_tokenizer
+from kvfree.engine.config import ModelConfig
+from kvfree.engine.loader import save_model
+from kvfree.engine.model import HybridLM
 
 BYTE_VOCAB = 261  # 256 bytes + 5 special tokens (checkpoints/byte_tokenizer.py)
 EOS_ID = 256

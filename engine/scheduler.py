@@ -15,11 +15,11 @@ from dataclasses import dataclass, field
 
 import torch
 
-from engine.model_runner import ModelRunner
-from engine.sampling import SamplingParams
-from engine.sequence import Sequence, TokenLogprob
-from engine.sessions import PoolExhausted, Session, SessionManager
-from engine.tokenizer import Tokenizer
+from kvfree.engine.model_runner import ModelRunner
+from kvfree.engine.sampling import SamplingParams
+from kvfree.engine.sequence import Sequence, TokenLogprob
+from kvfree.engine.sessions import PoolExhausted, Session, SessionManager
+from kvfree.engine.tokenizer import Tokenizer
 
 
 @dataclass

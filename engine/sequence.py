@@ -7,8 +7,8 @@ from dataclasses import dataclass, field
 
 import torch
 
-from engine.sampling import SamplingParams
-from engine.tokenizer import IncrementalDetokenizer, Tokenizer
+from kvfree.engine.sampling import SamplingParams
+from kvfree.engine.tokenizer import IncrementalDetokenizer, Tokenizer
 
 _ids = itertools.count()
 

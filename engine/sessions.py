@@ -21,8 +21,8 @@ from typing import Literal
 
 import torch
 
-from engine.snapshot import Snapshot, SnapshotError, decode_snapshot, encode_snapshot, peek_snapshot, token_hash
-from engine.state_pool import SnapshotMismatchError, StatePool
+from kvfree.engine.snapshot import Snapshot, SnapshotError, decode_snapshot, encode_snapshot, peek_snapshot, token_hash
+from kvfree.engine.state_pool import SnapshotMismatchError, StatePool
 
 log = logging.getLogger(__name__)
 

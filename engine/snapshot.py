@@ -31,7 +31,7 @@ import torch
 from safetensors.torch import load as st_load
 from safetensors.torch import save as st_save
 
-from engine.model import HybridLM
+from kvfree.engine.model import HybridLM
 
 SNAPSHOT_FORMAT = "kvfree-snapshot"
 SNAPSHOT_VERSION = "1"

@@ -8,8 +8,8 @@ from __future__ import annotations
 
 import torch
 
-from engine.layers import StateSpec
-from engine.model import HybridLM, State
+from kvfree.engine.layers import StateSpec
+from kvfree.engine.model import HybridLM, State
 
 
 class PoolFullError(RuntimeError):

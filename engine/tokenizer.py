@@ -9,7 +9,7 @@ from typing import Any
 from jinja2.sandbox import ImmutableSandboxedEnvironment
 from tokenizers import Tokenizer as HFTokenizer
 
-from checkpoints import TOKENIZER_CONFIG_FILE, TOKENIZER_FILE, CheckpointError
+from kvfree.checkpoints import TOKENIZER_CONFIG_FILE, TOKENIZER_FILE, CheckpointError
 
 
 def _token_text(value: Any) -> str | None:

@@ -1,7 +1,7 @@
 """Benchmark the ops of kernels/ at a given size: median time over repeats, and the memory-bandwidth floor.
 
-    python -m kernels.bench                      # CPU, small shapes
-    python -m kernels.bench --device cuda --preset mamba2-130m --batch 1 64 256
+    python -m kvfree.kernels.bench                      # CPU, small shapes
+    python -m kvfree.kernels.bench --device cuda --preset mamba2-130m --batch 1 64 256
 
 For decode, the floor is the state bytes one step must read and write (the whole `[B, H, P, N]` SSM state, in
 and out, fp32) divided by the HBM bandwidth (3 TB/s on an H100 SXM unless --hbm-tbps says otherwise); a decode
@@ -21,7 +21,7 @@ from collections.abc import Callable
 import torch
 import torch.nn.functional as F
 
-from kernels.mamba2 import ssd_chunked, ssd_step
+from kvfree.kernels.mamba2 import ssd_chunked, ssd_step
 
 SHAPES = {
     # heads, head_dim, state, groups: the SSM of each preset's layers (engine/presets.py)

@@ -1,4 +1,4 @@
-"""Load generator and reports for kvfree servers (`kvfree loadtest`, or `python -m loadtest`).
+"""Load generator and reports for kvfree servers (`kvfree loadtest`, or `python -m kvfree.loadtest`).
 
 It speaks HTTP only (architecture.md §1: nothing here imports the engine or the server), so it measures any
 kvfree server by URL and the generic parts of any OpenAI-compatible one. Three scenarios, each bounded in count

@@ -1,7 +1,7 @@
-"""`python -m loadtest ...`: the same as `kvfree loadtest ...`."""
+"""`python -m kvfree.loadtest ...`: the same as `kvfree loadtest ...`."""
 
 import sys
 
-from loadtest.cli import main
+from kvfree.loadtest.cli import main
 
 sys.exit(main())

@@ -22,8 +22,8 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass, field
 
-from loadtest.context_sweep import ContextSweepResult
-from loadtest.prom import ServerMemory
+from kvfree.loadtest.context_sweep import ContextSweepResult
+from kvfree.loadtest.prom import ServerMemory
 
 GIB = 2**30
 

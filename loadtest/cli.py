@@ -1,4 +1,4 @@
-"""`kvfree loadtest`: the command line of the load generator (also `python -m loadtest`).
+"""`kvfree loadtest`: the command line of the load generator (also `python -m kvfree.loadtest`).
 
 Exit status: 0 when the run completed and the soak (if run) verified every turn; 1 when the soak found replies
 that differ from their reference (including one corrupted on purpose by `--inject-mismatch`) or could verify
@@ -16,12 +16,12 @@ from dataclasses import replace
 from pathlib import Path
 from typing import TYPE_CHECKING
 
-from loadtest.config import SCENARIOS, LoadTestConfig, profile_config
-from loadtest.target import DEFAULT_URL, TargetError, is_loopback, parse_target_url
-from loadtest.workload import LengthDistribution, WorkloadSpec
+from kvfree.loadtest.config import SCENARIOS, LoadTestConfig, profile_config
+from kvfree.loadtest.target import DEFAULT_URL, TargetError, is_loopback, parse_target_url
+from kvfree.loadtest.workload import LengthDistribution, WorkloadSpec
 
 if TYPE_CHECKING:
-    from loadtest.runner import LoadTestReport
+    from kvfree.loadtest.runner import LoadTestReport
 
 DESCRIPTION = """\
 Load-test kvfree (or any OpenAI-compatible) servers over HTTP: memory against context length, latency and
@@ -287,13 +287,13 @@ def main(argv: list[str] | None = None) -> int:
         parser.error(str(exc))
     # Imported only now: --help and argument errors stay instant and need neither httpx nor numpy.
     try:
-        from loadtest.runner import TargetUnreachable, run_loadtest
+        from kvfree.loadtest.runner import TargetUnreachable, run_loadtest
     except ImportError as exc:
         print(f"kvfree loadtest: error: {exc}; it needs httpx and numpy (pip install httpx)", file=sys.stderr)
         return 2
-    from loadtest.plots import write_plots
-    from loadtest.progress import Progress
-    from loadtest.report import write_report
+    from kvfree.loadtest.plots import write_plots
+    from kvfree.loadtest.progress import Progress
+    from kvfree.loadtest.report import write_report
 
     for url in filter(None, (config.url, config.baseline_url)):
         if not is_loopback(url):

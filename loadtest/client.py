@@ -18,7 +18,7 @@ from typing import Any
 
 import httpx
 
-from loadtest.prom import MetricsSnapshot
+from kvfree.loadtest.prom import MetricsSnapshot
 
 
 @dataclass

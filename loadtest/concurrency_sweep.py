@@ -18,12 +18,12 @@ import time
 from dataclasses import dataclass, field
 from typing import Any
 
-from loadtest.client import ServerClient
-from loadtest.deadline import Deadline
-from loadtest.progress import Bar
-from loadtest.prom import ITL_HISTOGRAM, TTFT_HISTOGRAM, histogram_quantiles
-from loadtest.records import LatencySummary, RequestRecord
-from loadtest.workload import RequestSpec, WorkloadSpec, sample_requests
+from kvfree.loadtest.client import ServerClient
+from kvfree.loadtest.deadline import Deadline
+from kvfree.loadtest.progress import Bar
+from kvfree.loadtest.prom import ITL_HISTOGRAM, TTFT_HISTOGRAM, histogram_quantiles
+from kvfree.loadtest.records import LatencySummary, RequestRecord
+from kvfree.loadtest.workload import RequestSpec, WorkloadSpec, sample_requests
 
 _SERVER_QUANTILES = (0.5, 0.9, 0.99)
 _MAX_RETRY_WAIT = 1.0

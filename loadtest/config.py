@@ -12,7 +12,7 @@ import math
 from dataclasses import dataclass, field, replace
 from pathlib import Path
 
-from loadtest.workload import LengthDistribution, WorkloadSpec
+from kvfree.loadtest.workload import LengthDistribution, WorkloadSpec
 
 SCENARIOS = ("context", "concurrency", "soak")
 

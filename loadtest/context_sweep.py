@@ -24,13 +24,13 @@ import random
 from dataclasses import dataclass, field
 from typing import Any
 
-from loadtest.client import ServerClient
-from loadtest.deadline import Deadline
-from loadtest.progress import Bar
-from loadtest.prom import ServerMemory
-from loadtest.records import RequestRecord
-from loadtest.stats import LinearFit, Percentiles, fit_line
-from loadtest.workload import random_token_ids
+from kvfree.loadtest.client import ServerClient
+from kvfree.loadtest.deadline import Deadline
+from kvfree.loadtest.progress import Bar
+from kvfree.loadtest.prom import ServerMemory
+from kvfree.loadtest.records import RequestRecord
+from kvfree.loadtest.stats import LinearFit, Percentiles, fit_line
+from kvfree.loadtest.workload import random_token_ids
 
 
 @dataclass

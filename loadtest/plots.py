@@ -13,7 +13,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from loadtest.runner import LoadTestReport, ServerReport
+from kvfree.loadtest.runner import LoadTestReport, ServerReport
 
 MEMORY_PNG = "memory_vs_context.png"
 SESSIONS_PNG = "sessions_vs_context.png"

@@ -5,8 +5,8 @@ from __future__ import annotations
 from collections import Counter
 from dataclasses import dataclass, field
 
-from loadtest.client import StreamResult
-from loadtest.stats import Percentiles
+from kvfree.loadtest.client import StreamResult
+from kvfree.loadtest.stats import Percentiles
 
 # Seconds are rounded to microseconds in the report: finer digits are noise and would only bloat report.json.
 _DIGITS = 6

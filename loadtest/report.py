@@ -13,10 +13,10 @@ from dataclasses import asdict
 from pathlib import Path
 from typing import Any
 
-from loadtest.capacity import GIB
-from loadtest.runner import LoadTestReport, ServerReport
-from loadtest.soak import NEAR_TIE_NATS
-from loadtest.stats import Percentiles
+from kvfree.loadtest.capacity import GIB
+from kvfree.loadtest.runner import LoadTestReport, ServerReport
+from kvfree.loadtest.soak import NEAR_TIE_NATS
+from kvfree.loadtest.stats import Percentiles
 
 REPORT_JSON = "report.json"
 REPORT_MD = "report.md"

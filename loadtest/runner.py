@@ -14,16 +14,16 @@ from dataclasses import asdict, dataclass, field
 from datetime import UTC, datetime
 from typing import Any
 
-from loadtest.capacity import CapacityTable, capacity_table
-from loadtest.client import ServerClient
-from loadtest.concurrency_sweep import LevelResult, level_request_count, run_concurrency_sweep
-from loadtest.config import LoadTestConfig
-from loadtest.context_sweep import ContextSweepResult, run_context_sweep
-from loadtest.deadline import Deadline
-from loadtest.progress import Progress
-from loadtest.prom import ServerMemory
-from loadtest.soak import SoakResult, run_soak
-from loadtest.target import is_loopback
+from kvfree.loadtest.capacity import CapacityTable, capacity_table
+from kvfree.loadtest.client import ServerClient
+from kvfree.loadtest.concurrency_sweep import LevelResult, level_request_count, run_concurrency_sweep
+from kvfree.loadtest.config import LoadTestConfig
+from kvfree.loadtest.context_sweep import ContextSweepResult, run_context_sweep
+from kvfree.loadtest.deadline import Deadline
+from kvfree.loadtest.progress import Progress
+from kvfree.loadtest.prom import ServerMemory
+from kvfree.loadtest.soak import SoakResult, run_soak
+from kvfree.loadtest.target import is_loopback
 
 REPORT_VERSION = 1
 

@@ -31,11 +31,11 @@ from collections import Counter
 from dataclasses import dataclass, field
 from typing import Any
 
-from loadtest.client import ServerClient, StreamResult, TokenLogprob
-from loadtest.deadline import Deadline
-from loadtest.progress import Bar
-from loadtest.prom import ServerMemory
-from loadtest.workload import user_turn
+from kvfree.loadtest.client import ServerClient, StreamResult, TokenLogprob
+from kvfree.loadtest.deadline import Deadline
+from kvfree.loadtest.progress import Bar
+from kvfree.loadtest.prom import ServerMemory
+from kvfree.loadtest.workload import user_turn
 
 SYSTEM_PROMPT = "You are a terse assistant. Answer in one short sentence."
 INJECTED_SUFFIX = " [reference corrupted by --inject-mismatch]"

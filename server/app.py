@@ -10,15 +10,15 @@ from pathlib import Path
 from fastapi import FastAPI
 from fastapi.middleware.cors import CORSMiddleware
 
-from engine.async_engine import AsyncEngine
-from engine.llm import LLM
-from server import openai_api, ops_api, sessions_api
-from server.auth import APIKeys, require_api_key
-from server.errors import BodySizeLimitMiddleware, install_error_handlers
-from server.generation import ServerState
-from server.metrics import Metrics
-from server.schemas import new_id
-from server.settings import ServerSettings
+from kvfree.engine.async_engine import AsyncEngine
+from kvfree.engine.llm import LLM
+from kvfree.server import openai_api, ops_api, sessions_api
+from kvfree.server.auth import APIKeys, require_api_key
+from kvfree.server.errors import BodySizeLimitMiddleware, install_error_handlers
+from kvfree.server.generation import ServerState
+from kvfree.server.metrics import Metrics
+from kvfree.server.schemas import new_id
+from kvfree.server.settings import ServerSettings
 
 log = logging.getLogger("kvfree.server")
 

@@ -17,7 +17,7 @@ from typing import Annotated
 from fastapi import Request, Security
 from fastapi.security import HTTPAuthorizationCredentials, HTTPBearer
 
-from server.errors import unauthorized
+from kvfree.server.errors import unauthorized
 
 DEFAULT_ENV_VAR = "KVFREE_API_KEYS"
 

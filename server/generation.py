@@ -9,13 +9,13 @@ from dataclasses import dataclass
 
 from fastapi import Request
 
-from engine.async_engine import AsyncEngine, EngineStopped, QueueFull, SessionBusy
-from engine.sampling import SamplingParams
-from engine.scheduler import RequestOutput
-from engine.sessions import PoolExhausted, SessionLimitError, SessionNotFound
-from engine.snapshot import SnapshotError
-from engine.state_pool import SnapshotMismatchError
-from server.errors import (
+from kvfree.engine.async_engine import AsyncEngine, EngineStopped, QueueFull, SessionBusy
+from kvfree.engine.sampling import SamplingParams
+from kvfree.engine.scheduler import RequestOutput
+from kvfree.engine.sessions import PoolExhausted, SessionLimitError, SessionNotFound
+from kvfree.engine.snapshot import SnapshotError
+from kvfree.engine.state_pool import SnapshotMismatchError
+from kvfree.server.errors import (
     APIError,
     conflict,
     invalid_request,
@@ -24,8 +24,8 @@ from server.errors import (
     service_unavailable,
     too_many_requests,
 )
-from server.metrics import Metrics
-from server.settings import ServerSettings
+from kvfree.server.metrics import Metrics
+from kvfree.server.settings import ServerSettings
 
 
 @dataclass

@@ -8,8 +8,8 @@ import threading
 
 import uvicorn
 
-from server.app import create_app
-from server.settings import ServerSettings
+from kvfree.server.app import create_app
+from kvfree.server.settings import ServerSettings
 
 
 def serve(settings: ServerSettings) -> None:

@@ -9,15 +9,15 @@ import jinja2
 from fastapi import APIRouter, Depends, Request
 from fastapi.responses import StreamingResponse
 
-from checkpoints import CheckpointError
-from engine.sampling import SamplingParams
-from engine.scheduler import RequestOutput
-from engine.sequence import TokenLogprob
-from engine.tokenizer import Tokenizer
-from server.errors import ErrorInfo, ErrorResponse, error_responses, invalid_request
-from server.generation import ServerState, check_model, check_prompt, start_generation, state_of
-from server.metrics import RequestTimer
-from server.schemas import (
+from kvfree.checkpoints import CheckpointError
+from kvfree.engine.sampling import SamplingParams
+from kvfree.engine.scheduler import RequestOutput
+from kvfree.engine.sequence import TokenLogprob
+from kvfree.engine.tokenizer import Tokenizer
+from kvfree.server.errors import ErrorInfo, ErrorResponse, error_responses, invalid_request
+from kvfree.server.generation import ServerState, check_model, check_prompt, start_generation, state_of
+from kvfree.server.metrics import RequestTimer
+from kvfree.server.schemas import (
     SSE_DONE,
     ChatCompletionChoice,
     ChatCompletionChunk,
@@ -42,7 +42,7 @@ from server.schemas import (
     new_id,
     sse_event,
 )
-from server.tools import (
+from kvfree.server.tools import (
     ContentDelta,
     ToolCallFormat,
     ToolCallStreamParser,
@@ -96,7 +96,7 @@ async def _prepare(
         raise invalid_request("n > 1 cannot be combined with session_id (a session continues one conversation)", "n")
     ctx = Context(state, prompt_ids, params, body.n, body.session_id, owner, _request_id(request))
     if body.session_id is not None:
-        from server.generation import ENGINE_ERRORS, engine_error
+        from kvfree.server.generation import ENGINE_ERRORS, engine_error
 
         try:
             session = await state.engine.get_session(body.session_id, owner)

@@ -5,7 +5,7 @@ from __future__ import annotations
 from fastapi import APIRouter, Request
 from fastapi.responses import JSONResponse, Response
 
-from server.generation import state_of
+from kvfree.server.generation import state_of
 
 api = APIRouter(tags=["Operations"])
 

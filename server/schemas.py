@@ -31,8 +31,8 @@ from pydantic import (
     model_validator,
 )
 
-from engine.sampling import MAX_TOP_LOGPROBS, SamplingParams
-from server.errors import invalid_request
+from kvfree.engine.sampling import MAX_TOP_LOGPROBS, SamplingParams
+from kvfree.server.errors import invalid_request
 
 # The most completions one request may ask for (`n`): each holds a pool slot while it decodes.
 MAX_N = 16

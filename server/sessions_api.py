@@ -9,13 +9,13 @@ import jinja2
 from fastapi import APIRouter, Body, Depends, Request
 from fastapi.responses import Response
 
-from checkpoints import CheckpointError
-from engine.sampling import SamplingParams
-from engine.sessions import Session
-from server.errors import error_responses, invalid_request
-from server.generation import ENGINE_ERRORS, ServerState, check_model, check_prompt, engine_error, state_of
-from server.schemas import SessionCreateRequest, SessionDeleted, SessionInfo
-from server.tools import template_messages, template_tools
+from kvfree.checkpoints import CheckpointError
+from kvfree.engine.sampling import SamplingParams
+from kvfree.engine.sessions import Session
+from kvfree.server.errors import error_responses, invalid_request
+from kvfree.server.generation import ENGINE_ERRORS, ServerState, check_model, check_prompt, engine_error, state_of
+from kvfree.server.schemas import SessionCreateRequest, SessionDeleted, SessionInfo
+from kvfree.server.tools import template_messages, template_tools
 
 SNAPSHOT_MEDIA_TYPE = "application/octet-stream"
 

@@ -27,7 +27,7 @@ from collections.abc import Collection, Mapping
 from dataclasses import dataclass
 from typing import Any
 
-from server.schemas import (
+from kvfree.server.schemas import (
     AssistantMessage,
     ChatMessage,
     ChatTool,

@@ -7,8 +7,8 @@ import math
 import pytest
 import torch
 
-from engine.config import ModelConfig
-from engine.model import HybridLM
+from kvfree.engine.config import ModelConfig
+from kvfree.engine.model import HybridLM
 
 VOCAB = 261
 
@@ -106,7 +106,7 @@ def one_thread():
 # -- helpers shared by the mixer, pool and snapshot tests ------------------------------------------------------------
 def mixer_prefill(mixer, state: dict[str, torch.Tensor], slot: int, x: torch.Tensor) -> torch.Tensor:
     """One session's tokens x `[T, D]` through `mixer.prefill`, continuing the state in `slot`."""
-    from engine.layers import PrefillBatch
+    from kvfree.engine.layers import PrefillBatch
 
     return mixer.prefill(x, state, PrefillBatch(torch.tensor([slot]), [x.shape[0]]))
 
@@ -132,7 +132,7 @@ def assert_states_close(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor], 
 
 def model_prefill(model: HybridLM, pool, slot: int, ids: list[int], chunk: int = 4096) -> torch.Tensor:
     """Prefill token `ids` into `slot` in chunks of at most `chunk`; returns the last token's logits `[V]`."""
-    from engine.layers import PrefillBatch
+    from kvfree.engine.layers import PrefillBatch
 
     logits = None
     for start in range(0, len(ids), chunk):

@@ -1,5 +1,5 @@
 """Helpers for the end-to-end server tests (tests/test_server.py): test checkpoints, real servers on free loopback
-ports (uvicorn in a thread, or `python -m engine.cli serve` in a subprocess), and checks of OpenAI-shaped errors.
+ports (uvicorn in a thread, or `python -m kvfree serve` in a subprocess), and checks of OpenAI-shaped errors.
 
 The checkpoints are built from `engine.presets.init_checkpoint` and then edited:
 
@@ -36,10 +36,10 @@ import torch
 import uvicorn
 from safetensors.torch import load_file, save_file
 
-from checkpoints.byte_tokenizer import build_byte_tokenizer
-from engine.presets import init_checkpoint
-from server.app import create_app
-from server.settings import ServerSettings
+from kvfree.checkpoints.byte_tokenizer import build_byte_tokenizer
+from kvfree.engine.presets import init_checkpoint
+from kvfree.server.app import create_app
+from kvfree.server.settings import ServerSettings
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -208,7 +208,7 @@ class ThreadServer:
 
 
 class ProcServer:
-    """`python -m engine.cli serve MODEL --port P ARGS...` in a subprocess; stdout and stderr go to `log_path`."""
+    """`python -m kvfree serve MODEL --port P ARGS...` in a subprocess; stdout and stderr go to `log_path`."""
 
     def __init__(self, model: Path, args: list[str], log_path: Path, env: dict[str, str] | None = None) -> None:
         self.model = model
@@ -221,7 +221,7 @@ class ProcServer:
     def start(self, timeout: float = 90.0) -> ProcServer:
         for _attempt in range(3):
             self.port = free_port()
-            cmd = [sys.executable, "-m", "engine.cli", "serve", str(self.model), "--port", str(self.port)]
+            cmd = [sys.executable, "-m", "kvfree", "serve", str(self.model), "--port", str(self.port)]
             cmd += ["--device", "cpu", *self.args]
             env = {**os.environ, "PYTHONUNBUFFERED": "1", **self.env}
             with open(self.log_path, "ab") as log:

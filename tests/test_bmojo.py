@@ -11,12 +11,12 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from engine.config import ConfigError, ModelConfig
-from engine.layers import PrefillBatch
-from engine.layers.bmojo import BMojoMixer, state_bytes
-from engine.model import HybridLM
-from engine.state_pool import StatePool
-from kernels.bmojo import eidetic_update
+from kvfree.engine.config import ConfigError, ModelConfig
+from kvfree.engine.layers import PrefillBatch
+from kvfree.engine.layers.bmojo import BMojoMixer, state_bytes
+from kvfree.engine.model import HybridLM
+from kvfree.engine.state_pool import StatePool
+from kvfree.kernels.bmojo import eidetic_update
 from tests.conftest import (
     VOCAB,
     assert_states_close,

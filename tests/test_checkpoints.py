@@ -10,7 +10,7 @@ import pytest
 import torch
 from safetensors.torch import load_file, save_file
 
-from checkpoints import (
+from kvfree.checkpoints import (
     CONFIG_FILE,
     TOKENIZER_CONFIG_FILE,
     TOKENIZER_FILE,
@@ -18,10 +18,10 @@ from checkpoints import (
     CheckpointError,
     read_checkpoint,
 )
-from engine import LLM, ModelConfig, SamplingParams
-from engine.config import ConfigError
-from engine.loader import load_model
-from engine.presets import PRESETS, init_checkpoint, preset_config
+from kvfree.engine import LLM, ModelConfig, SamplingParams
+from kvfree.engine.config import ConfigError
+from kvfree.engine.loader import load_model
+from kvfree.engine.presets import PRESETS, init_checkpoint, preset_config
 
 ALL_FILES = {CONFIG_FILE, WEIGHTS_FILE, TOKENIZER_FILE, TOKENIZER_CONFIG_FILE}
 

@@ -1,4 +1,4 @@
-"""The `kvfree` command line: in-process through `engine.cli.main` and once as a real subprocess."""
+"""The `kvfree` command line: in-process through `kvfree.cli.main` and once as a real subprocess."""
 
 from __future__ import annotations
 
@@ -11,11 +11,11 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-from checkpoints import CONFIG_FILE, TOKENIZER_CONFIG_FILE, TOKENIZER_FILE, WEIGHTS_FILE
-from engine import LLM, SamplingParams
-from engine.cli import main
-from engine.loader import load_model
-from engine.presets import init_checkpoint, preset_config
+from kvfree.checkpoints import CONFIG_FILE, TOKENIZER_CONFIG_FILE, TOKENIZER_FILE, WEIGHTS_FILE
+from kvfree.cli import main
+from kvfree.engine import LLM, SamplingParams
+from kvfree.engine.loader import load_model
+from kvfree.engine.presets import init_checkpoint, preset_config
 
 REPO = Path(__file__).resolve().parents[1]
 
@@ -80,7 +80,7 @@ def test_generate_chat_wraps_prompt_in_template(capsys):
 def test_generate_subprocess(default_greedy):
     env = {**os.environ, "PYTHONPATH": str(REPO), "OMP_NUM_THREADS": "1"}
     proc = subprocess.run(
-        [sys.executable, "-m", "engine.cli", "generate", "Hello", "--max-tokens", "8", "--temperature", "0"],
+        [sys.executable, "-m", "kvfree", "generate", "Hello", "--max-tokens", "8", "--temperature", "0"],
         cwd=REPO,
         env=env,
         capture_output=True,
@@ -175,7 +175,7 @@ def test_generate_bad_device_returns_2(capsys, device):
 
 
 def test_set_overrides_config_values(capsys) -> None:
-    from engine.cli import main, parse_overrides
+    from kvfree.cli import main, parse_overrides
 
     assert parse_overrides(["mamba2.chunk_size=16", "notes.x=abc"]) == {"mamba2.chunk_size": 16, "notes.x": "abc"}
     assert main(["generate", "Hi", "--max-tokens", "3", "--temperature", "0", "--set", "mamba2.chunk_size=16"]) == 0

@@ -21,12 +21,12 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from engine.config import ConfigError, ModelConfig
-from engine.layers import PrefillBatch
-from engine.loader import load_model, save_model
-from engine.model import HybridLM
-from engine.state_pool import StatePool
-from kernels.gka import gka_chunked, gka_step, omega_schedule
+from kvfree.engine.config import ConfigError, ModelConfig
+from kvfree.engine.layers import PrefillBatch
+from kvfree.engine.loader import load_model, save_model
+from kvfree.engine.model import HybridLM
+from kvfree.engine.state_pool import StatePool
+from kvfree.kernels.gka import gka_chunked, gka_step, omega_schedule
 from tests.conftest import (
     VOCAB,
     assert_states_close,
@@ -461,7 +461,7 @@ def test_bytes_per_session_is_constant_and_matches_formula(gka: dict) -> None:
 def test_num_iter_override_at_load(tmp_path) -> None:
     """`gka.num_iter` is a serving knob: load_model(config_overrides=...) (what LLM(...) and `--set` use) changes the
     output; r = 30 is close to a converged solve and closer than r = 10."""
-    from checkpoints.byte_tokenizer import write_byte_tokenizer
+    from kvfree.checkpoints.byte_tokenizer import write_byte_tokenizer
 
     model = make_model(["gka", "gka"], seed=11, mlp=True)
     with tempfile.TemporaryDirectory() as tok:

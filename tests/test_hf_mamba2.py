@@ -15,14 +15,14 @@ import pytest
 import torch
 from safetensors.torch import load_file, save_file
 
-from checkpoints import CheckpointError, read_checkpoint
-from checkpoints.byte_tokenizer import write_byte_tokenizer
-from checkpoints.hf_mamba2 import convert_hf_mamba2
-from engine.config import ModelConfig
-from engine.layers.base import PrefillBatch
-from engine.loader import load_model
-from engine.model import HybridLM
-from engine.state_pool import StatePool
+from kvfree.checkpoints import CheckpointError, read_checkpoint
+from kvfree.checkpoints.byte_tokenizer import write_byte_tokenizer
+from kvfree.checkpoints.hf_mamba2 import convert_hf_mamba2
+from kvfree.engine.config import ModelConfig
+from kvfree.engine.layers.base import PrefillBatch
+from kvfree.engine.loader import load_model
+from kvfree.engine.model import HybridLM
+from kvfree.engine.state_pool import StatePool
 from tests.conftest import rel_err
 
 transformers = pytest.importorskip("transformers")

@@ -15,12 +15,12 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from engine.config import ConfigError, ModelConfig
-from engine.layers import PrefillBatch
-from engine.layers.lattice import MU_MIN
-from engine.model import HybridLM
-from engine.state_pool import StatePool
-from kernels.lattice import lattice_recurrent, lattice_step, lattice_unnormalised_update, orthonormal_columns
+from kvfree.engine.config import ConfigError, ModelConfig
+from kvfree.engine.layers import PrefillBatch
+from kvfree.engine.layers.lattice import MU_MIN
+from kvfree.engine.model import HybridLM
+from kvfree.engine.state_pool import StatePool
+from kvfree.kernels.lattice import lattice_recurrent, lattice_step, lattice_unnormalised_update, orthonormal_columns
 from tests.conftest import VOCAB, assert_states_close, mixer_prefill, randomize, rel_err, state_rows
 
 TOL = 1e-5
@@ -371,8 +371,8 @@ def test_fold_at_load_keeps_the_function() -> None:
 
 def test_checkpoint_round_trip_keeps_S0_fp32_and_folds(tmp_path) -> None:
     """S0 is saved with the weights, loaded back, folded by the loader's on_load, and stays fp32 under bf16."""
-    from checkpoints.byte_tokenizer import write_byte_tokenizer
-    from engine.loader import load_model, save_model
+    from kvfree.checkpoints.byte_tokenizer import write_byte_tokenizer
+    from kvfree.engine.loader import load_model, save_model
 
     model = make_model(("lattice", "lattice"), mlp=True, seed=12)
     tok = tmp_path / "tok"

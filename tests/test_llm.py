@@ -4,8 +4,8 @@ from __future__ import annotations
 
 import pytest
 
-from engine import LLM, SamplingParams
-from engine.presets import init_checkpoint
+from kvfree.engine import LLM, SamplingParams
+from kvfree.engine.presets import init_checkpoint
 
 
 @pytest.fixture(scope="module")

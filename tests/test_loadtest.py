@@ -26,16 +26,16 @@ import uvicorn
 from fastapi import FastAPI
 from fastapi.responses import StreamingResponse
 
-from engine.cli import main as kvfree_main
-from loadtest.capacity import capacity_table
-from loadtest.cli import main as loadtest_main
-from loadtest.client import TokenLogprob, sse_lines
-from loadtest.context_sweep import ContextPoint, ContextSweepResult
-from loadtest.prom import MetricsSnapshot, ServerMemory, histogram_quantiles
-from loadtest.soak import NEAR_TIE_NATS, tie_margin
-from loadtest.stats import fit_line
-from loadtest.target import TargetError, is_loopback, parse_target_url
-from server.settings import ServerSettings
+from kvfree.cli import main as kvfree_main
+from kvfree.loadtest.capacity import capacity_table
+from kvfree.loadtest.cli import main as loadtest_main
+from kvfree.loadtest.client import TokenLogprob, sse_lines
+from kvfree.loadtest.context_sweep import ContextPoint, ContextSweepResult
+from kvfree.loadtest.prom import MetricsSnapshot, ServerMemory, histogram_quantiles
+from kvfree.loadtest.soak import NEAR_TIE_NATS, tie_margin
+from kvfree.loadtest.stats import fit_line
+from kvfree.loadtest.target import TargetError, is_loopback, parse_target_url
+from kvfree.server.settings import ServerSettings
 from tests.server_fixtures import ThreadServer, free_port, make_checkpoint
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -320,7 +320,7 @@ def test_kvfree_loadtest_help(capsys):
         assert flag in out
     # The real console entry point, once, as a process.
     r = subprocess.run(
-        [sys.executable, "-m", "engine.cli", "loadtest", "-h"], cwd=ROOT, capture_output=True, text=True, timeout=120
+        [sys.executable, "-m", "kvfree", "loadtest", "-h"], cwd=ROOT, capture_output=True, text=True, timeout=120
     )
     assert r.returncode == 0 and "usage: kvfree loadtest" in r.stdout
 
@@ -423,7 +423,7 @@ def test_capacity_uses_measured_bytes_and_extrapolates_the_rest():
 
 
 def test_python_dash_m_loadtest_is_the_same_command(tmp_path):
-    """`python -m loadtest` runs the same main; the package imports nothing of the server side."""
+    """`python -m kvfree.loadtest` runs the same main; the package imports nothing of the server side."""
     code = (
         "import sys, loadtest.cli, loadtest.runner, loadtest.report, loadtest.plots; "
         "bad = sorted(m for m in sys.modules if m.split('.')[0] in ('engine', 'server', 'kernels', 'checkpoints')); "

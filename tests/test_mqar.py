@@ -8,14 +8,14 @@ from pathlib import Path
 import pytest
 import torch
 
-from checkpoints.evaluate import main as evaluate_main
-from checkpoints.evaluate import reevaluate
-from checkpoints.mqar import HALF, IGNORE, VOCAB, held_out, make_mqar
-from checkpoints.train import evaluate_batch, evaluate_cell, family_config, format_table, main
-from engine.llm import LLM
-from engine.loader import load_model
-from engine.model import HybridLM
-from engine.sampling import SamplingParams
+from kvfree.engine.llm import LLM
+from kvfree.engine.loader import load_model
+from kvfree.engine.model import HybridLM
+from kvfree.engine.sampling import SamplingParams
+from kvfree.training.evaluate import main as evaluate_main
+from kvfree.training.evaluate import reevaluate
+from kvfree.training.mqar import HALF, IGNORE, VOCAB, held_out, make_mqar
+from kvfree.training.train import evaluate_batch, evaluate_cell, family_config, format_table, main
 
 
 @pytest.mark.parametrize(("M", "gap"), [(4, 64), (8, 0), (32, 100)])

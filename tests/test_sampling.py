@@ -8,9 +8,9 @@ import math
 import pytest
 import torch
 
-from engine import LLM, SamplingParams
-from engine.sampling import MAX_TOP_LOGPROBS, apply_penalties, filter_logits, sample
-from engine.sequence import Sequence
+from kvfree.engine import LLM, SamplingParams
+from kvfree.engine.sampling import MAX_TOP_LOGPROBS, apply_penalties, filter_logits, sample
+from kvfree.engine.sequence import Sequence
 
 # -- helpers -------------------------------------------------------------------------------------------------------
 

@@ -24,7 +24,7 @@ import httpx
 import openai
 import pytest
 
-from server.settings import ServerSettings
+from kvfree.server.settings import ServerSettings
 from tests.server_fixtures import (
     TOOL_CALL_TEXT,
     TOOL_PIECES,
@@ -1346,8 +1346,8 @@ def test_n_larger_than_the_pool_is_refused_not_queued_forever(tmp_path) -> None:
     """Every choice needs a state slot at once: n beyond the pool is a 400 naming n, not a request that never runs."""
     from fastapi.testclient import TestClient
 
-    from server.app import create_app
-    from server.settings import ServerSettings
+    from kvfree.server.app import create_app
+    from kvfree.server.settings import ServerSettings
 
     with TestClient(create_app(ServerSettings(max_sessions=2))) as client:
         r = client.post("/v1/completions", json={"prompt": "hi", "n": 3, "max_tokens": 2})
@@ -1360,9 +1360,9 @@ def test_session_state_bytes_are_constant_for_recurrent_and_grow_for_attention(t
     for Mamba-2, and the attention baseline's filled KV entries (4 layers x k,v x 2 heads x 32 dims x 4 B per token)."""
     from fastapi.testclient import TestClient
 
-    from engine.presets import init_checkpoint
-    from server.app import create_app
-    from server.settings import ServerSettings
+    from kvfree.engine.presets import init_checkpoint
+    from kvfree.server.app import create_app
+    from kvfree.server.settings import ServerSettings
 
     for preset, per_token in (("tiny", 0), ("tiny-attention", 4 * 2 * 2 * 32 * 4)):
         path = init_checkpoint(preset, tmp_path / preset)
@@ -1382,9 +1382,9 @@ def test_models_card_and_metrics_expose_limits_and_memory(tmp_path) -> None:
     """/v1/models tells the limits a load test would otherwise probe for; /metrics the pool and host memory."""
     from fastapi.testclient import TestClient
 
-    from engine.presets import init_checkpoint
-    from server.app import create_app
-    from server.settings import ServerSettings
+    from kvfree.engine.presets import init_checkpoint
+    from kvfree.server.app import create_app
+    from kvfree.server.settings import ServerSettings
 
     path = init_checkpoint("tiny-attention", tmp_path / "att")
     settings = ServerSettings(model=path, max_context=512, max_prompt_tokens=300, max_output_tokens=40, max_sessions=2)

@@ -16,11 +16,18 @@ from fastapi import Depends, FastAPI
 from fastapi.testclient import TestClient
 from pydantic import ValidationError
 
-from engine.sampling import MAX_TOP_LOGPROBS
-from engine.tokenizer import Tokenizer
-from server import auth as auth_module
-from server.auth import INCORRECT_KEY_MESSAGE, MISSING_KEY_MESSAGE, APIKeys, key_id, parse_keys_file, require_api_key
-from server.errors import (
+from kvfree.engine.sampling import MAX_TOP_LOGPROBS
+from kvfree.engine.tokenizer import Tokenizer
+from kvfree.server import auth as auth_module
+from kvfree.server.auth import (
+    INCORRECT_KEY_MESSAGE,
+    MISSING_KEY_MESSAGE,
+    APIKeys,
+    key_id,
+    parse_keys_file,
+    require_api_key,
+)
+from kvfree.server.errors import (
     APIError,
     BodySizeLimitMiddleware,
     ErrorResponse,
@@ -31,8 +38,8 @@ from server.errors import (
     too_many_requests,
     validation_error,
 )
-from server.metrics import Metrics
-from server.schemas import (
+from kvfree.server.metrics import Metrics
+from kvfree.server.schemas import (
     ChatCompletionChunk,
     ChatCompletionChunkChoice,
     ChatCompletionRequest,
@@ -43,7 +50,7 @@ from server.schemas import (
     Usage,
     sse_event,
 )
-from server.tools import (
+from kvfree.server.tools import (
     ContentDelta,
     ToolCallFormat,
     ToolCallStreamParser,

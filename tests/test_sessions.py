@@ -9,11 +9,18 @@ import time
 import pytest
 import torch
 
-from engine.layers import PrefillBatch
-from engine.model import HybridLM
-from engine.sessions import PoolExhausted, Session, SessionLimitError, SessionManager, SessionNotFound
-from engine.snapshot import Snapshot, SnapshotError, decode_snapshot, encode_snapshot, model_fingerprint, token_hash
-from engine.state_pool import StatePool
+from kvfree.engine.layers import PrefillBatch
+from kvfree.engine.model import HybridLM
+from kvfree.engine.sessions import PoolExhausted, Session, SessionLimitError, SessionManager, SessionNotFound
+from kvfree.engine.snapshot import (
+    Snapshot,
+    SnapshotError,
+    decode_snapshot,
+    encode_snapshot,
+    model_fingerprint,
+    token_hash,
+)
+from kvfree.engine.state_pool import StatePool
 from tests.conftest import make_model
 
 KEY = b"test-key"
@@ -358,7 +365,7 @@ def test_persist_all_and_load_index_continue_after_a_restart(model, fp, tmp_path
 
     # A new process: a new pool and manager over the same directory.
     restarted = SessionManager(StatePool(model, 2, CONTEXT), fp, 2, tmp_path, hmac_key=KEY)
-    with caplog.at_level(logging.WARNING, logger="engine.sessions"):
+    with caplog.at_level(logging.WARNING, logger="kvfree.engine.sessions"):
         assert restarted.load_index() == 6
     assert "sess_abab" in caplog.text and "sess_cdcd" in caplog.text and "different model" in caplog.text
     assert not list(tmp_path.glob("*.tmp"))

@@ -16,12 +16,12 @@ import math
 import pytest
 import torch
 
-from engine.config import ConfigError, ModelConfig
-from engine.layers import PrefillBatch
-from engine.layers.mlp import KoopmanMLP
-from engine.model import HybridLM
-from engine.state_pool import StatePool
-from kernels.ska import cholesky_fallback_count, robust_cholesky, ska_readout
+from kvfree.engine.config import ConfigError, ModelConfig
+from kvfree.engine.layers import PrefillBatch
+from kvfree.engine.layers.mlp import KoopmanMLP
+from kvfree.engine.model import HybridLM
+from kvfree.engine.state_pool import StatePool
+from kvfree.kernels.ska import cholesky_fallback_count, robust_cholesky, ska_readout
 from tests.conftest import (
     SUBCONFIGS,
     VOCAB,
@@ -527,8 +527,8 @@ def test_mlp_tensor_names_and_init() -> None:
 
 
 def test_checkpoint_round_trip(tmp_path) -> None:
-    from checkpoints.byte_tokenizer import write_byte_tokenizer
-    from engine.loader import load_model, save_model
+    from kvfree.checkpoints.byte_tokenizer import write_byte_tokenizer
+    from kvfree.engine.loader import load_model, save_model
 
     model = make_model(["mamba2", "ska"], seed=21, mlp={"intermediate_size": 64, "kind": "koopman"}, key_norm="frozen")
     write_byte_tokenizer(tmp_path / "tok")

@@ -12,10 +12,10 @@ import torch
 from safetensors.torch import load as st_load
 from safetensors.torch import save as st_save
 
-from engine.config import ModelConfig
-from engine.layers import PrefillBatch
-from engine.model import HybridLM
-from engine.snapshot import (
+from kvfree.engine.config import ModelConfig
+from kvfree.engine.layers import PrefillBatch
+from kvfree.engine.model import HybridLM
+from kvfree.engine.snapshot import (
     HASH_MOD,
     Snapshot,
     SnapshotError,
@@ -26,7 +26,7 @@ from engine.snapshot import (
     peek_snapshot,
     token_hash,
 )
-from engine.state_pool import SnapshotMismatchError, StatePool
+from kvfree.engine.state_pool import SnapshotMismatchError, StatePool
 from tests.conftest import make_config, make_model, random_ids, randomize
 
 KEY = b"server-signing-key"

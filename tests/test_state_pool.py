@@ -10,7 +10,7 @@ import pytest
 import torch
 from safetensors.torch import save_file
 
-from engine.state_pool import SnapshotMismatchError, StatePool
+from kvfree.engine.state_pool import SnapshotMismatchError, StatePool
 from tests.conftest import greedy, make_model, model_prefill, output_tol, random_ids, rel_err
 
 # Every mixer kind, alone or in a hybrid.
@@ -90,8 +90,8 @@ def test_export_import_continues_bit_identically(layers) -> None:
 
 def test_export_import_across_processes(tmp_path) -> None:
     """A state saved to a file in this process continues identically in a new Python process."""
-    from engine.loader import load_model
-    from engine.presets import init_checkpoint
+    from kvfree.engine.loader import load_model
+    from kvfree.engine.presets import init_checkpoint
 
     ckpt = init_checkpoint("tiny-hybrid", tmp_path / "ckpt", seed=3)
     model = load_model(ckpt, device="cpu")
@@ -103,8 +103,8 @@ def test_export_import_across_processes(tmp_path) -> None:
     script = textwrap.dedent(f"""
         import torch
         from safetensors.torch import load_file
-        from engine.loader import load_model
-        from engine.state_pool import StatePool
+        from kvfree.engine.loader import load_model
+        from kvfree.engine.state_pool import StatePool
         model = load_model({str(ckpt)!r}, device="cpu")
         pool = StatePool(model, capacity=4, max_context=256)
         pool.import_(3, load_file({str(tmp_path / "state.safetensors")!r}))

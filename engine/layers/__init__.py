@@ -4,18 +4,18 @@ from __future__ import annotations
 
 import importlib
 
-from engine.config import ModelConfig
-from engine.layers.base import ContextOverflowError, Mixer, PrefillBatch, StateSpec
+from kvfree.engine.config import ModelConfig
+from kvfree.engine.layers.base import ContextOverflowError, Mixer, PrefillBatch, StateSpec
 
 # kind -> "module:class". Imported on first use, so a model only loads the mixers it has.
 MIXERS: dict[str, str] = {
-    "mamba2": "engine.layers.mamba2:Mamba2Mixer",
-    "attention": "engine.layers.attention:AttentionMixer",
-    "swa": "engine.layers.attention:SlidingWindowMixer",
-    "ska": "engine.layers.ska:SKAMixer",
-    "gka": "engine.layers.gka:GKAMixer",
-    "lattice": "engine.layers.lattice:LatticeMixer",
-    "bmojo": "engine.layers.bmojo:BMojoMixer",
+    "mamba2": "kvfree.engine.layers.mamba2:Mamba2Mixer",
+    "attention": "kvfree.engine.layers.attention:AttentionMixer",
+    "swa": "kvfree.engine.layers.attention:SlidingWindowMixer",
+    "ska": "kvfree.engine.layers.ska:SKAMixer",
+    "gka": "kvfree.engine.layers.gka:GKAMixer",
+    "lattice": "kvfree.engine.layers.lattice:LatticeMixer",
+    "bmojo": "kvfree.engine.layers.bmojo:BMojoMixer",
 }
 
 

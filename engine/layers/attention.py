@@ -6,9 +6,9 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from engine.config import AttentionConfig
-from engine.layers.base import ContextOverflowError, Mixer, PrefillBatch, StateSpec
-from kernels.attention import apply_rope, attend
+from kvfree.engine.config import AttentionConfig
+from kvfree.engine.layers.base import ContextOverflowError, Mixer, PrefillBatch, StateSpec
+from kvfree.kernels.attention import apply_rope, attend
 
 
 class AttentionMixer(Mixer):

@@ -27,12 +27,12 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from engine.config import BMojoConfig
-from engine.layers.base import Mixer, PrefillBatch, StateSpec
-from engine.layers.mamba2 import Mamba2Mixer
-from engine.layers.norms import RMSNorm
-from kernels.attention import attend
-from kernels.bmojo import chunked_memory_attention, eidetic_update, innovation
+from kvfree.engine.config import BMojoConfig
+from kvfree.engine.layers.base import Mixer, PrefillBatch, StateSpec
+from kvfree.engine.layers.mamba2 import Mamba2Mixer
+from kvfree.engine.layers.norms import RMSNorm
+from kvfree.kernels.attention import attend
+from kvfree.kernels.bmojo import chunked_memory_attention, eidetic_update, innovation
 
 State = dict[str, torch.Tensor]
 

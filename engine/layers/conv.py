@@ -7,7 +7,7 @@ import math
 import torch
 from torch import nn
 
-from kernels.conv import causal_conv1d
+from kvfree.kernels.conv import causal_conv1d
 
 
 class ShortConv(nn.Module):

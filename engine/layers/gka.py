@@ -9,11 +9,11 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from engine.config import GKAConfig
-from engine.layers.base import Mixer, PrefillBatch, StateSpec
-from engine.layers.conv import ShortConv
-from engine.layers.norms import GatedRMSNorm, RMSNorm
-from kernels.gka import gka_chunked, gka_step
+from kvfree.engine.config import GKAConfig
+from kvfree.engine.layers.base import Mixer, PrefillBatch, StateSpec
+from kvfree.engine.layers.conv import ShortConv
+from kvfree.engine.layers.norms import GatedRMSNorm, RMSNorm
+from kvfree.kernels.gka import gka_chunked, gka_step
 
 _L2_EPS = 1e-6  # q, k <- q / (||q|| + 1e-6) (gka.md §3 step 4, the HF/FLA form)
 _BETA_EPS = 1e-6  # k, v <- (beta + 1e-6) k, v (gka.md §3 step 5)

@@ -18,11 +18,11 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from engine.config import LatticeConfig
-from engine.layers.base import Mixer, PrefillBatch, StateSpec
-from engine.layers.conv import ShortConv
-from engine.layers.norms import RMSNorm
-from kernels.lattice import lattice_recurrent, lattice_step, orthonormal_columns
+from kvfree.engine.config import LatticeConfig
+from kvfree.engine.layers.base import Mixer, PrefillBatch, StateSpec
+from kvfree.engine.layers.conv import ShortConv
+from kvfree.engine.layers.norms import RMSNorm
+from kvfree.kernels.lattice import lattice_recurrent, lattice_step, orthonormal_columns
 
 # The fold gamma <- gamma / mu needs mu > 0; the same clamp is applied before and after folding so that both compute
 # one function (spec §4.4, §7).

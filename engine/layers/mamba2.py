@@ -8,11 +8,11 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from engine.config import Mamba2Config
-from engine.layers.base import Mixer, PrefillBatch, StateSpec
-from engine.layers.conv import ShortConv
-from engine.layers.norms import GatedRMSNorm
-from kernels.mamba2 import ssd_chunked, ssd_step
+from kvfree.engine.config import Mamba2Config
+from kvfree.engine.layers.base import Mixer, PrefillBatch, StateSpec
+from kvfree.engine.layers.conv import ShortConv
+from kvfree.engine.layers.norms import GatedRMSNorm
+from kvfree.kernels.mamba2 import ssd_chunked, ssd_step
 
 
 class Mamba2Mixer(Mixer):

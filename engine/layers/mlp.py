@@ -6,8 +6,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from engine.config import MLPConfig
-from engine.layers.norms import RMSNorm
+from kvfree.engine.config import MLPConfig
+from kvfree.engine.layers.norms import RMSNorm
 
 
 class SwiGLU(nn.Module):

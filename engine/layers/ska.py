@@ -11,9 +11,9 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from engine.config import SKAConfig
-from engine.layers.base import Mixer, PrefillBatch, StateSpec
-from kernels.ska import SKAState, ska_chunked, ska_empty_state, ska_prefix, ska_step
+from kvfree.engine.config import SKAConfig
+from kvfree.engine.layers.base import Mixer, PrefillBatch, StateSpec
+from kvfree.kernels.ska import SKAState, ska_chunked, ska_empty_state, ska_prefix, ska_step
 
 _ACC = {"float32": torch.float32, "float64": torch.float64}
 

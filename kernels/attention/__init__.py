@@ -1,5 +1,5 @@
 """Causal (grouped-query, optionally sliding-window) attention with rotary position embeddings."""
 
-from kernels.attention.reference import apply_rope, attend
+from kvfree.kernels.attention.reference import apply_rope, attend
 
 __all__ = ["apply_rope", "attend"]

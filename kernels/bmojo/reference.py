@@ -20,9 +20,9 @@ from __future__ import annotations
 
 import torch
 
-from kernels.attention import attend
-from kernels.common import state_math
-from kernels.conv import causal_conv1d
+from kvfree.kernels.attention import attend
+from kvfree.kernels.common import state_math
+from kvfree.kernels.conv import causal_conv1d
 
 
 @state_math

@@ -1,5 +1,5 @@
 """Gated KalmaNet: chunk-wise Chebyshev prefill and single-step decode (shared/design/gka.md)."""
 
-from kernels.gka.reference import chebyshev_solve, gka_chunked, gka_step, omega_schedule
+from kvfree.kernels.gka.reference import chebyshev_solve, gka_chunked, gka_step, omega_schedule
 
 __all__ = ["chebyshev_solve", "gka_chunked", "gka_step", "omega_schedule"]

@@ -25,8 +25,8 @@ from collections.abc import Callable
 import torch
 import torch.nn.functional as F
 
-from kernels.common import state_math
-from kernels.mamba2.reference import segsum
+from kvfree.kernels.common import state_math
+from kvfree.kernels.mamba2.reference import segsum
 
 # Squared Frobenius norms are clamped here before the square root: ||H|| = 0 only when every key seen is exactly
 # zero (gka.md §5.2 / §13.16 guard); the clamp keeps the step size and the sqrt gradient finite.

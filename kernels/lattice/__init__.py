@@ -1,6 +1,6 @@
 """Lattice (orthogonal-update memory slots): exact recurrent prefill and single-step decode."""
 
-from kernels.lattice.reference import (
+from kvfree.kernels.lattice.reference import (
     VARIANTS,
     lattice_recurrent,
     lattice_step,

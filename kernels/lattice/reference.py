@@ -32,7 +32,7 @@ from typing import TypeVar
 import torch
 from torch.utils.checkpoint import checkpoint
 
-from kernels.common import state_math
+from kvfree.kernels.common import state_math
 
 F = TypeVar("F", bound=Callable)
 

@@ -1,5 +1,5 @@
 """Mamba-2 state-space duality (SSD): chunked prefill and single-step decode."""
 
-from kernels.mamba2.reference import ssd_chunked, ssd_step
+from kvfree.kernels.mamba2.reference import ssd_chunked, ssd_step
 
 __all__ = ["ssd_chunked", "ssd_step"]

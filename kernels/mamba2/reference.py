@@ -15,7 +15,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from kernels.common import state_math
+from kvfree.kernels.common import state_math
 
 
 def segsum(a: torch.Tensor) -> torch.Tensor:

@@ -1,6 +1,6 @@
 """Spectral Koopman Attention (Echo): chunk-causal / prefix-mode extend and the single-token decode step."""
 
-from kernels.ska.reference import (
+from kvfree.kernels.ska.reference import (
     SKAState,
     cholesky_fallback_count,
     power_iteration_sigma,

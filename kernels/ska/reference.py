@@ -44,7 +44,7 @@ from typing import NamedTuple
 import torch
 import torch.nn.functional as F
 
-from kernels.common import state_math
+from kvfree.kernels.common import state_math
 
 logger = logging.getLogger(__name__)
 

@@ -1,6 +1,6 @@
 """Train a small model of one family on MQAR and evaluate it through the engine's prefill/decode path.
 
-    python -m checkpoints.train --family mamba2-ska --out runs/mamba2-ska --device cuda --time-limit 420
+    python -m kvfree.training.train --family mamba2-ska --out runs/mamba2-ska --device cuda --time-limit 420
 
 Training uses the differentiable `HybridLM.forward` on fresh MQAR batches. Evaluation does not: for each held-out
 sequence it prefills the prompt (pairs + gap) into a StatePool slot and then decodes the query block token by token
@@ -21,14 +21,14 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 
-from checkpoints.byte_tokenizer import write_byte_tokenizer
-from checkpoints.mqar import IGNORE, VOCAB, held_out, make_mqar
-from engine.cli import parse_overrides
-from engine.config import ModelConfig
-from engine.layers import PrefillBatch
-from engine.loader import save_model
-from engine.model import HybridLM
-from engine.state_pool import StatePool
+from kvfree.checkpoints.byte_tokenizer import write_byte_tokenizer
+from kvfree.cli import parse_overrides
+from kvfree.engine.config import ModelConfig
+from kvfree.engine.layers import PrefillBatch
+from kvfree.engine.loader import save_model
+from kvfree.engine.model import HybridLM
+from kvfree.engine.state_pool import StatePool
+from kvfree.training.mqar import IGNORE, VOCAB, held_out, make_mqar
 
 BYTE_VOCAB = 261
 HIDDEN = 128

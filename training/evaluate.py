@@ -1,9 +1,9 @@
 """Re-evaluate a trained MQAR checkpoint and compare with the grid in its `mqar.json`.
 
-    python -m checkpoints.evaluate checkpoints/trained/mqar-mamba2-ska            # the report's cells, on the CPU
-    python -m checkpoints.evaluate RUN --pairs 4 8 --gaps 64 --sequences 256      # a cheaper subset
+    python -m kvfree.training.evaluate checkpoints/trained/mqar-mamba2-ska            # the report's cells, on the CPU
+    python -m kvfree.training.evaluate RUN --pairs 4 8 --gaps 64 --sequences 256      # a cheaper subset
 
-By default every cell of the report is scored on exactly the held-out sequences that `checkpoints/train.py` scored
+By default every cell of the report is scored on exactly the held-out sequences that `training/train.py` scored
 (the first `eval_sequences_per_cell` of the cell's fixed held-out stream, in batches of the report's `eval_batch`),
 through the same serving path (StatePool + prefill + teacher-forced decode). On another device the arithmetic
 differs in rounding only, so the table should match to within a few answers.
@@ -19,8 +19,8 @@ from pathlib import Path
 
 import torch
 
-from checkpoints.train import evaluate_batch, format_table
-from engine.loader import load_model
+from kvfree.engine.loader import load_model
+from kvfree.training.train import evaluate_batch, format_table
 
 
 def reevaluate(
@@ -57,7 +57,7 @@ def reevaluate(
 
 def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("checkpoint", type=Path, help="a directory written by checkpoints/train.py (with mqar.json)")
+    parser.add_argument("checkpoint", type=Path, help="a directory written by training/train.py (with mqar.json)")
     parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     parser.add_argument("--pairs", type=int, nargs="+", help="numbers of pairs to score (default: the report's)")
     parser.add_argument("--gaps", type=int, nargs="+", help="gaps to score (default: the report's)")
@@ -66,7 +66,7 @@ def main(argv: list[str] | None = None) -> None:
     )
     args = parser.parse_args(argv)
     if not (args.checkpoint / "mqar.json").is_file():
-        parser.error(f"{args.checkpoint}: no mqar.json (not a checkpoint written by checkpoints/train.py)")
+        parser.error(f"{args.checkpoint}: no mqar.json (not a checkpoint written by training/train.py)")
     start = time.perf_counter()
     grid, reported = reevaluate(args.checkpoint, args.device, args.pairs, args.gaps, args.sequences)
     pairs = sorted({int(k.split(",")[0][2:]) for k in grid})

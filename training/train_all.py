@@ -1,8 +1,8 @@
 """Train every MQAR family at once, spread over the GPUs of one machine, and tabulate the held-out grids.
 
-    python -m checkpoints.train_all --out runs/mqar --time-limit 400 --eval-time-limit 80 --per-gpu 2
+    python -m kvfree.training.train_all --out runs/mqar --time-limit 400 --eval-time-limit 80 --per-gpu 2
 
-Each run is `checkpoints/train.py` in its own process (`CUDA_VISIBLE_DEVICES` picks its GPU); arguments this script
+Each run is `training/train.py` in its own process (`CUDA_VISIBLE_DEVICES` picks its GPU); arguments this script
 does not know (e.g. `--eval-time-limit`, `--set ska.rank=32`, `--seed 1`) go to every run. The models are small and
 their steps launch-bound, so runs can share a GPU, but each then gets fewer steps: the shipped checkpoints trained
 one (at most two) per GPU. A family may run at several learning rates; the run with the
@@ -21,7 +21,7 @@ from pathlib import Path
 
 import torch
 
-from checkpoints.train import FAMILIES, format_table
+from kvfree.training.train import FAMILIES, format_table
 
 # Run i goes to GPU i % (number of GPUs): on 4 GPUs with --per-gpu 2 the first two runs share their GPU with the
 # last two, so the runs that need the most steps (SKA, GKA) come third and fourth and train alone.
@@ -66,7 +66,7 @@ def main(argv: list[str] | None = None) -> int:
         env = {**os.environ, "PYTHONUNBUFFERED": "1"}
         if torch.cuda.is_available():
             env["CUDA_VISIBLE_DEVICES"] = visible[i % gpus]
-        cmd = [sys.executable, "-m", "checkpoints.train", "--family", family, "--lr", str(lr), "--out", str(out)]
+        cmd = [sys.executable, "-m", "kvfree.training.train", "--family", family, "--lr", str(lr), "--out", str(out)]
         cmd += ["--time-limit", str(args.time_limit), "--steps", str(args.steps)]
         cmd += ["--eval-sequences", str(args.eval_sequences), *passthrough]
         log = (out / "train.log").open("w")

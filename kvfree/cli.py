@@ -9,7 +9,7 @@ import time
 from pathlib import Path
 from typing import Any
 
-from engine.presets import PRESETS
+from kvfree.engine.presets import PRESETS
 
 
 def _add_model_args(p: argparse.ArgumentParser) -> None:
@@ -46,7 +46,7 @@ def parse_overrides(items: list[str]) -> dict[str, Any]:
 
 
 def cmd_generate(args: argparse.Namespace) -> int:
-    from engine import LLM, SamplingParams
+    from kvfree.engine import LLM, SamplingParams
 
     llm = LLM(
         args.model,
@@ -85,8 +85,8 @@ def cmd_generate(args: argparse.Namespace) -> int:
 
 
 def cmd_init_checkpoint(args: argparse.Namespace) -> int:
-    from engine.loader import resolve_dtype
-    from engine.presets import init_checkpoint
+    from kvfree.engine.loader import resolve_dtype
+    from kvfree.engine.presets import init_checkpoint
 
     path = init_checkpoint(args.preset, args.output, seed=args.seed, dtype=resolve_dtype(args.dtype, _cpu()))
     print(f"wrote a random-initialised {args.preset!r} checkpoint to {path}")
@@ -94,7 +94,7 @@ def cmd_init_checkpoint(args: argparse.Namespace) -> int:
 
 
 def cmd_convert(args: argparse.Namespace) -> int:
-    from checkpoints.hf_mamba2 import convert_hf_mamba2
+    from kvfree.checkpoints.hf_mamba2 import convert_hf_mamba2
 
     path = convert_hf_mamba2(args.src, args.dst, tokenizer_from=args.tokenizer)
     print(f"converted {args.src} ({args.from_format}) to {path}")
@@ -105,8 +105,8 @@ def cmd_serve(args: argparse.Namespace) -> int:
     import os
 
     # Imported here: the server is optional for `kvfree generate` and the engine does not depend on it.
-    from server.main import serve
-    from server.settings import ServerSettings
+    from kvfree.server.main import serve
+    from kvfree.server.settings import ServerSettings
 
     hmac_key = os.environ.get("KVFREE_SNAPSHOT_HMAC_KEY")
     settings = ServerSettings(
@@ -137,7 +137,7 @@ def cmd_serve(args: argparse.Namespace) -> int:
 
 def cmd_loadtest(args: argparse.Namespace) -> int:
     # Imported here: the load generator speaks HTTP only and has its own parser (`kvfree loadtest --help`).
-    from loadtest.cli import main as loadtest_main
+    from kvfree.loadtest.cli import main as loadtest_main
 
     return loadtest_main(args.loadtest_args)
 
@@ -250,7 +250,7 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def main(argv: list[str] | None = None) -> int:
-    from checkpoints import CheckpointError
+    from kvfree.checkpoints import CheckpointError
 
     args = build_parser().parse_args(argv)
     try:
