@@ -13,7 +13,7 @@ from kvfree.engine.model import HybridLM
 
 
 def resolve_dtype(dtype: str | torch.dtype | None, device: torch.device) -> torch.dtype:
-    """bf16 on GPU and fp32 on CPU unless asked otherwise (architecture.md §8)."""
+    """bf16 on GPU and fp32 on CPU unless asked otherwise (docs/design/architecture.md §8)."""
     if isinstance(dtype, torch.dtype):
         return dtype
     if dtype in (None, "auto"):

@@ -55,7 +55,7 @@ PRESETS: dict[str, dict[str, Any]] = {
         attention=_ATTN_TINY,
         mlp={"intermediate_size": 256},
     ),
-    # Echo at sub-million scale (ska.md §4.3 / §7.3): [Mamba-2, Mamba-2, SKA, SKA] with SwiGLU, or with the
+    # Echo at sub-million scale (docs/design/ska.md §4.3 / §7.3): [Mamba-2, Mamba-2, SKA, SKA] with SwiGLU, or with the
     # Spectral Koopman MLP (the full Echo block).
     "tiny-ska": _model(
         128,
@@ -103,7 +103,7 @@ PRESETS: dict[str, dict[str, Any]] = {
     "attention-370m": _model(1024, ["attention"] * 48, attention={"num_heads": 16, "num_kv_heads": 16, "head_dim": 64}),
     # The papers' sizes, with the byte vocabulary (so a random checkpoint of them pairs with the shipped tokenizer;
     # the papers' own vocabularies are 32K-50K, which adds only embedding rows). The Mamba-2 sizes inside Echo are
-    # assumptions (ska.md §4.6).
+    # assumptions (docs/design/ska.md §4.6).
     "echo-50m": _model(
         448,
         _echo_layers(16, {2, 6, 10, 14}),

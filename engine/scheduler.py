@@ -1,4 +1,4 @@
-"""Scheduler: continuous batching over the state pool (architecture.md §5).
+"""Scheduler: continuous batching over the state pool (docs/design/architecture.md §5).
 
 Each `step()` decodes one token for every running sequence, then spends the rest of a token budget on prefill
 chunks of admitted ones, so a long prompt is fed over several steps and never stalls the others. Admission takes a

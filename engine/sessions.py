@@ -1,6 +1,6 @@
 """Sessions, and the tiers their state moves through: a GPU pool slot -> host memory -> a snapshot file.
 
-A session is a conversation's state on the server (architecture.md §6). While a request runs, its session is
+A session is a conversation's state on the server (docs/design/architecture.md §6). While a request runs, its session is
 resident in a `StatePool` slot. When a slot is needed, the least recently used idle resident session is exported
 to host memory; when more than `max_host_sessions` sessions hold host copies, the least recently used one is
 written to the snapshot directory. A session comes back to a slot on its next request. None is ever dropped to

@@ -1,4 +1,4 @@
-"""Session snapshots: one session's state as a self-checking safetensors file (architecture.md §6).
+"""Session snapshots: one session's state as a self-checking safetensors file (docs/design/architecture.md §6).
 
 A snapshot holds every layer's state tensors of one session (as `StatePool.export` names them, `layers.{i}.{name}`)
 and string metadata:

@@ -1,4 +1,4 @@
-"""StatePool: every session's recurrent state, preallocated on the model's device (architecture.md §4).
+"""StatePool: every session's recurrent state, preallocated on the model's device (docs/design/architecture.md §4).
 
 For each layer and each state tensor the pool holds one `[capacity, *shape]` tensor. A session owns one slot
 (row index); prefill and decode read and write rows in place. Nothing is allocated per request or per step.

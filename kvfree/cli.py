@@ -3,12 +3,11 @@
 from __future__ import annotations
 
 import argparse
-import json
 import sys
 import time
 from pathlib import Path
-from typing import Any
 
+from kvfree.engine.config import parse_overrides
 from kvfree.engine.presets import PRESETS
 
 
@@ -29,20 +28,6 @@ def _add_load_args(p: argparse.ArgumentParser) -> None:
         metavar="KEY=VALUE",
         help="override a config value at load, e.g. --set gka.num_iter=10 (VALUE is JSON; repeatable)",
     )
-
-
-def parse_overrides(items: list[str]) -> dict[str, Any]:
-    """["gka.num_iter=10", ...] -> {"gka.num_iter": 10}; VALUE is read as JSON, else kept as a string."""
-    out: dict[str, Any] = {}
-    for item in items:
-        key, sep, value = item.partition("=")
-        if not sep or not key:
-            raise ValueError(f"--set {item!r}: expected KEY=VALUE, e.g. gka.num_iter=10")
-        try:
-            out[key] = json.loads(value)
-        except json.JSONDecodeError:
-            out[key] = value
-    return out
 
 
 def cmd_generate(args: argparse.Namespace) -> int:

@@ -1,6 +1,6 @@
 """Load generator and reports for kvfree servers (`kvfree loadtest`, or `python -m kvfree.loadtest`).
 
-It speaks HTTP only (architecture.md §1: nothing here imports the engine or the server), so it measures any
+It speaks HTTP only (docs/design/architecture.md §1: nothing here imports the engine or the server), so it measures any
 kvfree server by URL and the generic parts of any OpenAI-compatible one. Three scenarios, each bounded in count
 and time:
 

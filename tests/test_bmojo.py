@@ -1,4 +1,4 @@
-"""B'MOJO (shared/design/bmojo.md §3, chunked semantics C): parity of forward / prefill / decode with a float64
+"""B'MOJO (docs/design/bmojo.md §3, chunked semantics C): parity of forward / prefill / decode with a float64
 oracle written from the spec's set definitions and with the paper's interleaved form, resumability, the eidetic
 store, session isolation, snapshots, bounded state bytes and a 16K-token session."""
 

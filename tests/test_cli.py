@@ -175,7 +175,8 @@ def test_generate_bad_device_returns_2(capsys, device):
 
 
 def test_set_overrides_config_values(capsys) -> None:
-    from kvfree.cli import main, parse_overrides
+    from kvfree.cli import main
+    from kvfree.engine.config import parse_overrides
 
     assert parse_overrides(["mamba2.chunk_size=16", "notes.x=abc"]) == {"mamba2.chunk_size": 16, "notes.x": "abc"}
     assert main(["generate", "Hi", "--max-tokens", "3", "--temperature", "0", "--set", "mamba2.chunk_size=16"]) == 0

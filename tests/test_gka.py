@@ -1,9 +1,9 @@
-"""Gated KalmaNet (shared/design/gka.md): the kernels against independent float64 oracles written from the spec's
-equations, the serving invariants of every mixer, and the checklist of gka.md §14.
+"""Gated KalmaNet (docs/design/gka.md): the kernels against independent float64 oracles written from the spec's
+equations, the serving invariants of every mixer, and the checklist of docs/design/gka.md §14.
 
 Tolerances. The state math (H, S) is checked at 1e-5 in fp32 as everywhere else. The *layer output* in fp32 is
 checked at OUT_TOL = 1e-3 instead, because the GKA output is an ill-conditioned function of its inputs at the fp32
-level: the solve amplifies rounding by up to kappa = (1 + a) / a = 51 (gka.md §4.4), the alpha-blend
+level: the solve amplifies rounding by up to kappa = (1 + a) / a = 51 (docs/design/gka.md §4.4), the alpha-blend
 (1 - alpha) S^T q + alpha S^T x can nearly cancel for a head, and the per-head RMSNorm then rescales that small
 vector to unit size, so the rounding of either path (prefill or decode) shows up at the 1e-5..1e-4 level (the spec
 itself asks only for bf16-level agreement, §14.3-§14.4). To keep the tests sharp anyway, every path-equality test
@@ -219,7 +219,7 @@ def test_chebyshev_approaches_exact_ridge_solution() -> None:
         )
         errs.append(max(rel_err(o[i, 0], exact[i]) for i in range(6)))
     assert all(e2 < e1 for e1, e2 in zip(errs, errs[1:], strict=False)), errs
-    # Worst case ~ 2 R_a^r with R_a = (sqrt(51) - 1) / (sqrt(51) + 1) (gka.md §4.5 table: 4.3e-4 at r = 30).
+    # Worst case ~ 2 R_a^r with R_a = (sqrt(51) - 1) / (sqrt(51) + 1) (docs/design/gka.md §4.5 table: 4.3e-4 at r = 30).
     assert errs[4] < 1e-3
     assert errs[-1] < 1e-10
 
@@ -340,7 +340,7 @@ def test_gate_extremes() -> None:
 # -- the layer: independent reference and serving invariants ---------------------------------------------------------
 def test_layer_matches_independent_float64_reference() -> None:
     """The whole layer (conv, L2 norms, beta, alpha, Mamba-2 gate, CH, RMSNorm gate-after-norm, out proj) against a
-    float64 per-token implementation of gka.md §3 (T = 37 spans several chunks of 8)."""
+    float64 per-token implementation of docs/design/gka.md §3 (T = 37 spans several chunks of 8)."""
     model = make_model(seed=1)
     x = torch.randn(37, HIDDEN, generator=torch.Generator().manual_seed(1))
     want = oracle_layer(model.layers[0].mixer, x)

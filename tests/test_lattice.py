@@ -1,4 +1,4 @@
-"""Lattice mixer (shared/design/lattice.md): the recurrence against the paper's equations, the serving invariants
+"""Lattice mixer (docs/design/lattice.md): the recurrence against the paper's equations, the serving invariants
 (prefill == decode, splits, packing, snapshots, isolation, slot reuse), S0 and the forget-gate fold, state bytes,
 and a 16K-token session.
 
@@ -100,7 +100,7 @@ def literal_recurrence(S0, Q, K, V, G, M, variant: str):
 
 
 def reference_layer(mixer, x: torch.Tensor) -> torch.Tensor:
-    """The layer of lattice.md §6.2 in float64, written out from the spec (x `[T, D]` -> `[T, D]`)."""
+    """The layer of docs/design/lattice.md §6.2 in float64, written out from the spec (x `[T, D]` -> `[T, D]`)."""
     c = mixer.cfg
     H, d, m, K = c.num_heads, c.head_dim, c.slots, c.conv_kernel
     x = x.double()

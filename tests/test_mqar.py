@@ -1,4 +1,4 @@
-"""MQAR generator (ska.md §7.3) and the training/evaluation script."""
+"""MQAR generator (docs/design/ska.md §7.3) and the training/evaluation script."""
 
 from __future__ import annotations
 

@@ -1,10 +1,10 @@
-"""SKA (Spectral Koopman Attention, Echo; shared/design/ska.md) and the Spectral Koopman MLP.
+"""SKA (Spectral Koopman Attention, Echo; docs/design/ska.md) and the Spectral Koopman MLP.
 
-- the six parity tests of ska.md §3.5;
+- the six parity tests of docs/design/ska.md §3.5;
 - a float64 reference written directly from the paper's equations (seq-max normalised stats, eqs. 7-10, the App. F
   pipeline step by step, one token at a time) that the mixer must match;
 - the engine invariants (prefill == decode steps, split and packed prefill, forward == prefill, snapshots, slots);
-- mode P (the paper's prefix mode) as ska.md §3.4 defines it;
+- mode P (the paper's prefix mode) as docs/design/ska.md §3.4 defines it;
 - the Koopman MLP (eq. 14, |lambda| <= 1) and models that use it;
 - a 16K-token session.
 """
@@ -68,7 +68,7 @@ def ska_mixer(seed: int = 0, capacity: int = 4, **ska):
 
 # -- an independent float64 SKA, straight from the paper's equations ---------------------------------------------
 def power_sigma(A: torch.Tensor, iters: int) -> float:
-    """ska.md §2.5: v0 = 1/sqrt(r); u = Av/|Av|, v = A^T u/|A^T u|; sigma = |Av|."""
+    """docs/design/ska.md §2.5: v0 = 1/sqrt(r); u = Av/|Av|, v = A^T u/|A^T u|; sigma = |Av|."""
     v = torch.full((A.shape[1],), 1 / math.sqrt(A.shape[1]), dtype=A.dtype)
     for _ in range(iters):
         u = A @ v

@@ -1,4 +1,4 @@
-"""MQAR (multi-query associative recall), as specified in shared/design/ska.md §7.3.
+"""MQAR (multi-query associative recall), as specified in docs/design/ska.md §7.3.
 
 One sequence for (M pairs, gap), vocabulary V = 128 (keys in [0, 64), values in [64, 128)):
 

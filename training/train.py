@@ -22,8 +22,7 @@ import torch
 import torch.nn.functional as F
 
 from kvfree.checkpoints.byte_tokenizer import write_byte_tokenizer
-from kvfree.cli import parse_overrides
-from kvfree.engine.config import ModelConfig
+from kvfree.engine.config import ModelConfig, parse_overrides
 from kvfree.engine.layers import PrefillBatch
 from kvfree.engine.loader import save_model
 from kvfree.engine.model import HybridLM
@@ -88,7 +87,7 @@ def family_config(family: str, overrides: dict[str, Any] | None = None) -> Model
         # plateau (measured), where the untied one learns the task.
         "tie_word_embeddings": False,
         "mlp": {"intermediate_size": 3 * HIDDEN},
-        "notes": {"trained_on": "MQAR (ska.md §7.3): token ids 0..127", "family": family},
+        "notes": {"trained_on": "MQAR (docs/design/ska.md §7.3): token ids 0..127", "family": family},
     }
     for kind in set(layers):
         data.update({"mamba2": MAMBA2} if kind == "mamba2" else RECALL_LAYERS[kind])

@@ -1,32 +1,36 @@
-"""Sequence mixers (one module per kind) and the pieces they share (norms, short conv, MLP)."""
+"""Sequence mixers (one module per kind, each with its config beside it) and the one registry of kinds."""
 
 from __future__ import annotations
 
-import importlib
+from typing import TYPE_CHECKING
 
-from kvfree.engine.config import ModelConfig
+from kvfree.engine.layers.attention import AttentionMixer, SlidingWindowMixer
 from kvfree.engine.layers.base import ContextOverflowError, Mixer, PrefillBatch, StateSpec
+from kvfree.engine.layers.bmojo import BMojoMixer
+from kvfree.engine.layers.gka import GKAMixer
+from kvfree.engine.layers.lattice import LatticeMixer
+from kvfree.engine.layers.mamba2 import Mamba2Mixer
+from kvfree.engine.layers.ska import SKAMixer
 
-# kind -> "module:class". Imported on first use, so a model only loads the mixers it has.
-MIXERS: dict[str, str] = {
-    "mamba2": "kvfree.engine.layers.mamba2:Mamba2Mixer",
-    "attention": "kvfree.engine.layers.attention:AttentionMixer",
-    "swa": "kvfree.engine.layers.attention:SlidingWindowMixer",
-    "ska": "kvfree.engine.layers.ska:SKAMixer",
-    "gka": "kvfree.engine.layers.gka:GKAMixer",
-    "lattice": "kvfree.engine.layers.lattice:LatticeMixer",
-    "bmojo": "kvfree.engine.layers.bmojo:BMojoMixer",
+if TYPE_CHECKING:
+    from kvfree.engine.config import ModelConfig
+
+# kind -> mixer class. A kind is the name used in config.json's `layers` list and the key of its sub-config
+# (`ModelConfig` gets one optional field per kind from this table). Adding a kind means adding it here.
+MIXERS: dict[str, type[Mixer]] = {
+    cls.kind: cls
+    for cls in (Mamba2Mixer, AttentionMixer, SlidingWindowMixer, SKAMixer, GKAMixer, LatticeMixer, BMojoMixer)
 }
 
 
 def mixer_class(kind: str) -> type[Mixer]:
-    module, name = MIXERS[kind].split(":")
-    return getattr(importlib.import_module(module), name)
+    """The mixer class registered for `kind`."""
+    return MIXERS[kind]
 
 
 def build_mixer(kind: str, config: ModelConfig) -> Mixer:
     """The mixer of `kind` for a model of `config` (the kind's sub-config is read from `config`)."""
-    return mixer_class(kind)(config.hidden_size, config.mixer_config(kind))
+    return MIXERS[kind](config.hidden_size, config.mixer_config(kind))
 
 
 __all__ = ["MIXERS", "ContextOverflowError", "Mixer", "PrefillBatch", "StateSpec", "build_mixer", "mixer_class"]

@@ -4,11 +4,31 @@
 from __future__ import annotations
 
 import torch
+from pydantic import model_validator
 from torch import nn
 
-from kvfree.engine.config import AttentionConfig
 from kvfree.engine.layers.base import ContextOverflowError, Mixer, PrefillBatch, StateSpec
+from kvfree.engine.strict_config import PositiveInt, StrictConfig
 from kvfree.kernels.attention import apply_rope, attend
+
+
+class AttentionConfig(StrictConfig):
+    """Causal (grouped-query) attention with RoPE; `window` set means sliding-window attention (kind `swa`)."""
+
+    num_heads: PositiveInt
+    num_kv_heads: PositiveInt
+    head_dim: PositiveInt
+    rope_theta: float = 10000.0
+    use_bias: bool = False
+    window: PositiveInt | None = None
+
+    @model_validator(mode="after")
+    def _check(self) -> AttentionConfig:
+        if self.num_heads % self.num_kv_heads:
+            raise ValueError(f"num_kv_heads: {self.num_kv_heads} must divide num_heads ({self.num_heads})")
+        if self.head_dim % 2:
+            raise ValueError(f"head_dim: RoPE needs an even head_dim, got {self.head_dim}")
+        return self
 
 
 class AttentionMixer(Mixer):
@@ -20,6 +40,7 @@ class AttentionMixer(Mixer):
     """
 
     kind = "attention"
+    config_class = AttentionConfig
 
     def __init__(self, hidden_size: int, cfg: AttentionConfig) -> None:
         super().__init__()

@@ -1,4 +1,4 @@
-"""The mixer interface every sequence layer implements (architecture.md §3).
+"""The mixer interface every sequence layer implements (docs/design/architecture.md §3).
 
 A mixer owns no per-session memory itself. It declares the state one session needs (`state_specs`), and its two
 serving entry points read and write that state in pool tensors of shape `[capacity, *shape]`, addressed by slot:
@@ -15,6 +15,8 @@ from dataclasses import dataclass
 
 import torch
 from torch import nn
+
+from kvfree.engine.strict_config import StrictConfig
 
 
 @dataclass(frozen=True)
@@ -59,7 +61,8 @@ class ContextOverflowError(ValueError):
 class Mixer(nn.Module):
     """Base class of sequence mixers. Subclasses set `kind` and implement the methods below."""
 
-    kind: str = ""
+    kind: str = ""  # the name in config.json's `layers` list and the key of its sub-config
+    config_class: type[StrictConfig]  # the sub-config's schema, defined beside the mixer
 
     def state_specs(self, max_context: int) -> dict[str, StateSpec]:
         """The state one session needs. `max_context` only sizes per-token (KV-cache) states."""

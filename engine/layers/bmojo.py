@@ -1,4 +1,4 @@
-"""The B'MOJO mixer (shared/design/bmojo.md): a Mamba-2 fading memory plus NoPE attention over a bounded key set.
+"""The B'MOJO mixer (docs/design/bmojo.md): a Mamba-2 fading memory plus NoPE attention over a bounded key set.
 
 Per token t (chunk start s = (t // w) * w), with P2 wiring (spec §3.1; u is the mixer input, already normed by the
 block):
@@ -24,23 +24,89 @@ active fading K/V (`fad_k`, `fad_v`, valid count `fad_n`), the active eidetic st
 
 from __future__ import annotations
 
+from typing import Literal
+
 import torch
+from pydantic import Field, model_validator
 from torch import nn
 
-from kvfree.engine.config import BMojoConfig
 from kvfree.engine.layers.base import Mixer, PrefillBatch, StateSpec
-from kvfree.engine.layers.mamba2 import Mamba2Mixer
+from kvfree.engine.layers.mamba2 import Mamba2Config, Mamba2Mixer
 from kvfree.engine.layers.norms import RMSNorm
+from kvfree.engine.strict_config import PositiveInt, StrictConfig
 from kvfree.kernels.attention import attend
 from kvfree.kernels.bmojo import chunked_memory_attention, eidetic_update, innovation
 
 State = dict[str, torch.Tensor]
 
 
+class BMojoConfig(StrictConfig):
+    """B'MOJO fading + eidetic memory (docs/design/bmojo.md, chunked semantics C of §3.3).
+
+    One layer = a Mamba-2 mixer (the fading memory, fields `ssm_*`) followed by NoPE attention whose keys are the
+    last `window` tokens, `fading_tokens` SSM outputs before the current chunk and the `eidetic_tokens` past tokens
+    with the largest innovation score. Memory is rebuilt once per chunk of `window` tokens.
+    """
+
+    num_heads: PositiveInt  # attention query heads
+    head_dim: PositiveInt  # attention head width d_h
+    ssm_num_heads: PositiveInt  # Mamba-2 heads H_s (d_inner = ssm_num_heads * ssm_head_dim)
+    ssm_head_dim: PositiveInt  # Mamba-2 head width P
+    num_kv_heads: PositiveInt | None = None  # GQA key/value heads; None = num_heads
+    window: PositiveInt = 512  # w: sliding window AND chunk length (memory refresh period)
+    fading_tokens: int = 1  # m_f: SSM outputs y_{s-m_f..s-1} before the chunk start s; 0 = no fading memory
+    eidetic_tokens: int = 64  # m_e: capacity of the top-innovation store; 0 = B'MOJO-F
+    predictor_taps: PositiveInt = 4  # k: fixed running-average predictor of y_t from y_{t-1..t-k}
+    # "P2": SSM output joins the residual, attention reads norm(u + y); "P1": literal Algorithm 1
+    wiring: Literal["P1", "P2"] = "P2"
+    ssm_state_size: PositiveInt = 128  # N
+    ssm_n_groups: PositiveInt = 1  # G (B/C groups)
+    ssm_conv_kernel: PositiveInt = 4
+    ssm_chunk_size: PositiveInt = 64  # SSD chunk length (numerics only, not semantics)
+    ssm_time_step_limit: list[float] | None = None
+    use_bias: bool = False
+    norm_eps: float = Field(1e-5, gt=0)
+
+    @model_validator(mode="after")
+    def _check(self) -> BMojoConfig:
+        if self.num_kv_heads is not None and self.num_heads % self.num_kv_heads:
+            raise ValueError(f"num_kv_heads: {self.num_kv_heads} must divide num_heads ({self.num_heads})")
+        # m_f, m_e <= w: at every chunk boundary the finished chunk alone can fill the store (bmojo.md §3.3), so
+        # chunks >= 1 never have empty memory slots and the ring (w entries) holds every candidate at publish time.
+        for name in ("fading_tokens", "eidetic_tokens"):
+            value = getattr(self, name)
+            if not 0 <= value <= self.window:
+                raise ValueError(f"{name}: must be in [0, window={self.window}], got {value}")
+        if self.ssm_num_heads % self.ssm_n_groups:
+            raise ValueError(f"ssm_n_groups: {self.ssm_n_groups} must divide ssm_num_heads ({self.ssm_num_heads})")
+        if self.ssm_time_step_limit is not None and len(self.ssm_time_step_limit) != 2:
+            raise ValueError(f"ssm_time_step_limit: expected [min, max], got {self.ssm_time_step_limit}")
+        return self
+
+    @property
+    def kv_heads(self) -> int:
+        return self.num_heads if self.num_kv_heads is None else self.num_kv_heads
+
+    def mamba2_config(self) -> Mamba2Config:
+        """The Mamba-2 sub-config of the fading-memory SSM."""
+        return Mamba2Config(
+            num_heads=self.ssm_num_heads,
+            head_dim=self.ssm_head_dim,
+            state_size=self.ssm_state_size,
+            n_groups=self.ssm_n_groups,
+            conv_kernel=self.ssm_conv_kernel,
+            chunk_size=self.ssm_chunk_size,
+            use_bias=self.use_bias,
+            time_step_limit=self.ssm_time_step_limit,
+            norm_eps=self.norm_eps,
+        )
+
+
 class BMojoMixer(Mixer):
     """Mamba-2 (fading memory) + innovation-selected eidetic memory + sliding window, one NoPE attention."""
 
     kind = "bmojo"
+    config_class = BMojoConfig
 
     def __init__(self, hidden_size: int, cfg: BMojoConfig) -> None:
         super().__init__()

@@ -1,4 +1,4 @@
-"""The Gated KalmaNet mixer (shared/design/gka.md §3): gated linear attention whose query is first replaced by a
+"""The Gated KalmaNet mixer (docs/design/gka.md §3): gated linear attention whose query is first replaced by a
 ridge-regression solution `(H_t + a ||H_t||_F I)^-1 q_t`, computed by a fixed number of Chebyshev steps."""
 
 from __future__ import annotations
@@ -7,16 +7,44 @@ import math
 
 import torch
 import torch.nn.functional as F
+from pydantic import Field
 from torch import nn
 
-from kvfree.engine.config import GKAConfig
 from kvfree.engine.layers.base import Mixer, PrefillBatch, StateSpec
 from kvfree.engine.layers.conv import ShortConv
 from kvfree.engine.layers.norms import GatedRMSNorm, RMSNorm
+from kvfree.engine.strict_config import PositiveInt, StrictConfig
 from kvfree.kernels.gka import gka_chunked, gka_step
 
-_L2_EPS = 1e-6  # q, k <- q / (||q|| + 1e-6) (gka.md §3 step 4, the HF/FLA form)
-_BETA_EPS = 1e-6  # k, v <- (beta + 1e-6) k, v (gka.md §3 step 5)
+_L2_EPS = 1e-6  # q, k <- q / (||q|| + 1e-6) (docs/design/gka.md §3 step 4, the HF/FLA form)
+_BETA_EPS = 1e-6  # k, v <- (beta + 1e-6) k, v (docs/design/gka.md §3 step 5)
+
+
+class GKAConfig(StrictConfig):
+    """Gated KalmaNet (docs/design/gka.md). Query, key and value heads are equal (no GQA head expansion).
+
+    Field names follow hybrid-model-factory's `gka_config.py` where one exists, to ease conversion.
+    """
+
+    num_heads: PositiveInt  # He: heads of q, k, v, the gates and the state
+    head_dim: PositiveInt  # D: query/key width per head (H is D x D per head)
+    value_head_dim: PositiveInt | None = None  # Dv: value width per head; None means head_dim
+    conv_kernel: PositiveInt = 4  # K: short-conv taps on q, k (and v)
+    chunk_size: PositiveInt = 64  # C: tokens per chunk of the parallel prefill
+    # r: Chebyshev iterations. A serving knob (`--set gka.num_iter=10`), but it changes the function the model
+    # was trained with (docs/design/gka.md §13.15).
+    num_iter: PositiveInt = 30
+    ridge_strength: float = Field(0.02, gt=0)  # a in lambda_t = a * ||H_t||_F (condition number <= (1+a)/a)
+    norm_eps: float = Field(1e-6, gt=0)  # eps of the per-head RMSNorm
+    use_v_conv: bool = True  # short conv + SiLU on v as well as on q and k
+    use_beta_gate: bool = True  # write gate beta: k, v scaled by sigmoid(.) + 1e-6
+    use_alpha_connection: bool = True  # q' = q + alpha (x - q); False means alpha = 1 (pure ridge solution)
+    use_gate: bool = True  # output gate: RMSNorm(o) * w * SiLU(W_g x); False: RMSNorm(o) * w
+    gla_rescale: bool = True  # output scale D^-1/2
+
+    @property
+    def v_head_dim(self) -> int:
+        return self.head_dim if self.value_head_dim is None else self.value_head_dim
 
 
 class GKAMixer(Mixer):
@@ -25,10 +53,11 @@ class GKAMixer(Mixer):
     (one weight shared by all heads) times SiLU(output gate) -> out projection.
 
     Heads: He query = key = value heads (no GQA). Session state: `conv` `[K-1, 2 He D + He Dv]` (activation
-    dtype; `2 He D` without the v conv), `h` `[He, D, D]` and `s` `[He, D, Dv]` (fp32; gka.md §5.1).
+    dtype; `2 He D` without the v conv), `h` `[He, D, D]` and `s` `[He, D, Dv]` (fp32; docs/design/gka.md §5.1).
     """
 
     kind = "gka"
+    config_class = GKAConfig
 
     def __init__(self, hidden_size: int, cfg: GKAConfig) -> None:
         super().__init__()

@@ -1,4 +1,4 @@
-"""The Lattice mixer (shared/design/lattice.md §6.2): orthogonal-update memory slots with a GELU post-gate.
+"""The Lattice mixer (docs/design/lattice.md §6.2): orthogonal-update memory slots with a GELU post-gate.
 
     p    = x W_qk                       one projection shared by q and k (paper App. A)
     q, k = conv_q(p), conv_k(p)         two short causal depthwise convs over the same input, so one conv tail
@@ -13,15 +13,17 @@ The first state of a session is the orthonormal S0 that ships with the weights (
 from __future__ import annotations
 
 from collections.abc import Callable
+from typing import Literal
 
 import torch
 import torch.nn.functional as F
+from pydantic import Field, model_validator
 from torch import nn
 
-from kvfree.engine.config import LatticeConfig
 from kvfree.engine.layers.base import Mixer, PrefillBatch, StateSpec
 from kvfree.engine.layers.conv import ShortConv
 from kvfree.engine.layers.norms import RMSNorm
+from kvfree.engine.strict_config import PositiveInt, StrictConfig
 from kvfree.kernels.lattice import lattice_recurrent, lattice_step, orthonormal_columns
 
 # The fold gamma <- gamma / mu needs mu > 0; the same clamp is applied before and after folding so that both compute
@@ -32,6 +34,37 @@ GAMMA_BIAS_INIT = 0.0
 MU_BIAS_INIT = 3.0
 
 
+class LatticeConfig(StrictConfig):
+    """Lattice memory slots (docs/design/lattice.md); every unstated choice of the paper is a field here."""
+
+    num_heads: PositiveInt
+    head_dim: PositiveInt  # d: slot dimension = value/output width per head
+    num_slots: int | None = None  # m: memory slots per head = key/query width; None means head_dim. Needs m <= d.
+    variant: Literal["dec", "enc", "sim"] = "dec"  # "dec" (the paper's final Lattice), "enc" or "sim" (Eq. 10 / 12)
+    conv_kernel: PositiveInt = 4  # the two short convs on the shared q/k projection
+    qk_norm: Literal["l2", "none"] = "l2"  # "l2": per-head L2-normalised q and k; "none"
+    forget_gate: bool = True  # a mu head (Eq. (16)); folded into gamma at load, gamma <- gamma / max(mu, 1e-4)
+    learn_s0: bool = False  # S0 a trained parameter (re-orthonormalised) rather than a fixed random buffer
+    # "head_rms": RMSNorm per head (weight shared by heads); "rms": over H*d; "none"
+    output_norm: Literal["head_rms", "rms", "none"] = "head_rms"
+    norm_eps: float = Field(1e-5, gt=0)
+    # Training only: recompute the token loop in segments of this many tokens in backward (0: store every step).
+    grad_checkpoint: int = Field(64, ge=0)
+
+    @model_validator(mode="after")
+    def _check(self) -> LatticeConfig:
+        if self.num_slots is not None and not 0 < self.num_slots <= self.head_dim:
+            raise ValueError(
+                f"num_slots: S0 has orthonormal columns, so 0 < num_slots <= head_dim ({self.head_dim}); "
+                f"got {self.num_slots}"
+            )
+        return self
+
+    @property
+    def slots(self) -> int:
+        return self.head_dim if self.num_slots is None else self.num_slots
+
+
 class LatticeMixer(Mixer):
     """Lattice-DEC (or ENC/SIM) with normalised projection, per-slot gates and an orthonormal S0.
 
@@ -40,6 +73,7 @@ class LatticeMixer(Mixer):
     """
 
     kind = "lattice"
+    config_class = LatticeConfig
 
     def __init__(self, hidden_size: int, cfg: LatticeConfig) -> None:
         super().__init__()

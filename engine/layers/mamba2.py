@@ -6,13 +6,42 @@ import math
 
 import torch
 import torch.nn.functional as F
+from pydantic import model_validator
 from torch import nn
 
-from kvfree.engine.config import Mamba2Config
 from kvfree.engine.layers.base import Mixer, PrefillBatch, StateSpec
 from kvfree.engine.layers.conv import ShortConv
 from kvfree.engine.layers.norms import GatedRMSNorm
+from kvfree.engine.strict_config import PositiveInt, StrictConfig
 from kvfree.kernels.mamba2 import ssd_chunked, ssd_step
+
+
+class Mamba2Config(StrictConfig):
+    """The Mamba-2 mixer (SSD), with the field names of HF `Mamba2Config` where they exist."""
+
+    num_heads: PositiveInt
+    head_dim: PositiveInt
+    state_size: PositiveInt = 128
+    n_groups: PositiveInt = 1
+    conv_kernel: PositiveInt = 4
+    chunk_size: PositiveInt = 64
+    use_bias: bool = False
+    use_conv_bias: bool = True
+    # Clamp applied to dt after softplus; None means (0, inf) as in HF.
+    time_step_limit: list[float] | None = None
+    norm_eps: float = 1e-5
+
+    @model_validator(mode="after")
+    def _check(self) -> Mamba2Config:
+        if self.num_heads % self.n_groups:
+            raise ValueError(f"n_groups: {self.n_groups} must divide num_heads ({self.num_heads})")
+        if self.time_step_limit is not None and len(self.time_step_limit) != 2:
+            raise ValueError(f"time_step_limit: expected [min, max], got {self.time_step_limit}")
+        return self
+
+    @property
+    def intermediate_size(self) -> int:
+        return self.num_heads * self.head_dim
 
 
 class Mamba2Mixer(Mixer):
@@ -22,6 +51,7 @@ class Mamba2Mixer(Mixer):
     """
 
     kind = "mamba2"
+    config_class = Mamba2Config
 
     def __init__(self, hidden_size: int, cfg: Mamba2Config) -> None:
         super().__init__()

@@ -2,12 +2,36 @@
 
 from __future__ import annotations
 
+from typing import Literal
+
 import torch
 import torch.nn.functional as F
+from pydantic import model_validator
 from torch import nn
 
-from kvfree.engine.config import MLPConfig
 from kvfree.engine.layers.norms import RMSNorm
+from kvfree.engine.strict_config import PositiveInt, StrictConfig
+
+
+class MLPConfig(StrictConfig):
+    """The channel mixer after each mixer.
+
+    kind "swiglu": down(silu(gate(h)) * up(h)) after an RMSNorm. kind "koopman": the Spectral Koopman MLP of Echo
+    (docs/design/ska.md §4.5): readout(R silu(lift(h))) after a LayerNorm, R a block-diagonal 2x2 scale-rotation with
+    |lambda| clamped to <= 1; `intermediate_size` is its d_k (even; the paper uses ceil(8/3 d / 64) * 64).
+    """
+
+    intermediate_size: PositiveInt
+    kind: Literal["swiglu", "koopman"] = "swiglu"
+    gated: bool = False  # koopman only: multiply by sigmoid(gate(h)) before the readout (SwiGLU parameter parity)
+
+    @model_validator(mode="after")
+    def _check(self) -> MLPConfig:
+        if self.kind == "koopman" and self.intermediate_size % 2:
+            raise ValueError("intermediate_size: the Koopman MLP pairs channels, needs an even size")
+        if self.gated and self.kind != "koopman":
+            raise ValueError("gated: only the 'koopman' MLP has an optional gate")
+        return self
 
 
 class SwiGLU(nn.Module):
@@ -35,7 +59,7 @@ class LayerNorm(nn.LayerNorm):
 
 
 class KoopmanMLP(nn.Module):
-    """The Spectral Koopman MLP (Echo §3.3, eq. 14; shared/design/ska.md §4.5), without its norm and residual.
+    """The Spectral Koopman MLP (Echo §3.3, eq. 14; docs/design/ska.md §4.5), without its norm and residual.
 
     g = silu(lift(h)) `[..., d_k]`; each pair (g_2i, g_2i+1) is mapped by [[gamma_i, omega_i], [-omega_i, gamma_i]],
     i.e. multiplied by the complex eigenvalue conj(lambda_i), lambda_i = gamma_i + i omega_i, with |lambda_i| clamped

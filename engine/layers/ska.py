@@ -1,21 +1,47 @@
-"""The SKA mixer: Spectral Koopman Attention from Echo (shared/design/ska.md), a KV-cache-free retrieval layer.
+"""The SKA mixer: Spectral Koopman Attention from Echo (docs/design/ska.md), a KV-cache-free retrieval layer.
 
 Keys z, queries q (H heads of width r) and values v (H heads of width P) are projected from the (block-normed)
 residual stream; the kernel keeps their raw second-order sums and reads each query out through the ridge /
 Koopman power-filter operator J (kernels/ska). Output: o_proj(concat_h y_h), added to the residual by the block
-(ungated, W_o zero-initialised: the layer starts as an exact identity; ska.md §2.7).
+(ungated, W_o zero-initialised: the layer starts as an exact identity; docs/design/ska.md §2.7).
 """
 
 from __future__ import annotations
 
+from typing import Literal
+
 import torch
+from pydantic import Field
 from torch import nn
 
-from kvfree.engine.config import SKAConfig
 from kvfree.engine.layers.base import Mixer, PrefillBatch, StateSpec
+from kvfree.engine.strict_config import PositiveInt, StrictConfig
 from kvfree.kernels.ska import SKAState, ska_chunked, ska_empty_state, ska_prefix, ska_step
 
 _ACC = {"float32": torch.float32, "float64": torch.float64}
+
+
+class SKAConfig(StrictConfig):
+    """Spectral Koopman Attention (Echo; docs/design/ska.md). Per head: keys/queries of width `rank`, values of
+    width `head_dim`; state 2 r^2 + P r accumulators (+ J, z_prev, m), constant in context length."""
+
+    num_heads: PositiveInt  # H
+    rank: PositiveInt  # r: Koopman rank per head (key/query width per head)
+    head_dim: PositiveInt  # P: value width per head (the paper uses P = hidden / H)
+    chunk_size: PositiveInt = 64  # S: chunk of the chunk-causal operator, on the absolute position grid
+    power_order: int = Field(2, ge=0)  # K: power filter order (K = 0 is plain ridge retrieval)
+    ridge_eps: float = Field(1e-3, gt=0)  # eps: ridge on the max-norm-normalised Gram (= eps * m^2 on raw stats)
+    power_iters: PositiveInt = 6  # power-iteration steps for sigma_max of the whitened operator (detached)
+    eta_init: float = 1.5  # learnable output scale eta (unconstrained)
+    gamma_init: float = Field(1.0, ge=1.0, le=1.5)  # learnable spectral gain gamma, used clamped to [1, 1.5]
+    # "C": chunk-causal (exact parity with the chunked forward); "P": the paper's prefix mode
+    decode_mode: Literal["C", "P"] = "C"
+    # Key max-norm m (only sets the ridge): "causal" = running max over the tokens an operator contains (training,
+    # prefill and decode identical); "frozen" = the paper's seq-max of the first segment, then frozen.
+    key_norm: Literal["causal", "frozen"] = "causal"
+    # dtype of the G/M/C accumulators and of the operator build (Cholesky..J); "float64" keeps long sessions
+    # exact (docs/design/ska.md §5); "float32" is the paper's choice (cheaper training on GPUs with slow fp64).
+    accum_dtype: Literal["float32", "float64"] = "float64"
 
 
 class SKAMixer(Mixer):
@@ -33,6 +59,7 @@ class SKAMixer(Mixer):
     """
 
     kind = "ska"
+    config_class = SKAConfig
 
     def __init__(self, hidden_size: int, cfg: SKAConfig) -> None:
         super().__init__()
@@ -84,14 +111,14 @@ class SKAMixer(Mixer):
         return {
             "eps": c.ridge_eps,
             "eta": self.eta.float()[0],
-            "gamma": self.gamma.float()[0].clamp(1.0, 1.5),  # ska.md §2.1 [PROPOSAL]: clamp, init 1
+            "gamma": self.gamma.float()[0].clamp(1.0, 1.5),  # docs/design/ska.md §2.1 [PROPOSAL]: clamp, init 1
             "order": c.power_order,
             "power_iters": c.power_iters,
             "key_norm": c.key_norm,
         }
 
     def _out(self, y: torch.Tensor) -> torch.Tensor:
-        """y `[..., H, P]` fp32 -> `[..., D]` (cast to the weight dtype before W_o, ska.md §2.7)."""
+        """y `[..., H, P]` fp32 -> `[..., D]` (cast to the weight dtype before W_o, docs/design/ska.md §2.7)."""
         return self.o_proj(y.flatten(-2).to(self.o_proj.weight.dtype))
 
     @staticmethod
@@ -105,7 +132,7 @@ class SKAMixer(Mixer):
 
     # -- entry points ------------------------------------------------------------------------------------------
     def forward(self, x: torch.Tensor, mask: torch.Tensor | None = None) -> torch.Tensor:
-        """Training forward (chunk-causal, ska.md §2.8): x `[B, T, D]` -> `[B, T, D]`.
+        """Training forward (chunk-causal, docs/design/ska.md §2.8): x `[B, T, D]` -> `[B, T, D]`.
 
         mask: optional `[B, T]` action mask a_t in {0, 1}; tokens with a_t = 0 (e.g. padding) are still read out but
         are not written into the statistics (eq. 53).

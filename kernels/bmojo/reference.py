@@ -1,4 +1,4 @@
-"""Reference B'MOJO memory math in pure PyTorch (shared/design/bmojo.md §3.3-§3.10, "semantics C").
+"""Reference B'MOJO memory math in pure PyTorch (docs/design/bmojo.md §3.3-§3.10, "semantics C").
 
 For the token at absolute position t (chunk c = t // w, chunk start s = c*w) the attention keys are
 

@@ -1,4 +1,4 @@
-"""Gated KalmaNet: chunk-wise Chebyshev prefill and single-step decode (shared/design/gka.md)."""
+"""Gated KalmaNet: chunk-wise Chebyshev prefill and single-step decode (docs/design/gka.md)."""
 
 from kvfree.kernels.gka.reference import chebyshev_solve, gka_chunked, gka_step, omega_schedule
 

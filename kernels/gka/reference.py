@@ -1,4 +1,4 @@
-"""Reference Gated KalmaNet (GKA) state math in pure PyTorch (shared/design/gka.md §4-§6).
+"""Reference Gated KalmaNet (GKA) state math in pure PyTorch (docs/design/gka.md §4-§6).
 
 Per head, with keys and values already scaled by the write gate and log-decay g_t <= 0 (gamma_t = exp(g_t)):
 
@@ -29,7 +29,7 @@ from kvfree.kernels.common import state_math
 from kvfree.kernels.mamba2.reference import segsum
 
 # Squared Frobenius norms are clamped here before the square root: ||H|| = 0 only when every key seen is exactly
-# zero (gka.md §5.2 / §13.16 guard); the clamp keeps the step size and the sqrt gradient finite.
+# zero (docs/design/gka.md §5.2 / §13.16 guard); the clamp keeps the step size and the sqrt gradient finite.
 _MIN_FRO_SQ = 1e-30
 
 
@@ -50,7 +50,7 @@ def omega_schedule(ridge: float, num_iter: int) -> list[float]:
 def chebyshev_solve(
     matvec: Callable[[torch.Tensor], torch.Tensor], q: torch.Tensor, fro: torch.Tensor, ridge: float, num_iter: int
 ) -> torch.Tensor:
-    """Approximately solve `(H + a s I) x = q` by `num_iter` Chebyshev steps (gka.md §4.5, code form).
+    """Approximately solve `(H + a s I) x = q` by `num_iter` Chebyshev steps (docs/design/gka.md §4.5, code form).
 
     Args:
         matvec: X -> H X applied row-wise to a tensor shaped like `q` (H symmetric PSD, one H per row).
@@ -92,7 +92,7 @@ def gka_step(
     num_iter: int,
     scale: float,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """One decode step for B sessions (gka.md §5.2, in its exact order).
+    """One decode step for B sessions (docs/design/gka.md §5.2, in its exact order).
 
     Args:
         q: `[B, He, D]` L2-normalised queries.  k: `[B, He, D]` L2-normalised keys times (beta + 1e-6).
@@ -139,7 +139,7 @@ def gka_chunked(
     scale: float,
     chunk_size: int,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """GKA over B sequences of T tokens each, continuing from states (h0, s0) (gka.md §6). Differentiable.
+    """GKA over B sequences of T tokens each, continuing from states (h0, s0) (docs/design/gka.md §6). Differentiable.
 
     Args:
         q: `[B, T, He, D]` L2-normalised queries.  k: `[B, T, He, D]` normalised keys times (beta + 1e-6).

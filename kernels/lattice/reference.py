@@ -1,7 +1,7 @@
 """Reference Lattice recurrence (orthogonal-update memory slots) in pure PyTorch.
 
 Karami & Mirrokni, "Lattice: Learning to Efficiently Compress the Memory", arXiv 2504.05646v1; the serving spec is
-shared/design/lattice.md (section numbers below are the spec's, equation numbers the paper's).
+docs/design/lattice.md (section numbers below are the spec's, equation numbers the paper's).
 
 Per head the state is S `[d, m]`: m memory slots, each a unit column in R^d. One token (q, k `[m]`, v `[d]`, step
 size gamma > 0, optional forget gate mu in (0, 1]) does, for every slot i (Eq. (13) with Eq. (14), spec §4.2):

@@ -1,27 +1,27 @@
-"""Reference SKA (Spectral Koopman Attention, Echo; shared/design/ska.md) in pure PyTorch.
+"""Reference SKA (Spectral Koopman Attention, Echo; docs/design/ska.md) in pure PyTorch.
 
 Per (session, head) SKA keeps raw second-order sums of its own keys z (width r) and values v (width P):
 
     G = sum_t a_t z_t z_t^T        M = sum_t a_t a_{t-1} z_t z_{t-1}^T        C = sum_t a_t v_t z_t^T
 
-and reads a query q out through one linear map per operator (ska.md §2.6, "J"):
+and reads a query q out through one linear map per operator (docs/design/ska.md §2.6, "J"):
 
     J = eta * c^K * C G'^-1 (M G'^-1)^K,     G' = G + eps * m^2 * I = L L^T,
     c = gamma / max(1, sigma_max(L^-1 M L^-T)),      y = J q.
 
 The stats are kept UNnormalised: dividing keys and queries by the key max-norm m (the paper's eq. 3) is
-exactly the same as using the ridge eps * m^2 on raw stats (ska.md §2.3), so m only enters the ridge and the
+exactly the same as using the ridge eps * m^2 on raw stats (docs/design/ska.md §2.3), so m only enters the ridge and the
 state never needs rescaling when m changes. J equals the paper's App. F pipeline (Cholesky, whitened operator,
 spectral normalisation, value map, whitened query, power filter, unwhitening) for every query (§2.6).
 
-Modes (ska.md §3.3-3.4), all reading and writing the same `SKAState`:
+Modes (docs/design/ska.md §3.3-3.4), all reading and writing the same `SKAState`:
 
 - chunk-causal (`ska_chunked`, training forward and mode-C prefill; `ska_step(mode="C")` for decode): the
   queries of chunk c = [cS, (c+1)S) on the ABSOLUTE position grid read the operator of all tokens < cS.
 - prefix (`ska_prefix`, mode-P prefill; `ska_step(mode="P")`): the operator of all tokens so far, this
   segment included, read by every token of the segment (non-causal within a prompt, as the paper's prefix mode).
 
-Key max-norm m (`key_norm`, ska.md §3.3 [PROPOSAL], §8 item 1):
+Key max-norm m (`key_norm`, docs/design/ska.md §3.3 [PROPOSAL], §8 item 1):
 
 - "causal" (default): the ridge of the operator built at a chunk boundary uses m = max ||a_t z_t|| over the
   tokens that operator contains. Training forward, prefill (any split) and decode are then the same function.
@@ -30,7 +30,7 @@ Key max-norm m (`key_norm`, ska.md §3.3 [PROPOSAL], §8 item 1):
   differs from one prefill.
 
 Precision: keys, queries and values are fp32; the stats G, M, C and everything from them up to J are in the
-dtype of the state's accumulators (`acc_dtype`, fp64 by default in the engine: ska.md §5 recommends fp64
+dtype of the state's accumulators (`acc_dtype`, fp64 by default in the engine: docs/design/ska.md §5 recommends fp64
 accumulators for sessions beyond ~16K tokens, and at r <= 64 the r^3 work per chunk is cheap); J is cast to fp32
 for the per-token readout y = J q.
 """
@@ -48,8 +48,8 @@ from kvfree.kernels.common import state_math
 
 logger = logging.getLogger(__name__)
 
-M_FLOOR = 1e-6  # ska.md §2.3: m = max(max ||z||, 1e-6)
-JITTERS = (1e-4, 1e-3, 1e-2)  # ska.md §3.3/§5: Cholesky retries with (jitter * m^2) I added
+M_FLOOR = 1e-6  # docs/design/ska.md §2.3: m = max(max ||z||, 1e-6)
+JITTERS = (1e-4, 1e-3, 1e-2)  # docs/design/ska.md §3.3/§5: Cholesky retries with (jitter * m^2) I added
 _FALLBACKS = [0]
 
 
@@ -59,7 +59,7 @@ def cholesky_fallback_count() -> int:
 
 
 class SKAState(NamedTuple):
-    """The per-session state of one SKA layer, batched over B sessions (ska.md §3.2).
+    """The per-session state of one SKA layer, batched over B sessions (docs/design/ska.md §3.2).
 
     G: `[B, H, r, r]` acc dtype, sum a_t z_t z_t^T (raw keys, no ridge inside).
     M: `[B, H, r, r]` acc dtype, sum a_t a_{t-1} z_t z_{t-1}^T.
@@ -107,7 +107,7 @@ def ska_empty_state(
 def robust_cholesky(G: torch.Tensor, unit: torch.Tensor) -> torch.Tensor:
     """Lower Cholesky factor of symmetric G `[..., r, r]`; where it fails, retry with (1e-4, 1e-3, 1e-2) * unit * I.
 
-    unit: `[...]` the jitter unit (m^2, so the jitter is relative to the raw key scale; ska.md §3.3).
+    unit: `[...]` the jitter unit (m^2, so the jitter is relative to the raw key scale; docs/design/ska.md §3.3).
     Each fallback is counted (`cholesky_fallback_count`) and logged. Raises FloatingPointError if all fail.
     """
     L, info = torch.linalg.cholesky_ex(G)
@@ -128,7 +128,7 @@ def robust_cholesky(G: torch.Tensor, unit: torch.Tensor) -> torch.Tensor:
 
 @torch.no_grad()
 def power_iteration_sigma(A: torch.Tensor, iters: int) -> torch.Tensor:
-    """sigma_max estimate of A `[..., r, r]` -> `[...]` (detached; ska.md §2.5 [PROPOSAL], matching REPO).
+    """sigma_max estimate of A `[..., r, r]` -> `[...]` (detached; docs/design/ska.md §2.5 [PROPOSAL], matching REPO).
 
     v0 = 1/sqrt(r); repeat `iters` times: u = A v / ||A v||, v = A^T u / ||A^T u|| (norms clamped at 1e-8);
     sigma = ||A v||. A few steps under-estimate sigma; the paper uses 6.
@@ -156,7 +156,7 @@ def ska_readout(
     order: int,
     power_iters: int,
 ) -> torch.Tensor:
-    """The readout J = eta c^K C G'^-1 (M G'^-1)^K of raw stats (ska.md §2.6, §3.3 make_J).
+    """The readout J = eta c^K C G'^-1 (M G'^-1)^K of raw stats (docs/design/ska.md §2.6, §3.3 make_J).
 
     G, M: `[..., r, r]`; C: `[..., P, r]` (all one dtype, the compute dtype); m: `[...]` key max-norm (floored at
     1e-6), which sets the ridge G' = G + eps m^2 I. eta, gamma: scalars (gamma already constrained to [1, 1.5]).
@@ -270,7 +270,7 @@ def ska_chunked(
     nc = -(-(front + T) // S)
     zw, Gc, Mc, Cc = _chunk_stats(z, v, a, state, front, nc, S)
     Gcs, Mcs, Ccs = Gc.cumsum(1), Mc.cumsum(1), Cc.cumsum(1)
-    norms = _grid(zw.detach().norm(dim=-1), front, nc, S)  # [B, nc, S, H]; m is detached (ska.md §2.9)
+    norms = _grid(zw.detach().norm(dim=-1), front, nc, S)  # [B, nc, S, H]; m is detached (docs/design/ska.md §2.9)
     m_starts, m_new = _segment_m(state.m, norms, t0, key_norm)
 
     # Operators to build: every chunk c >= 1 (stats of all tokens < its start), and chunk 0 when it starts at t0 > 0.

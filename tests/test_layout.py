@@ -1,0 +1,178 @@
+"""The package's shape: one import name, imports that point one way, and a wheel that installs only `kvfree`."""
+
+from __future__ import annotations
+
+import ast
+import os
+import shutil
+import site
+import subprocess
+import sys
+import tomllib
+import venv
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parent.parent
+PYPROJECT = tomllib.loads((ROOT / "pyproject.toml").read_text())
+PACKAGE_DIRS: dict[str, str] = PYPROJECT["tool"]["setuptools"]["package-dir"]
+OLD_TOP_LEVEL = ("engine", "kernels", "server", "checkpoints", "clients", "loadtest", "training")
+
+# What each subpackage may import of kvfree (architecture: server -> engine -> kernels; clients and loadtest speak
+# HTTP only; the CLI in kvfree/ sits above everything).
+ALLOWED: dict[str, tuple[str, ...]] = {
+    "kvfree.kernels": ("kvfree.kernels",),
+    "kvfree.checkpoints": ("kvfree.checkpoints",),
+    "kvfree.engine": ("kvfree.engine", "kvfree.kernels", "kvfree.checkpoints"),
+    "kvfree.server": ("kvfree.server", "kvfree.engine", "kvfree.kernels", "kvfree.checkpoints"),
+    "kvfree.training": ("kvfree.training", "kvfree.engine", "kvfree.kernels", "kvfree.checkpoints"),
+    "kvfree.clients": ("kvfree.clients",),
+    "kvfree.loadtest": ("kvfree.loadtest", "kvfree.clients"),
+}
+
+
+def modules() -> list[tuple[str, Path]]:
+    """(dotted module name, file) for every module of the distribution, from pyproject's package-dir mapping."""
+    out = []
+    for package, folder in PACKAGE_DIRS.items():
+        base = ROOT / folder
+        files = base.glob("*.py") if package == "kvfree" else base.rglob("*.py")  # kvfree/ holds only its own
+        for path in sorted(files):
+            parts = [p for p in path.relative_to(base).with_suffix("").parts if p != "__init__"]
+            out.append((".".join([package, *parts]), path))
+    return out
+
+
+def _owner(name: str) -> str:
+    return ".".join(name.split(".")[:2])
+
+
+def imported_modules(name: str, path: Path) -> set[str]:
+    """Absolute names of the modules `path` imports, anywhere in the file (lazy imports inside functions too)."""
+    tree = ast.parse(path.read_text(), str(path))
+    is_package = path.name == "__init__.py"
+    out = set()
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Import):
+            out.update(alias.name for alias in node.names)
+        elif isinstance(node, ast.ImportFrom):
+            if node.level:
+                parts = name.split(".")
+                base = parts[: len(parts) - node.level + (1 if is_package else 0)]
+                module = ".".join([*base, *([node.module] if node.module else [])])
+            else:
+                module = node.module or ""
+            out.add(module)
+    return out
+
+
+def test_pyproject_lists_every_package_directory():
+    listed = set(PYPROJECT["tool"]["setuptools"]["packages"])
+    found = set()
+    for package, folder in PACKAGE_DIRS.items():
+        for init in (ROOT / folder).rglob("__init__.py"):
+            rel = init.parent.relative_to(ROOT / folder)
+            found.add(".".join([package, *rel.parts]))
+    assert listed == found
+
+
+def test_imports_point_one_way():
+    broken = []
+    for name, path in modules():
+        owner = _owner(name)
+        for module in imported_modules(name, path):
+            if module.split(".")[0] in OLD_TOP_LEVEL:
+                broken.append(f"{path.relative_to(ROOT)} imports {module} (not under kvfree)")
+            if owner in ALLOWED and module.startswith("kvfree") and not module.startswith(ALLOWED[owner]):
+                broken.append(f"{path.relative_to(ROOT)} ({owner}) imports {module}")
+    assert not broken, "\n".join(broken)
+
+
+def test_import_rule_checker_sees_violations(tmp_path):
+    """The walker above resolves relative and lazy imports, so a violation cannot hide behind either."""
+    (tmp_path / "__init__.py").write_text("def f():\n    from ..server import app\n")
+    assert "kvfree.server" in imported_modules("kvfree.engine", tmp_path / "__init__.py")
+    (tmp_path / "mod.py").write_text("from .layers import base\nimport kvfree.loadtest.cli\n")
+    assert imported_modules("kvfree.engine.mod", tmp_path / "mod.py") == {"kvfree.engine.layers", "kvfree.loadtest.cli"}
+
+
+def test_every_module_opens_with_a_docstring_and_cites_only_the_repo():
+    missing, outside = [], []
+    for _, path in modules():
+        text = path.read_text()
+        if ast.get_docstring(ast.parse(text)) is None:
+            missing.append(str(path.relative_to(ROOT)))
+        if "shared/" in text:
+            outside.append(str(path.relative_to(ROOT)))
+    assert not missing, f"modules without a docstring: {missing}"
+    assert not outside, f"modules citing files outside the repository: {outside}"
+
+
+@pytest.fixture(scope="session")
+def wheel_venv(tmp_path_factory) -> Path:
+    """A fresh virtual environment with kvfree installed from a wheel (not editable).
+
+    Its own site-packages holds only kvfree; the dependencies (torch, fastapi, ...) are reached through a .pth line
+    naming this interpreter's site-packages. A plain path line does not run the .pth files there, so the editable
+    install of the checkout stays invisible.
+    """
+    tmp = tmp_path_factory.mktemp("wheel")
+    # Build from a copy of the tracked files, so the build writes nothing into the checkout and sees nothing
+    # that a clean clone lacks.
+    tracked = subprocess.run(["git", "ls-files"], cwd=ROOT, check=True, capture_output=True, text=True).stdout.split()
+    source = tmp / "src"
+    for rel in tracked:
+        if (ROOT / rel).is_file():
+            (source / rel).parent.mkdir(parents=True, exist_ok=True)
+            shutil.copy2(ROOT / rel, source / rel)
+    wheels = tmp / "dist"
+    build = [sys.executable, "-m", "pip", "wheel", "--no-deps", "--no-build-isolation", "-q", "-w", wheels, source]
+    subprocess.run(build, check=True, cwd=tmp, timeout=300)
+    env_dir = tmp / "venv"
+    venv.EnvBuilder(with_pip=True).create(env_dir)
+    python = env_dir / "bin" / "python"
+    (wheel,) = wheels.glob("kvfree-*.whl")
+    install = [python, "-m", "pip", "install", "--no-deps", "--no-index", "-q", wheel]
+    subprocess.run(install, check=True, cwd=tmp, timeout=300)
+    purelib = subprocess.run(
+        [python, "-c", "import sysconfig; print(sysconfig.get_paths()['purelib'])"],
+        check=True, capture_output=True, text=True,
+    ).stdout.strip()  # fmt: skip
+    ours = [p for p in {*site.getsitepackages(), site.getusersitepackages()} if Path(p).is_dir()]
+    (Path(purelib) / "_kvfree_test_deps.pth").write_text("\n".join(ours) + "\n")
+    return env_dir
+
+
+def _run(env_dir: Path, *args: str | Path) -> subprocess.CompletedProcess:
+    env = {k: v for k, v in os.environ.items() if k not in ("PYTHONPATH", "VIRTUAL_ENV")}
+    return subprocess.run(
+        [*map(str, args)], cwd=env_dir.parent, env=env, capture_output=True, text=True, timeout=300
+    )
+
+
+def test_wheel_installs_one_top_level_package(wheel_venv):
+    python = wheel_venv / "bin" / "python"
+    probe = (
+        "import importlib.util, kvfree, pathlib\n"
+        "print(pathlib.Path(kvfree.__file__).parent)\n"
+        f"print([n for n in {OLD_TOP_LEVEL!r} if importlib.util.find_spec(n) is not None])\n"
+        "from kvfree import LLM, SamplingParams\n"
+        "import kvfree.engine.layers, kvfree.kernels.mamba2, kvfree.server.app, kvfree.loadtest.cli\n"
+        "print(kvfree.__version__)\n"
+    )
+    result = _run(wheel_venv, python, "-c", probe)
+    assert result.returncode == 0, result.stderr
+    location, stray, version = result.stdout.split("\n")[:3]
+    assert Path(location).is_relative_to(wheel_venv), "kvfree came from the checkout, not the wheel"
+    assert stray == "[]"
+    assert version == PYPROJECT["project"]["version"]
+
+
+def test_wheel_console_script(wheel_venv):
+    kvfree = wheel_venv / "bin" / "kvfree"
+    result = _run(wheel_venv, kvfree, "--help")
+    assert result.returncode == 0 and "serve" in result.stdout, result.stderr
+    result = _run(wheel_venv, kvfree, "generate", "Hi", "--max-tokens", "4", "--temperature", "0")
+    assert result.returncode == 0, result.stderr
+    assert result.stdout.startswith("Hi") and "[4 tokens in" in result.stderr
