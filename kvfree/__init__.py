@@ -23,7 +23,7 @@ __all__ = ["LLM", "SamplingParams", "__version__"]
 
 
 def __getattr__(name: str) -> Any:
-    # Lazy, so that `import kvfree.loadtest` or `kvfree --help` does not import torch.
+    # Lazy, so that `import kvfree.loadtest` or `import kvfree.clients` (HTTP only) does not import torch.
     if name in ("LLM", "SamplingParams"):
         from kvfree import engine
 

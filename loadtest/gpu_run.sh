@@ -13,15 +13,17 @@ BASELINE=${3:-attention-370m}
 PY=${PYTHON:-python3}
 WORK=$(mktemp -d)
 mkdir -p "$OUT_DIR"
+# kvfree must be installed (its folders map into the `kvfree` package); offline machines install without deps.
+$PY -c "import kvfree.engine" 2>/dev/null || $PY -m pip install -q --no-deps --no-build-isolation -e .
 
-$PY -m engine.cli init-checkpoint "$MODEL" --dtype bfloat16 "$WORK/$MODEL"
-$PY -m engine.cli init-checkpoint "$BASELINE" --dtype bfloat16 "$WORK/$BASELINE"
+$PY -m kvfree init-checkpoint "$MODEL" --dtype bfloat16 "$WORK/$MODEL"
+$PY -m kvfree init-checkpoint "$BASELINE" --dtype bfloat16 "$WORK/$BASELINE"
 
 # Room for 128K-token prompts; 8192-token prefill chunks per engine step; 256 slots so 256 clients decode at once.
-$PY -m engine.cli serve "$WORK/$MODEL" --port 8000 --max-sessions 256 --max-waiting 1024 \
+$PY -m kvfree serve "$WORK/$MODEL" --port 8000 --max-sessions 256 --max-waiting 1024 \
     --max-batch-tokens 8192 --max-prompt-tokens 131200 --max-host-sessions 4096 >"$OUT_DIR/server.log" 2>&1 &
 SERVER=$!
-$PY -m engine.cli serve "$WORK/$BASELINE" --port 8001 --max-sessions 2 --max-waiting 1024 \
+$PY -m kvfree serve "$WORK/$BASELINE" --port 8001 --max-sessions 2 --max-waiting 1024 \
     --max-batch-tokens 8192 --max-prompt-tokens 131200 --max-context 131200 >"$OUT_DIR/baseline.log" 2>&1 &
 BASE=$!
 trap 'kill $SERVER $BASE 2>/dev/null || true; rm -rf "$WORK"' EXIT
@@ -41,5 +43,5 @@ for port in (8000, 8001):
 PYEOF
 
 GIB=$($PY -c 'import torch; print(round(torch.cuda.get_device_properties(0).total_memory / 2**30, 1) if torch.cuda.is_available() else 80)')
-$PY -m engine.cli loadtest --gpu --url http://127.0.0.1:8000 --baseline-url http://127.0.0.1:8001 \
+$PY -m kvfree loadtest --gpu --url http://127.0.0.1:8000 --baseline-url http://127.0.0.1:8001 \
     --device-memory-gib "$GIB" --no-progress --out "$OUT_DIR" "${@:4}"

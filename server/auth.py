@@ -3,6 +3,7 @@
 Keys come from a file (one per line, `#` comments) and/or an environment variable (comma-separated); with none
 configured the server is open. A key's `key_id` (a short hash) names the owner of the sessions it creates, so a
 session, its snapshot and the logs never hold a raw key, and another key's sessions look like unknown ones.
+The app keeps its `APIKeys` in `app.state.api_keys`; routes get the caller through the `api_key_owner` dependency.
 """
 
 from __future__ import annotations
@@ -10,11 +11,11 @@ from __future__ import annotations
 import hashlib
 import hmac
 import os
-from collections.abc import Awaitable, Callable, Iterable, Mapping
+from collections.abc import Iterable, Mapping
 from pathlib import Path
 from typing import Annotated
 
-from fastapi import Request, Security
+from fastapi import Depends, Request, Security
 from fastapi.security import HTTPAuthorizationCredentials, HTTPBearer
 
 from kvfree.server.errors import unauthorized
@@ -111,27 +112,28 @@ def parse_keys_file(text: str) -> list[str]:
 _bearer = HTTPBearer(auto_error=False, description="An API key, when the server was started with some.")
 
 
-def require_api_key(keys: APIKeys) -> Callable[..., Awaitable[str | None]]:
+async def api_key_owner(
+    request: Request, credentials: Annotated[HTTPAuthorizationCredentials | None, Security(_bearer)]
+) -> str | None:
     """A FastAPI dependency: the caller's owner id (`key_id`), or None when authentication is off.
 
-    Use as `owner: str | None = Depends(require_api_key(keys))`. Raises the OpenAI-shaped 401 for a missing,
-    non-Bearer or unknown key.
+    The accepted keys are the app's `app.state.api_keys` (an `APIKeys`; an app without them fails closed, with a
+    500). Raises the OpenAI-shaped 401 for a missing, non-Bearer or unknown key.
     """
+    keys: APIKeys = request.app.state.api_keys
+    if not keys.enabled:
+        return None
+    if credentials is None:
+        if request.headers.get("authorization"):
+            raise unauthorized(
+                f"{MISSING_KEY_MESSAGE} (the Authorization header is not of that form)", code="missing_api_key"
+            )
+        raise unauthorized(MISSING_KEY_MESSAGE, code="missing_api_key")
+    owner = keys.owner(credentials.credentials)
+    if owner is None:
+        raise unauthorized(INCORRECT_KEY_MESSAGE)
+    return owner
 
-    async def api_key_owner(
-        request: Request, credentials: Annotated[HTTPAuthorizationCredentials | None, Security(_bearer)]
-    ) -> str | None:
-        if not keys.enabled:
-            return None
-        if credentials is None:
-            if request.headers.get("authorization"):
-                raise unauthorized(
-                    f"{MISSING_KEY_MESSAGE} (the Authorization header is not of that form)", code="missing_api_key"
-                )
-            raise unauthorized(MISSING_KEY_MESSAGE, code="missing_api_key")
-        owner = keys.owner(credentials.credentials)
-        if owner is None:
-            raise unauthorized(INCORRECT_KEY_MESSAGE)
-        return owner
 
-    return api_key_owner
+# A route parameter `owner: OwnerDep` is the caller's owner id (None: authentication is off).
+OwnerDep = Annotated[str | None, Depends(api_key_owner)]

@@ -3,7 +3,6 @@
 Route code raises `APIError` (usually through one of the helpers below); `install_error_handlers` turns that, and
 everything FastAPI or Starlette raise on their own (validation errors, malformed JSON, unknown routes, crashes),
 into the same JSON body, so OpenAI SDKs map every failure onto their usual exception classes.
-`BodySizeLimitMiddleware` answers 413 before a too-large body reaches any route.
 """
 
 from __future__ import annotations
@@ -17,7 +16,6 @@ from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse
 from pydantic import BaseModel, Field
 from starlette.exceptions import HTTPException as StarletteHTTPException
-from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 logger = logging.getLogger("kvfree.server")
 
@@ -25,6 +23,8 @@ logger = logging.getLogger("kvfree.server")
 _MAX_INPUT_REPR = 80
 
 
+# Not the `openai` package's `ErrorObject`: that one gains fields across releases (`misalignment`); every kvfree
+# error sends exactly these four, documented.
 class ErrorInfo(BaseModel):
     """The body of every error; the fields of OpenAI's error object."""
 
@@ -327,79 +327,3 @@ def install_error_handlers(app: FastAPI) -> None:
     app.add_exception_handler(RequestValidationError, _validation_handler)
     app.add_exception_handler(StarletteHTTPException, _http_exception_handler)
     app.add_exception_handler(Exception, _unhandled_handler)
-
-
-# -- body size limit ----------------------------------------------------------------------------------------------
-
-
-class BodySizeLimitMiddleware:
-    """Pure ASGI middleware: 413 in OpenAI's shape when a request body is over `max_bytes`.
-
-    A `Content-Length` over the limit is refused before anything is read. Otherwise the body is read here, up to
-    the limit, and replayed to the app: a chunked upload that grows past the limit is refused without the app
-    ever seeing it, and an app that has started to parse a body never has it cut off under its feet (which
-    FastAPI would report as a 400). Bodies are small JSON documents or one snapshot, so holding one in memory
-    costs no more than the route reading it would.
-
-    Args:
-        app: the ASGI app to protect.
-        max_bytes: the default limit.
-        path_limits: exact request paths with their own limit (e.g. a larger one for snapshot uploads).
-    """
-
-    def __init__(self, app: ASGIApp, max_bytes: int, path_limits: Mapping[str, int] | None = None) -> None:
-        if max_bytes < 0:
-            raise ValueError(f"max_bytes must be >= 0, got {max_bytes}")
-        self.app = app
-        self.max_bytes = max_bytes
-        self.path_limits = dict(path_limits or {})
-
-    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
-        if scope["type"] != "http":
-            await self.app(scope, receive, send)
-            return
-        limit = self.path_limits.get(scope.get("path", ""), self.max_bytes)
-        declared = _content_length(scope)
-        if declared is not None and declared > limit:
-            await payload_too_large(limit).response()(scope, receive, send)
-            return
-        chunks: list[bytes] = []
-        size = 0
-        while True:
-            message = await receive()
-            if message["type"] != "http.request":
-                # The client went away before sending its body: nothing to answer.
-                return
-            chunk = message.get("body", b"")
-            size += len(chunk)
-            if size > limit:
-                await payload_too_large(limit).response()(scope, receive, send)
-                return
-            chunks.append(chunk)
-            if not message.get("more_body", False):
-                break
-        await self.app(scope, _replay(b"".join(chunks), receive), send)
-
-
-def _content_length(scope: Scope) -> int | None:
-    for name, value in scope.get("headers", ()):
-        if name == b"content-length":
-            try:
-                return int(value)
-            except ValueError:
-                return None  # the server (uvicorn, h11) rejects such requests before they get here
-    return None
-
-
-def _replay(body: bytes, receive: Receive) -> Receive:
-    """A `receive` that hands out the buffered body once, then the real channel (for `http.disconnect`)."""
-    sent = False
-
-    async def replay() -> Message:
-        nonlocal sent
-        if not sent:
-            sent = True
-            return {"type": "http.request", "body": body, "more_body": False}
-        return await receive()
-
-    return replay

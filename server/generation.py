@@ -1,13 +1,17 @@
-"""What the OpenAI routes share: the served state (engine, settings, metrics), prompt checks, engine errors as HTTP
-errors, and running a request to completion or as a stream."""
+"""What the routes share: the served state and its dependency, prompt checks, engine errors as HTTP errors.
+
+`start_generation` submits a request and waits for its first output, so that admission errors become HTTP errors
+before a response (or a stream) is started.
+"""
 
 from __future__ import annotations
 
 import contextlib
 from collections.abc import AsyncIterator
 from dataclasses import dataclass
+from typing import Annotated
 
-from fastapi import Request
+from fastapi import Depends, Request
 
 from kvfree.engine.async_engine import AsyncEngine, EngineStopped, QueueFull, SessionBusy
 from kvfree.engine.sampling import SamplingParams
@@ -39,7 +43,11 @@ class ServerState:
 
 
 def state_of(request: Request) -> ServerState:
+    """The app's `ServerState`; as a dependency, a route parameter `state: StateDep`."""
     return request.app.state.kvfree
+
+
+StateDep = Annotated[ServerState, Depends(state_of)]
 
 
 def check_model(state: ServerState, model: str | None) -> None:

@@ -30,3 +30,4 @@ class ServerSettings:
     shutdown_grace_seconds: float = 10.0
     cors_origins: list[str] = field(default_factory=list)  # CORS is off unless origins are given
     config_overrides: dict = field(default_factory=dict)
+    enforce_eager: bool = False  # decode without CUDA graphs

@@ -27,16 +27,17 @@ from collections.abc import Collection, Mapping
 from dataclasses import dataclass
 from typing import Any
 
-from kvfree.server.schemas import (
+from openai.types.chat import ChatCompletionMessageToolCall
+from openai.types.chat.chat_completion_message_tool_call import Function
+
+from kvfree.server.protocol import (
     AssistantMessage,
     ChatMessage,
     ChatTool,
     DeltaFunctionCall,
     DeltaToolCall,
-    FunctionCall,
     NamedToolChoice,
     SystemMessage,
-    ToolCall,
     ToolChoice,
 )
 
@@ -169,7 +170,7 @@ class ToolCallStreamParser:
         self.start_tag = start_tag
         self.end_tag = end_tag
         self.allowed_names = None if allowed_names is None else frozenset(allowed_names)
-        self.tool_calls: list[ToolCall] = []  # complete calls so far, in order
+        self.tool_calls: list[ChatCompletionMessageToolCall] = []  # complete calls so far, in order
         self._outside = ""  # text after the last tag not yet emitted: a possible partial start tag
         self._body: str | None = None  # text after a start tag, while inside a call
         self._space = ""  # trailing whitespace of the content, held back
@@ -234,7 +235,9 @@ class ToolCallStreamParser:
             self._text(self._space_before_call + self.start_tag + body + self.end_tag)
             return
         name, arguments = parsed
-        call = ToolCall(id=new_call_id(), function=FunctionCall(name=name, arguments=arguments))
+        call = ChatCompletionMessageToolCall(
+            id=new_call_id(), type="function", function=Function(name=name, arguments=arguments)
+        )
         index = len(self.tool_calls)
         self.tool_calls.append(call)
         self._events.append(
@@ -267,7 +270,7 @@ def _partial_suffix(text: str, tag: str) -> int:
 
 def parse_tool_calls(
     text: str, start_tag: str, end_tag: str, allowed_names: Collection[str] | None = None
-) -> tuple[str, list[ToolCall]]:
+) -> tuple[str, list[ChatCompletionMessageToolCall]]:
     """(content, calls) of a whole reply; exactly what streaming the same text would give.
 
     Content is the text outside valid calls, whitespace next to calls removed ("" for a reply of calls only).

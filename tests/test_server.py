@@ -1398,6 +1398,6 @@ def test_models_card_and_metrics_expose_limits_and_memory(tmp_path) -> None:
             for line in client.get("/metrics").text.splitlines()
             if line.startswith("kvfree_") and " " in line
         }
-        assert metrics["kvfree_pool_reserved_bytes"] == 2 * per_slot
+        assert metrics["kvfree_pool_reserved_bytes"] == (2 + 1) * per_slot  # two slots and the scratch row
         assert metrics["kvfree_host_state_bytes"] == 0
         assert 'kvfree_session_moves{kind="evictions"}' in metrics

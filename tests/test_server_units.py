@@ -12,7 +12,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from fastapi import Depends, FastAPI
+from fastapi import FastAPI
 from fastapi.testclient import TestClient
 from pydantic import ValidationError
 
@@ -23,13 +23,12 @@ from kvfree.server.auth import (
     INCORRECT_KEY_MESSAGE,
     MISSING_KEY_MESSAGE,
     APIKeys,
+    OwnerDep,
     key_id,
     parse_keys_file,
-    require_api_key,
 )
 from kvfree.server.errors import (
     APIError,
-    BodySizeLimitMiddleware,
     ErrorResponse,
     error_responses,
     install_error_handlers,
@@ -39,16 +38,21 @@ from kvfree.server.errors import (
     validation_error,
 )
 from kvfree.server.metrics import Metrics
-from kvfree.server.schemas import (
+from kvfree.server.middleware import BodySizeLimitMiddleware
+from kvfree.server.protocol import (
+    ChatCompletionChoice,
     ChatCompletionChunk,
     ChatCompletionChunkChoice,
+    ChatCompletionMessage,
     ChatCompletionRequest,
     ChatCompletionResponse,
     CompletionRequest,
     DeltaMessage,
+    ModelCard,
+    ModelList,
     SessionCreateRequest,
-    Usage,
     sse_event,
+    usage_of,
 )
 from kvfree.server.tools import (
     ContentDelta,
@@ -314,13 +318,65 @@ def test_stream_chunks_omit_unchanged_delta_fields_and_parse_with_the_openai_sdk
         {
             "model": "m",
             "choices": [{"index": 0, "message": {"content": None}, "finish_reason": "tool_calls"}],
-            "usage": Usage.of(prompt_tokens=5, completion_tokens=2, cached_tokens=3),
+            "usage": usage_of(prompt_tokens=5, completion_tokens=2, cached_tokens=3),
         }
     )
     sdk = ChatCompletion.model_validate(json.loads(response.model_dump_json()))
     assert sdk.usage is not None and sdk.usage.total_tokens == 7
     assert sdk.usage.prompt_tokens_details is not None and sdk.usage.prompt_tokens_details.cached_tokens == 3
     assert response.id.startswith("chatcmpl-") and response.object == "chat.completion"
+
+
+def test_openai_types_in_responses_send_only_the_fields_set() -> None:
+    """The `openai` types inside kvfree's responses (usage, logprobs, tool calls, the model card) declare optional
+    fields of features kvfree lacks (refusal, audio, completion_tokens_details...): those stay off the wire, through
+    FastAPI's response_model as in SSE events, instead of going out as nulls."""
+    from openai.types.chat import ChatCompletionTokenLogprob
+    from openai.types.chat.chat_completion import ChoiceLogprobs
+
+    call = parse_tool_calls(f'{START}{{"name": "f", "arguments": {{}}}}{END}', START, END)[1][0]
+    logprobs = ChoiceLogprobs(
+        content=[ChatCompletionTokenLogprob(token="a", logprob=-0.5, bytes=[97], top_logprobs=[])]
+    )
+    response = ChatCompletionResponse(
+        model="m",
+        choices=[
+            ChatCompletionChoice(
+                index=0, message=ChatCompletionMessage(tool_calls=[call]), logprobs=logprobs, finish_reason="tool_calls"
+            )
+        ],
+        usage=usage_of(prompt_tokens=5, completion_tokens=2, cached_tokens=3),
+    )
+    card = ModelCard(id="m", object="model", created=1, owned_by="kvfree", max_context=None)
+    app = FastAPI()
+
+    @app.get("/chat", response_model=ChatCompletionResponse)
+    async def chat() -> ChatCompletionResponse:
+        return response
+
+    @app.get("/models", response_model=ModelList)
+    async def models() -> ModelList:
+        return ModelList(data=[card])
+
+    client = TestClient(app)
+    for data in (client.get("/chat").json(), json.loads(response.model_dump_json())):
+        assert data["usage"] == {
+            "prompt_tokens": 5,
+            "completion_tokens": 2,
+            "total_tokens": 7,
+            "prompt_tokens_details": {"cached_tokens": 3},
+        }
+        choice = data["choices"][0]
+        assert choice["message"] == {
+            "role": "assistant",
+            "content": None,
+            "tool_calls": [{"id": call.id, "type": "function", "function": {"name": "f", "arguments": "{}"}}],
+        }
+        assert choice["logprobs"] == {"content": [{"token": "a", "logprob": -0.5, "bytes": [97], "top_logprobs": []}]}
+        assert set(data) == {"id", "object", "created", "model", "choices", "usage", "system_fingerprint", "session"}
+    assert client.get("/models").json()["data"] == [
+        {"id": "m", "object": "model", "created": 1, "owned_by": "kvfree", "max_context": None}
+    ]
 
 
 # -- errors -------------------------------------------------------------------------------------------------------
@@ -330,7 +386,7 @@ def _error_app(max_body: int = 2048, keys: APIKeys | None = None) -> FastAPI:
     app = FastAPI()
     install_error_handlers(app)
     app.add_middleware(BodySizeLimitMiddleware, max_bytes=max_body)
-    keys = keys or APIKeys()
+    app.state.api_keys = keys or APIKeys()
 
     @app.post("/v1/chat/completions")
     async def chat(req: ChatCompletionRequest) -> dict:
@@ -349,8 +405,7 @@ def _error_app(max_body: int = 2048, keys: APIKeys | None = None) -> FastAPI:
         raise RuntimeError("secret internals /home/user/key.txt")
 
     @app.get("/whoami")
-    # A default, not Annotated: with postponed annotations FastAPI cannot resolve a closure's local in a hint.
-    async def whoami(owner: str | None = Depends(require_api_key(keys))) -> dict:  # noqa: B008
+    async def whoami(owner: OwnerDep) -> dict:
         return {"owner": owner}
 
     return app
@@ -680,7 +735,7 @@ def test_key_check_compares_every_key_in_constant_time(monkeypatch: pytest.Monke
     assert all(len(a) == len(b) == 32 for a, b in calls)  # digests: equal lengths whatever the key's length
 
 
-def test_require_api_key_401_messages_and_owner() -> None:
+def test_api_key_owner_401_messages_and_owner() -> None:
     client = TestClient(_error_app(keys=APIKeys(["sk-good"])))
     error = _assert_openai_error(client.get("/whoami"), 401)
     assert error["message"] == MISSING_KEY_MESSAGE

@@ -1,4 +1,4 @@
-"""Request and response bodies of the HTTP API, as pydantic models (OpenAI's schemas plus kvfree's sessions).
+"""The HTTP API's bodies as pydantic models: requests validated strictly, responses in OpenAI's shape.
 
 Requests are validated strictly: wrong JSON types are errors (no `"5"` for 5, no `true` for 1), NaN and
 infinities are refused (Python's JSON parser accepts `NaN` and `Infinity`), and every range matches what
@@ -10,8 +10,13 @@ know. Known OpenAI fields that would change the output and that kvfree does not 
 The upper bound of `max_tokens` is a server setting, so it is checked by `to_sampling_params(max_tokens_limit)`,
 which raises an `APIError` (400) naming the field.
 
+Responses use the `openai` package's own types where they fit kvfree's replies as they are (usage, chat logprobs,
+tool calls, the model object), sent with the fields kvfree sets (`AsSet`); the other response models are kvfree's,
+each saying why OpenAI's does not fit.
+
 Extensions to OpenAI's schema: `top_k`, `min_p`, `repetition_penalty`, `stop_token_ids`, `ignore_eos` (as in
-vLLM), `session_id` on requests and `session` on responses (see architecture.md §6), and the session bodies.
+vLLM), `session_id` on requests and `session` on responses (see architecture.md §6), the server's limits on the
+model object, and the session bodies.
 """
 
 from __future__ import annotations
@@ -20,12 +25,18 @@ import time
 import uuid
 from typing import Annotated, Any, Literal
 
+from openai.types import CompletionUsage, Model
+from openai.types.chat import ChatCompletionMessageToolCall
+from openai.types.chat.chat_completion import ChoiceLogprobs
+from openai.types.completion_usage import PromptTokensDetails
 from pydantic import (
     BaseModel,
     ConfigDict,
     Field,
+    SerializationInfo,
     SerializerFunctionWrapHandler,
     ValidationInfo,
+    WrapSerializer,
     field_validator,
     model_serializer,
     model_validator,
@@ -109,7 +120,7 @@ class FunctionCall(RequestModel):
 
 
 class ToolCall(RequestModel):
-    """A tool call in an assistant message, in requests (the history) and responses alike."""
+    """A tool call in an assistant message of the history: a call a previous reply made."""
 
     id: str = Field(description="The call's id; a tool message answers it with `tool_call_id`.")
     type: Literal["function"] = Field(default="function", description='Always `"function"`.')
@@ -478,221 +489,6 @@ def _choice_name(choice: ToolChoice) -> str:
     return repr(choice) if isinstance(choice, str) else f"for function {choice.function.name!r}"
 
 
-# -- usage, logprobs ----------------------------------------------------------------------------------------------
-
-
-class PromptTokensDetails(ResponseModel):
-    cached_tokens: int = Field(
-        default=0, description="Prompt tokens not prefilled again because the session's state already held them."
-    )
-
-
-class Usage(ResponseModel):
-    """Token counts of one request (all `n` completions together)."""
-
-    prompt_tokens: int
-    completion_tokens: int = 0
-    total_tokens: int
-    prompt_tokens_details: PromptTokensDetails | None = None
-
-    @classmethod
-    def of(cls, prompt_tokens: int, completion_tokens: int, cached_tokens: int = 0) -> Usage:
-        return cls(
-            prompt_tokens=prompt_tokens,
-            completion_tokens=completion_tokens,
-            total_tokens=prompt_tokens + completion_tokens,
-            prompt_tokens_details=PromptTokensDetails(cached_tokens=cached_tokens),
-        )
-
-
-class SessionUsage(ResponseModel):
-    """Extension on responses to requests with `session_id`: how the session's state was used."""
-
-    id: str = Field(description="The session.")
-    cached_tokens: int = Field(description="Prompt tokens the session already held (not prefilled again).")
-    reset: bool = Field(description="True when the session's tokens were not a prefix of the prompt: prefilled anew.")
-    num_tokens: int = Field(description="Tokens the session has consumed after this request.")
-
-
-class TopLogprob(ResponseModel):
-    token: str
-    logprob: float
-    bytes: list[int] | None = Field(default=None, description="The token's UTF-8 bytes.")
-
-
-class ChatCompletionTokenLogprob(TopLogprob):
-    top_logprobs: list[TopLogprob] = Field(default_factory=list)
-
-
-class ChoiceLogprobs(ResponseModel):
-    """Chat logprobs: one entry per output token."""
-
-    content: list[ChatCompletionTokenLogprob] | None = None
-
-
-class CompletionLogprobs(ResponseModel):
-    """Completions logprobs: parallel lists, one entry per output token."""
-
-    text_offset: list[int] = Field(default_factory=list)
-    token_logprobs: list[float | None] = Field(default_factory=list)
-    tokens: list[str] = Field(default_factory=list)
-    top_logprobs: list[dict[str, float] | None] = Field(default_factory=list)
-
-
-# -- completions responses ----------------------------------------------------------------------------------------
-
-CompletionFinishReason = Literal["stop", "length"]
-ChatFinishReason = Literal["stop", "length", "tool_calls"]
-
-
-class CompletionChoice(ResponseModel):
-    index: int
-    text: str
-    logprobs: CompletionLogprobs | None = None
-    finish_reason: CompletionFinishReason | None = Field(
-        default=None, description="`stop`: a stop string, stop token or end of sequence; `length`: max_tokens."
-    )
-
-
-class CompletionResponse(ResponseModel):
-    id: str = Field(default_factory=lambda: new_id("cmpl"))
-    object: Literal["text_completion"] = "text_completion"
-    created: int = Field(default_factory=_now)
-    model: str
-    choices: list[CompletionChoice]
-    usage: Usage
-    system_fingerprint: str | None = None
-    session: SessionUsage | None = None
-
-
-class CompletionChunk(ResponseModel):
-    """One server-sent event of a streamed completion (OpenAI uses the same `object` as the full response)."""
-
-    id: str
-    object: Literal["text_completion"] = "text_completion"
-    created: int = Field(default_factory=_now)
-    model: str
-    choices: list[CompletionChoice]
-    usage: Usage | None = None
-    system_fingerprint: str | None = None
-    session: SessionUsage | None = None
-
-
-# -- chat responses -----------------------------------------------------------------------------------------------
-
-
-class ChatCompletionMessage(ResponseModel):
-    role: Literal["assistant"] = "assistant"
-    content: str | None = Field(default=None, description="The text; null when the reply is only tool calls.")
-    tool_calls: list[ToolCall] | None = None
-
-
-class ChatCompletionChoice(ResponseModel):
-    index: int
-    message: ChatCompletionMessage
-    logprobs: ChoiceLogprobs | None = None
-    finish_reason: ChatFinishReason | None = Field(
-        default=None, description="`stop`, `length` (max_tokens), or `tool_calls` (the reply ends in tool calls)."
-    )
-
-
-class ChatCompletionResponse(ResponseModel):
-    id: str = Field(default_factory=lambda: new_id("chatcmpl"))
-    object: Literal["chat.completion"] = "chat.completion"
-    created: int = Field(default_factory=_now)
-    model: str
-    choices: list[ChatCompletionChoice]
-    usage: Usage
-    system_fingerprint: str | None = None
-    session: SessionUsage | None = None
-
-
-class DeltaFunctionCall(_OmitNone, ResponseModel):
-    name: str | None = None
-    arguments: str | None = None
-
-
-class DeltaToolCall(_OmitNone, ResponseModel):
-    """A streamed piece of a tool call: the first has id, type and name (arguments ""), later ones arguments."""
-
-    index: int = Field(description="Which call of the message this piece belongs to (0, 1, ...).")
-    id: str | None = None
-    type: Literal["function"] | None = None
-    function: DeltaFunctionCall | None = None
-
-
-class DeltaMessage(_OmitNone, ResponseModel):
-    """What a chunk adds to the message; fields that did not change are left out."""
-
-    role: Literal["assistant"] | None = None
-    content: str | None = None
-    tool_calls: list[DeltaToolCall] | None = None
-
-
-class ChatCompletionChunkChoice(ResponseModel):
-    index: int
-    delta: DeltaMessage
-    logprobs: ChoiceLogprobs | None = None
-    finish_reason: ChatFinishReason | None = None
-
-
-class ChatCompletionChunk(ResponseModel):
-    """One server-sent event of a streamed chat completion."""
-
-    id: str
-    object: Literal["chat.completion.chunk"] = "chat.completion.chunk"
-    created: int = Field(default_factory=_now)
-    model: str
-    choices: list[ChatCompletionChunkChoice]
-    usage: Usage | None = None
-    system_fingerprint: str | None = None
-    session: SessionUsage | None = None
-
-
-SSE_DONE = "data: [DONE]\n\n"
-
-
-# Characters that str.splitlines() (and so httpx's aiter_lines and many SSE readers) treats as line breaks but
-# JSON leaves raw; a model emitting one would cut its event in two. Control characters are escaped by JSON already.
-_LINE_BREAKS_JSON_KEEPS = {"\x85": "\\u0085", "\u2028": "\\u2028", "\u2029": "\\u2029"}
-
-
-def sse_event(body: BaseModel) -> str:
-    """One server-sent event carrying `body` as JSON (a chunk, or an `ErrorResponse` when a stream fails).
-
-    The event is one line whatever the text holds: the Unicode line separators are written as JSON escapes.
-    """
-    data = body.model_dump_json()
-    for raw, escaped in _LINE_BREAKS_JSON_KEEPS.items():
-        data = data.replace(raw, escaped)
-    return f"data: {data}\n\n"
-
-
-# -- models -------------------------------------------------------------------------------------------------------
-
-
-class ModelCard(ResponseModel):
-    id: str
-    object: Literal["model"] = "model"
-    created: int = Field(default_factory=_now)
-    owned_by: str = "kvfree"
-    # Extensions (as vLLM's max_model_len): the server's limits, so clients and load tests need not probe for them.
-    max_prompt_tokens: int | None = Field(default=None, description="Longest prompt accepted (tokens).")
-    max_output_tokens: int | None = Field(default=None, description="Largest max_tokens accepted.")
-    max_context: int | None = Field(
-        default=None, description="Prompt + output limit of models with attention layers; null: no limit (recurrent)."
-    )
-    state_bytes_per_session: int | None = Field(default=None, description="Reserved state bytes per pool slot.")
-
-
-class ModelList(ResponseModel):
-    object: Literal["list"] = "list"
-    data: list[ModelCard]
-
-
-# -- sessions -----------------------------------------------------------------------------------------------------
-
-
 class SessionCreateRequest(RequestModel):
     """`POST /v1/sessions`: a new session, empty or prefilled with a prompt or a conversation (not both).
 
@@ -730,6 +526,205 @@ class SessionCreateRequest(RequestModel):
         return tools
 
 
+# -- responses ----------------------------------------------------------------------------------------------------
+
+
+# How an `openai` type inside a kvfree response is sent: with the fields kvfree set, as the SDK's own `to_dict()` and
+# `to_json()` send it. OpenAI's types declare every optional field of OpenAI's API (audio, refusal, service_tier...,
+# more with each release); those stay off the wire instead of going out as nulls. The schema is the type's own.
+# (No return annotation on purpose: with one, pydantic would document the value by it instead.)
+def _fields_set(value: BaseModel, handler: SerializerFunctionWrapHandler, info: SerializationInfo):
+    return value.model_dump(mode=info.mode, exclude_unset=True)
+
+
+AsSet = WrapSerializer(_fields_set)
+
+Usage = Annotated[CompletionUsage, AsSet]
+ChatLogprobs = Annotated[ChoiceLogprobs, AsSet]
+ReplyToolCall = Annotated[ChatCompletionMessageToolCall, AsSet]
+
+
+def usage_of(prompt_tokens: int, completion_tokens: int, cached_tokens: int = 0) -> CompletionUsage:
+    """Token counts of one request (all `n` completions together). `cached_tokens`: prompt tokens not prefilled
+    again because the session's state already held them (OpenAI's `prompt_tokens_details.cached_tokens`)."""
+    return CompletionUsage(
+        prompt_tokens=prompt_tokens,
+        completion_tokens=completion_tokens,
+        total_tokens=prompt_tokens + completion_tokens,
+        prompt_tokens_details=PromptTokensDetails(cached_tokens=cached_tokens),
+    )
+
+
+_USAGE = "Token counts; `prompt_tokens_details.cached_tokens`: prompt tokens a session's state already held."
+
+
+class SessionUsage(ResponseModel):
+    """Extension on responses to requests with `session_id`: how the session's state was used."""
+
+    id: str = Field(description="The session.")
+    cached_tokens: int = Field(description="Prompt tokens the session already held (not prefilled again).")
+    reset: bool = Field(description="True when the session's tokens were not a prefix of the prompt: prefilled anew.")
+    num_tokens: int = Field(description="Tokens the session has consumed after this request.")
+
+
+# -- completions responses ----------------------------------------------------------------------------------------
+# kvfree's own models: OpenAI's `Completion` has the same fields, but its choices must have a finish_reason, which a
+# streamed chunk has only at the end and an aborted request never has, and its logprobs cannot hold a null entry.
+
+CompletionFinishReason = Literal["stop", "length"]
+ChatFinishReason = Literal["stop", "length", "tool_calls"]
+
+
+class CompletionLogprobs(ResponseModel):
+    """Completions logprobs: parallel lists, one entry per output token (a `top_logprobs` entry is null with
+    `logprobs: 0`)."""
+
+    text_offset: list[int] = Field(default_factory=list)
+    token_logprobs: list[float | None] = Field(default_factory=list)
+    tokens: list[str] = Field(default_factory=list)
+    top_logprobs: list[dict[str, float] | None] = Field(default_factory=list)
+
+
+class CompletionChoice(ResponseModel):
+    index: int
+    text: str
+    logprobs: CompletionLogprobs | None = None
+    finish_reason: CompletionFinishReason | None = Field(
+        default=None, description="`stop`: a stop string, stop token or end of sequence; `length`: max_tokens."
+    )
+
+
+class CompletionResponse(ResponseModel):
+    id: str = Field(default_factory=lambda: new_id("cmpl"))
+    object: Literal["text_completion"] = "text_completion"
+    created: int = Field(default_factory=_now)
+    model: str
+    choices: list[CompletionChoice]
+    usage: Usage = Field(description=_USAGE)
+    system_fingerprint: str | None = None
+    session: SessionUsage | None = None
+
+
+class CompletionChunk(ResponseModel):
+    """One server-sent event of a streamed completion (OpenAI uses the same `object` as the full response)."""
+
+    id: str
+    object: Literal["text_completion"] = "text_completion"
+    created: int = Field(default_factory=_now)
+    model: str
+    choices: list[CompletionChoice]
+    usage: Usage | None = None
+    system_fingerprint: str | None = None
+    session: SessionUsage | None = None
+
+
+# -- chat responses -----------------------------------------------------------------------------------------------
+# kvfree's own models around OpenAI's logprobs and tool calls: OpenAI's `ChatCompletion` and `ChatCompletionChunk`
+# also declare `metadata`, `moderation`, `service_tier` (and `obfuscation`), and their choices a finish_reason that
+# kvfree may not have (see completions above).
+
+
+# Not OpenAI's `ChatCompletionMessage`: its schema also has `refusal`, `annotations`, `audio` and custom tool calls,
+# none of which kvfree makes, and its `role` has no default.
+class ChatCompletionMessage(ResponseModel):
+    """The reply: the assistant's text and function calls."""
+
+    role: Literal["assistant"] = "assistant"
+    content: str | None = Field(default=None, description="The text; null when the reply is only tool calls.")
+    tool_calls: list[ReplyToolCall] | None = None
+
+
+class ChatCompletionChoice(ResponseModel):
+    index: int
+    message: ChatCompletionMessage
+    logprobs: ChatLogprobs | None = None
+    finish_reason: ChatFinishReason | None = Field(
+        default=None, description="`stop`, `length` (max_tokens), or `tool_calls` (the reply ends in tool calls)."
+    )
+
+
+class ChatCompletionResponse(ResponseModel):
+    id: str = Field(default_factory=lambda: new_id("chatcmpl"))
+    object: Literal["chat.completion"] = "chat.completion"
+    created: int = Field(default_factory=_now)
+    model: str
+    choices: list[ChatCompletionChoice]
+    usage: Usage = Field(description=_USAGE)
+    system_fingerprint: str | None = None
+    session: SessionUsage | None = None
+
+
+# The deltas are kvfree's, not OpenAI's `ChoiceDelta*`: a delta, and each tool-call piece the parser emits, dumps as
+# only what changed wherever it is dumped (`_OmitNone`); OpenAI's types dump every field (`AsSet` works only inside
+# a kvfree model).
+
+
+class DeltaFunctionCall(_OmitNone, ResponseModel):
+    name: str | None = None
+    arguments: str | None = None
+
+
+class DeltaToolCall(_OmitNone, ResponseModel):
+    """A streamed piece of a tool call: the first has id, type and name (arguments ""), later ones arguments."""
+
+    index: int = Field(description="Which call of the message this piece belongs to (0, 1, ...).")
+    id: str | None = None
+    type: Literal["function"] | None = None
+    function: DeltaFunctionCall | None = None
+
+
+class DeltaMessage(_OmitNone, ResponseModel):
+    """What a chunk adds to the message; fields that did not change are left out."""
+
+    role: Literal["assistant"] | None = None
+    content: str | None = None
+    tool_calls: list[DeltaToolCall] | None = None
+
+
+class ChatCompletionChunkChoice(ResponseModel):
+    index: int
+    delta: DeltaMessage
+    logprobs: ChatLogprobs | None = None
+    finish_reason: ChatFinishReason | None = None
+
+
+class ChatCompletionChunk(ResponseModel):
+    """One server-sent event of a streamed chat completion."""
+
+    id: str
+    object: Literal["chat.completion.chunk"] = "chat.completion.chunk"
+    created: int = Field(default_factory=_now)
+    model: str
+    choices: list[ChatCompletionChunkChoice]
+    usage: Usage | None = None
+    system_fingerprint: str | None = None
+    session: SessionUsage | None = None
+
+
+# -- models -------------------------------------------------------------------------------------------------------
+
+
+class ModelCard(Model):
+    """OpenAI's model object, with the server's limits as extensions (as vLLM's `max_model_len`), so that clients
+    and load tests need not probe for them."""
+
+    max_prompt_tokens: int | None = Field(default=None, description="Longest prompt accepted (tokens).")
+    max_output_tokens: int | None = Field(default=None, description="Largest max_tokens accepted.")
+    max_context: int | None = Field(
+        default=None, description="Prompt + output limit of models with attention layers; null: no limit (recurrent)."
+    )
+    state_bytes_per_session: int | None = Field(default=None, description="Reserved state bytes per pool slot.")
+
+
+# The `openai` package has no type for the list itself (its SDK pages through `data`).
+class ModelList(ResponseModel):
+    object: Literal["list"] = "list"
+    data: list[Annotated[ModelCard, AsSet]]
+
+
+# -- sessions -----------------------------------------------------------------------------------------------------
+
+
 class SessionInfo(ResponseModel):
     """A session: a conversation's recurrent state held by the server (fixed size, whatever its length)."""
 
@@ -750,3 +745,24 @@ class SessionDeleted(ResponseModel):
     id: str
     object: Literal["session.deleted"] = "session.deleted"
     deleted: bool = True
+
+
+# -- server-sent events -------------------------------------------------------------------------------------------
+
+SSE_DONE = "data: [DONE]\n\n"
+
+
+# Characters that str.splitlines() (and so httpx's aiter_lines and many SSE readers) treats as line breaks but
+# JSON leaves raw; a model emitting one would cut its event in two. Control characters are escaped by JSON already.
+_LINE_BREAKS_JSON_KEEPS = {"\x85": "\\u0085", "\u2028": "\\u2028", "\u2029": "\\u2029"}
+
+
+def sse_event(body: BaseModel) -> str:
+    """One server-sent event carrying `body` as JSON (a chunk, or an `ErrorResponse` when a stream fails).
+
+    The event is one line whatever the text holds: the Unicode line separators are written as JSON escapes.
+    """
+    data = body.model_dump_json()
+    for raw, escaped in _LINE_BREAKS_JSON_KEEPS.items():
+        data = data.replace(raw, escaped)
+    return f"data: {data}\n\n"
