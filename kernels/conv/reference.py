@@ -2,12 +2,21 @@
 
 The tail holds the last `K - 1` inputs a session has seen, so a prompt can be fed in any number of pieces
 (prefill chunks or single decode tokens) and give the same result as feeding it whole.
+
+`causal_conv1d` is the math on a batch of equal-length sequences with explicit tails. `chunk_causal_conv1d` (packed
+variable-length prefill) and `fused_recurrent_causal_conv1d` (one decode token per session) are the slot-indexed
+references of the Triton kernels in `chunk.py` and `fused_recurrent.py`: same signatures, tails read from and written
+back to rows of a preallocated pool.
 """
 
 from __future__ import annotations
 
 import torch
 import torch.nn.functional as F
+
+from ..dispatch import host_cu_seqlens, varlen_positions
+
+ACTIVATIONS = (None, "silu")
 
 
 def causal_conv1d(
@@ -31,3 +40,81 @@ def causal_conv1d(
     y = F.conv1d(full.transpose(1, 2), weight.to(x.dtype).unsqueeze(1), bias, groups=C)  # [B, C, T]
     new_tail = full[:, full.shape[1] - (K - 1) :] if K > 1 else full[:, :0]
     return y.transpose(1, 2), new_tail
+
+
+def _activate(y: torch.Tensor, activation: str | None) -> torch.Tensor:
+    if activation not in ACTIVATIONS:
+        raise ValueError(f"activation={activation!r}: expected one of {ACTIVATIONS}")
+    return F.silu(y) if activation == "silu" else y
+
+
+def chunk_causal_conv1d(
+    x: torch.Tensor,
+    state: torch.Tensor,
+    state_indices: torch.Tensor,
+    cu_seqlens: torch.Tensor,
+    weight: torch.Tensor,
+    bias: torch.Tensor | None = None,
+    activation: str | None = "silu",
+    *,
+    cu_seqlens_cpu: torch.Tensor | list[int] | None = None,
+) -> torch.Tensor:
+    """Causal depthwise conv1d over packed variable-length sequences, each continuing from its pool row's tail.
+
+    Args:
+        x: `[T, C]` bf16/fp16/fp32, the tokens of N sequences concatenated.
+        state: `[S, K-1, C]` pool of tails (x's dtype or fp32); rows `state_indices` are read, then overwritten with
+            each sequence's last `K-1` inputs (for a sequence shorter than `K-1`: the old tail shifted, then its
+            tokens). Other rows are left untouched.
+        state_indices: `[N]` int32, the pool row of each sequence.
+        cu_seqlens: `[N+1]` int32, sequence boundaries in x (device).
+        weight: `[C, K]`; `weight[:, -1]` multiplies the current token.  bias: `[C]` or None.
+        activation: None or "silu".
+        cu_seqlens_cpu: a host copy of cu_seqlens (tensor or list); copied from the device when None.
+
+    Returns:
+        y: `[T, C]` in x's dtype.
+    """
+    _activate(x[:0], activation)
+    cu = host_cu_seqlens(cu_seqlens, cu_seqlens_cpu, x.shape[0])
+    K = weight.shape[1]
+    seq, pos, lens, longest = varlen_positions(cu, x.device)
+    idx = state_indices.to(torch.int64)
+    tail = state.index_select(0, idx)  # [N, K-1, C]
+    xp = x.new_zeros(len(lens), longest, x.shape[1])
+    xp[seq, pos] = x
+    y, _ = causal_conv1d(xp, weight, None if bias is None else bias.to(x.dtype), tail)
+    # The new tail of sequence i is full[i, len_i : len_i + K-1], built in the state's dtype so a shifted fp32 tail
+    # stays exact.
+    full = torch.cat([tail, xp.to(state.dtype)], dim=1)  # [N, K-1+longest, C]
+    rows = (lens[:, None] + torch.arange(K - 1, device=x.device))[..., None].expand(-1, -1, x.shape[1])
+    state.index_copy_(0, idx, full.gather(1, rows))
+    return _activate(y, activation)[seq, pos]
+
+
+def fused_recurrent_causal_conv1d(
+    x: torch.Tensor,
+    state: torch.Tensor,
+    state_indices: torch.Tensor,
+    weight: torch.Tensor,
+    bias: torch.Tensor | None = None,
+    activation: str | None = "silu",
+) -> torch.Tensor:
+    """One decode token per session: causal depthwise conv1d continuing from, and updating, its pool row's tail.
+
+    Args:
+        x: `[B, C]` bf16/fp16/fp32, one token per session.
+        state: `[S, K-1, C]` pool of tails (x's dtype or fp32); rows `state_indices` are shifted by one token in place.
+        state_indices: `[B]` int32, the pool row of each session.
+        weight: `[C, K]`; `weight[:, -1]` multiplies the current token.  bias: `[C]` or None.
+        activation: None or "silu".
+
+    Returns:
+        y: `[B, C]` in x's dtype.
+    """
+    _activate(x[:0], activation)
+    idx = state_indices.to(torch.int64)
+    tail = state.index_select(0, idx)
+    y, _ = causal_conv1d(x[:, None], weight, None if bias is None else bias.to(x.dtype), tail)
+    state.index_copy_(0, idx, torch.cat([tail, x[:, None].to(state.dtype)], dim=1)[:, 1:])
+    return _activate(y[:, 0], activation)

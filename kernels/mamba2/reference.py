@@ -7,7 +7,12 @@ The recurrence, per head h (state S is `[P, N]`):
 
 `ssd_chunked` computes the same thing for T tokens at once with the chunked algorithm of the Mamba-2 paper:
 inside a chunk the output is a masked quadratic form (like attention with a decay mask); across chunks only
-the `[H, P, N]` states are passed. All arithmetic is fp32 whatever the input dtype.
+the `[H, P, N]` states are passed. All arithmetic is fp32 whatever the input dtype (float64 when given float64,
+so the same code serves as the float64 oracle of the kernels).
+
+`chunk_mamba2` (packed variable-length prefill) and `fused_recurrent_mamba2` (one decode step) are the slot-indexed
+references of the Triton kernels in `chunk.py` and `fused_recurrent.py`, with the same signatures: they take the raw
+dt, read each sequence's state from a row of a preallocated pool and write the final state back to it.
 """
 
 from __future__ import annotations
@@ -15,7 +20,13 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from kvfree.kernels.common import state_math
+from ..common import state_math
+from ..dispatch import host_cu_seqlens, varlen_positions
+
+
+def _acc_dtype(*tensors: torch.Tensor) -> torch.dtype:
+    """fp32, or float64 when any input is float64."""
+    return torch.float64 if any(t.dtype == torch.float64 for t in tensors) else torch.float32
 
 
 def segsum(a: torch.Tensor) -> torch.Tensor:
@@ -51,14 +62,14 @@ def ssd_chunked(
         chunk_size: tokens per chunk of the quadratic form.
 
     Returns:
-        y: `[Bt, T, H, P]` fp32 outputs; final_state: `[Bt, H, P, N]` fp32.
+        y: `[Bt, T, H, P]` fp32 outputs; final_state: `[Bt, H, P, N]` fp32 (float64 for float64 inputs).
     """
     Bt, T, H, P = x.shape
     G, N = B.shape[2], B.shape[3]
     L = chunk_size
     pad = (-T) % L
     nc = (T + pad) // L
-    f32 = torch.float32
+    f32 = _acc_dtype(x, dt, B, C, state)
     # Padding with dt = 0 and x = 0 leaves the state unchanged (decay exp(0) = 1, no input).
     xs = F.pad(x.to(f32), (0, 0, 0, 0, 0, pad)).view(Bt, nc, L, H, P)
     dts = F.pad(dt.to(f32), (0, 0, 0, pad)).view(Bt, nc, L, H)
@@ -107,11 +118,11 @@ def ssd_step(
         x: `[Bt, H, P]`.  dt: `[Bt, H]`.  A, D: `[H]`.  B, C: `[Bt, G, N]`.  state: `[Bt, H, P, N]`.
 
     Returns:
-        y: `[Bt, H, P]` fp32; new_state: `[Bt, H, P, N]` fp32.
+        y: `[Bt, H, P]` fp32; new_state: `[Bt, H, P, N]` fp32 (float64 for float64 inputs).
     """
     H = x.shape[1]
     G = B.shape[1]
-    f32 = torch.float32
+    f32 = _acc_dtype(x, dt, B, C, state)
     dt = dt.to(f32)
     Bh = B.to(f32).repeat_interleave(H // G, dim=1)  # [Bt, H, N]
     Ch = C.to(f32).repeat_interleave(H // G, dim=1)
@@ -119,3 +130,100 @@ def ssd_step(
     new_state = state.to(f32) * decay[..., None, None] + (dt[..., None] * x.to(f32)).unsqueeze(-1) * Bh.unsqueeze(2)
     y = torch.einsum("bhpn,bhn->bhp", new_state, Ch) + x.to(f32) * D.to(f32)[:, None]
     return y, new_state
+
+
+def softplus_dt(
+    dt: torch.Tensor, dt_bias: torch.Tensor, dt_limit: tuple[float, float] | None, dtype: torch.dtype
+) -> torch.Tensor:
+    """Raw dt -> step size: `softplus(dt + dt_bias)` (torch's, threshold 20), clamped to `dt_limit=(lo, hi)`."""
+    dt = F.softplus(dt.to(dtype) + dt_bias.to(dtype))
+    if dt_limit is not None:
+        dt = dt.clamp(min=dt_limit[0], max=dt_limit[1])
+    return dt
+
+
+def chunk_mamba2(
+    x: torch.Tensor,
+    dt: torch.Tensor,
+    B: torch.Tensor,
+    C: torch.Tensor,
+    state: torch.Tensor,
+    state_indices: torch.Tensor,
+    cu_seqlens: torch.Tensor,
+    A: torch.Tensor,
+    D: torch.Tensor,
+    dt_bias: torch.Tensor,
+    dt_limit: tuple[float, float] | None = None,
+    chunk_size: int = 64,
+    *,
+    cu_seqlens_cpu: torch.Tensor | list[int] | None = None,
+) -> torch.Tensor:
+    """Chunked SSD prefill over packed variable-length sequences, states in place in a pool.
+
+    Args:
+        x: `[T, H, P]` bf16/fp16/fp32, the tokens of N sequences concatenated.
+        dt: `[T, H]` raw step sizes; the op applies `softplus(dt + dt_bias)`, then clamps to `dt_limit`.
+        B, C: `[T, G, N]` with G dividing H; head h uses group `h // (H // G)`.
+        state: `[S, H, P, N]` fp32 pool; rows `state_indices` hold the initial states and receive the final ones.
+            Other rows are left untouched.
+        state_indices: `[N]` int32, the pool row of each sequence.
+        cu_seqlens: `[N+1]` int32, sequence boundaries in x (device).
+        A: `[H]` fp32, negative (`-exp(A_log)`).  D: `[H]` skip.  dt_bias: `[H]`.
+        dt_limit: `(lo, hi)` or None.
+        chunk_size: tokens per chunk; chunks never cross a sequence boundary.
+        cu_seqlens_cpu: a host copy of cu_seqlens (tensor or list); copied from the device when None.
+
+    Returns:
+        y: `[T, H, P]` in x's dtype, the SSD output plus `D * x`.
+    """
+    cu = host_cu_seqlens(cu_seqlens, cu_seqlens_cpu, x.shape[0])
+    acc = _acc_dtype(x, dt, B, C, state)
+    seq, pos, lens, longest = varlen_positions(cu, x.device)
+    idx = state_indices.to(torch.int64)
+    if longest == 0:
+        return x.new_empty(x.shape)
+    n = len(lens)
+
+    def pad(t: torch.Tensor) -> torch.Tensor:
+        # Right-pad to the longest sequence with zeros: post-softplus dt = 0 and x = 0 leave the state unchanged.
+        out = t.new_zeros(n, longest, *t.shape[1:])
+        out[seq, pos] = t
+        return out
+
+    y, final = ssd_chunked(
+        pad(x), pad(softplus_dt(dt, dt_bias, dt_limit, acc)), A, pad(B), pad(C), D, state.index_select(0, idx),
+        chunk_size,
+    )
+    state.index_copy_(0, idx, final.to(state.dtype))
+    return y[seq, pos].to(x.dtype)
+
+
+def fused_recurrent_mamba2(
+    x: torch.Tensor,
+    dt: torch.Tensor,
+    B: torch.Tensor,
+    C: torch.Tensor,
+    state: torch.Tensor,
+    state_indices: torch.Tensor,
+    A: torch.Tensor,
+    D: torch.Tensor,
+    dt_bias: torch.Tensor,
+    dt_limit: tuple[float, float] | None = None,
+) -> torch.Tensor:
+    """One SSD decode step per session, its state updated in place in the pool.
+
+    Args:
+        x: `[Bs, H, P]` bf16/fp16/fp32.  dt: `[Bs, H]` raw (softplus of `dt + dt_bias`, clamped to `dt_limit`).
+        B, C: `[Bs, G, N]`, G dividing H.
+        state: `[S, H, P, N]` fp32 pool; rows `state_indices` become `exp(dt*A) * state + dt * x ⊗ B`.
+        state_indices: `[Bs]` int32, the pool row of each session.
+        A: `[H]` fp32 negative.  D: `[H]`.  dt_bias: `[H]`.  dt_limit: `(lo, hi)` or None.
+
+    Returns:
+        y: `[Bs, H, P]` in x's dtype, `new_state · C + D * x`.
+    """
+    acc = _acc_dtype(x, dt, B, C, state)
+    idx = state_indices.to(torch.int64)
+    y, new = ssd_step(x, softplus_dt(dt, dt_bias, dt_limit, acc), A, B, C, D, state.index_select(0, idx))
+    state.index_copy_(0, idx, new.to(state.dtype))
+    return y.to(x.dtype)

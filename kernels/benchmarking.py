@@ -1,0 +1,93 @@
+"""What every benchmark script shares: median timings, the HBM bandwidth measured in the same run, the environment.
+
+Speed claims come from these scripts' JSON (BENCHMARKS.md), never from timed tests. On a GPU, times are medians of
+`triton.testing.do_bench` (CUDA events, L2 flushed between runs) when Triton is there, else of CUDA events.
+"""
+
+from __future__ import annotations
+
+import datetime
+import json
+import platform
+import statistics
+import time
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import torch
+
+
+def median_ms(fn: Callable[[], object], device: torch.device, warmup_ms: float = 25, rep_ms: float = 200) -> float:
+    """Median milliseconds of one `fn()` call on `device` (warmed up first)."""
+    if device.type == "cuda":
+        try:
+            from triton.testing import do_bench
+        except ImportError:
+            return _cuda_events_ms(fn, warmup=5, repeats=50)
+        return float(do_bench(fn, warmup=warmup_ms, rep=rep_ms, return_mode="median"))
+    fn()
+    times = []
+    deadline = time.perf_counter() + rep_ms / 1e3
+    while len(times) < 3 or time.perf_counter() < deadline:
+        start = time.perf_counter()
+        fn()
+        times.append(time.perf_counter() - start)
+    return statistics.median(times) * 1e3
+
+
+def _cuda_events_ms(fn: Callable[[], object], warmup: int, repeats: int) -> float:
+    for _ in range(warmup):
+        fn()
+    times = []
+    for _ in range(repeats):
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        fn()
+        end.record()
+        end.synchronize()
+        times.append(start.elapsed_time(end))
+    return statistics.median(times)
+
+
+def hbm_bandwidth(device: torch.device, gib: float = 2.0) -> float | None:
+    """Device-memory bandwidth in bytes/s: a large device-to-device copy, counting bytes read plus bytes written.
+
+    The physical floor of a memory-bound step is the bytes it must move over this figure. None on a CPU.
+    """
+    if device.type != "cuda":
+        return None
+    n = int(gib * 2**30) // 4
+    src = torch.randn(n, device=device)
+    dst = torch.empty_like(src)
+    ms = median_ms(lambda: dst.copy_(src), device)
+    return 2 * n * 4 / (ms / 1e3)
+
+
+def environment(device: torch.device) -> dict[str, Any]:
+    """Device name, library versions and date, for the JSON every benchmark writes."""
+    env: dict[str, Any] = {
+        "date": datetime.datetime.now(datetime.UTC).isoformat(timespec="seconds"),
+        "torch": torch.__version__,
+        "python": platform.python_version(),
+    }
+    if device.type == "cuda":
+        props = torch.cuda.get_device_properties(device)
+        env.update(device=props.name, multiprocessors=props.multi_processor_count, cuda=torch.version.cuda)
+    else:
+        env.update(device=platform.processor() or platform.machine(), threads=torch.get_num_threads())
+    try:
+        import triton
+
+        env["triton"] = triton.__version__
+    except ImportError:
+        env["triton"] = None
+    return env
+
+
+def write_json(path: str | Path, payload: dict[str, Any]) -> Path:
+    """Write a benchmark's results (creating the folder); returns the path."""
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(json.dumps(payload, indent=2) + "\n")
+    return path
