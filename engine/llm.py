@@ -45,6 +45,8 @@ class LLM:
         max_context: tokens of context per session for models with full attention (sizes the KV cache).
         prefill_chunk: tokens per engine step, decode tokens included (bounds activation memory for long prompts).
         config_overrides: config values to replace at load, by dotted key, e.g. `{"gka.num_iter": 10}`.
+        enforce_eager: on a GPU, decode without CUDA graphs (by default each decode batch size up to
+            `max_sessions` replays a graph captured at start-up).
     """
 
     def __init__(
@@ -57,12 +59,13 @@ class LLM:
         max_context: int = 4096,
         prefill_chunk: int = 4096,
         config_overrides: dict[str, Any] | None = None,
+        enforce_eager: bool = False,
     ) -> None:
         path = Path(model) if model is not None else default_checkpoint_path()
         self.model = load_model(path, device=device, dtype=dtype, config_overrides=config_overrides)
         self.tokenizer = Tokenizer(path)
         self.pool = StatePool(self.model, max_sessions, max_context)
-        self.runner = ModelRunner(self.model, self.pool)
+        self.runner = ModelRunner(self.model, self.pool, enforce_eager=enforce_eager)
         self.prefill_chunk = prefill_chunk
         self._scheduler: Scheduler | None = None
         self._ids = itertools.count()

@@ -6,9 +6,10 @@ import torch
 from torch import nn
 
 from kvfree.engine.config import ModelConfig
-from kvfree.engine.layers import Mixer, PrefillBatch, build_mixer
+from kvfree.engine.layers import Mixer, build_mixer
 from kvfree.engine.layers.mlp import KoopmanMLP, build_mlp
 from kvfree.engine.layers.norms import RMSNorm
+from kvfree.engine.step_batch import StepBatch
 
 State = list[dict[str, torch.Tensor]]  # per layer: name -> pool tensor [capacity, *shape]
 
@@ -37,11 +38,26 @@ class Block(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self._mlp(x + self.mixer(self.norm(x)).float())
 
-    def prefill(self, x: torch.Tensor, state: dict[str, torch.Tensor], batch: PrefillBatch) -> torch.Tensor:
-        return self._mlp(x + self.mixer.prefill(self.norm(x), state, batch).float())
+    def serve(
+        self, h: torch.Tensor, residual: torch.Tensor | None, state: dict[str, torch.Tensor], batch: StepBatch
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """The serving path of one block, on the pool: (h, residual) -> (h', residual').
 
-    def decode(self, x: torch.Tensor, state: dict[str, torch.Tensor], slots: torch.Tensor) -> torch.Tensor:
-        return self._mlp(x + self.mixer.decode(self.norm(x), state, slots).float())
+        The same function as `forward` with the residual add folded into the next norm (one fused kernel on a GPU,
+        as vLLM's `fused_add_rms_norm`): `residual` is the fp32 residual stream before `h` (this block's input
+        delta, model dtype) is added to it; None before the first block, where `h` is the embedding.
+        """
+        normed, residual = self.norm.add_forward(h, residual)
+        mix = self.mixer.decode if batch.is_decode else self.mixer.prefill
+        h = mix(normed, state, batch)
+        if self.mlp is not None:
+            if isinstance(self.mlp_norm, RMSNorm):
+                normed, residual = self.mlp_norm.add_forward(h, residual)
+            else:  # the Koopman MLP's LayerNorm has no fused add
+                residual = residual + h.float()
+                normed = self.mlp_norm(residual)
+            h = self.mlp(normed)
+        return h, residual
 
 
 class HybridLM(nn.Module):
@@ -93,8 +109,10 @@ class HybridLM(nn.Module):
                 module.reset_parameters()
 
     def logits(self, h: torch.Tensor) -> torch.Tensor:
-        """Final norm and LM head: h `[..., hidden]` -> fp32 logits `[..., vocab]`."""
-        h = self.norm(h)
+        """Final norm and LM head: h `[..., hidden]` (the fp32 residual stream) -> fp32 logits `[..., vocab]`."""
+        return self._lm_head(self.norm(h))
+
+    def _lm_head(self, h: torch.Tensor) -> torch.Tensor:
         weight = self.embed.weight if self.lm_head is None else self.lm_head.weight
         return (h @ weight.t()).float()
 
@@ -106,24 +124,29 @@ class HybridLM(nn.Module):
         return self.logits(h)
 
     def prefill(
-        self, input_ids: torch.Tensor, state: State, batch: PrefillBatch, all_logits: bool = False
+        self, input_ids: torch.Tensor, state: State, batch: StepBatch, all_logits: bool = False
     ) -> torch.Tensor:
         """Run a packed chunk of prompt tokens through the model, continuing each session's state.
 
         input_ids: `[T]` tokens of `batch`'s sessions, concatenated. Returns fp32 logits `[B, vocab]` for each
         session's last token, or `[T, vocab]` for every token when `all_logits`.
         """
-        h = self.embed(input_ids).float()
-        for layer, layer_state in zip(self.layers, state, strict=True):
-            h = layer.prefill(h, layer_state, batch)
+        h, residual = self._serve(input_ids, state, batch)
         if not all_logits:
-            last = torch.tensor([end - 1 for _, end in batch.offsets], device=h.device)
-            h = h.index_select(0, last)
-        return self.logits(h)
+            last = batch.last_token_indices
+            h, residual = h.index_select(0, last), residual.index_select(0, last)
+        return self._head(h, residual)
 
-    def decode(self, input_ids: torch.Tensor, state: State, slots: torch.Tensor) -> torch.Tensor:
-        """One token per session: input_ids `[B]`, slots `[B]` -> fp32 logits `[B, vocab]`."""
-        h = self.embed(input_ids).float()
+    def decode(self, input_ids: torch.Tensor, state: State, batch: StepBatch) -> torch.Tensor:
+        """One token per session of `batch`: input_ids `[B]` -> fp32 logits `[B, vocab]`."""
+        return self._head(*self._serve(input_ids, state, batch))
+
+    def _serve(self, input_ids: torch.Tensor, state: State, batch: StepBatch) -> tuple[torch.Tensor, torch.Tensor]:
+        h, residual = self.embed(input_ids), None
         for layer, layer_state in zip(self.layers, state, strict=True):
-            h = layer.decode(h, layer_state, slots)
-        return self.logits(h)
+            h, residual = layer.serve(h, residual, layer_state, batch)
+        return h, residual
+
+    def _head(self, h: torch.Tensor, residual: torch.Tensor) -> torch.Tensor:
+        """The last residual add, the final norm and the LM head -> fp32 logits."""
+        return self._lm_head(self.norm.add_forward(h, residual)[0])

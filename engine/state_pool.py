@@ -1,7 +1,8 @@
 """StatePool: every session's recurrent state, preallocated on the model's device (docs/design/architecture.md §4).
 
-For each layer and each state tensor the pool holds one `[capacity, *shape]` tensor. A session owns one slot
-(row index); prefill and decode read and write rows in place. Nothing is allocated per request or per step.
+For each layer and each state tensor the pool holds one `[capacity + 1, *shape]` tensor. A session owns one slot
+(row index); prefill and decode read and write rows in place. Nothing is allocated per request or per step. The
+last row, `scratch_slot`, belongs to no session: CUDA-graph decode pads its batches with it (engine/cuda_graphs.py).
 """
 
 from __future__ import annotations
@@ -36,16 +37,17 @@ class StatePool:
         self.capacity = capacity
         self.max_context = max_context
         self.specs: list[dict[str, StateSpec]] = [layer.mixer.state_specs(max_context) for layer in model.layers]
+        self.scratch_slot = capacity
         self.tensors: State = [
             {
-                name: torch.zeros((capacity, *spec.shape), dtype=spec.dtype or model.dtype, device=model.device)
+                name: torch.zeros((capacity + 1, *spec.shape), dtype=spec.dtype or model.dtype, device=model.device)
                 for name, spec in specs.items()
             }
             for specs in self.specs
         ]
         self._free = list(range(capacity - 1, -1, -1))  # pop() hands out slot 0 first
         # Every row starts as a new session's state (not all mixers start from zeros: Lattice starts from S0).
-        all_slots = torch.arange(capacity, device=model.device)
+        all_slots = torch.arange(capacity + 1, device=model.device)
         for layer, state in zip(model.layers, self.tensors, strict=True):
             layer.mixer.reset_state(state, all_slots)
 
@@ -166,5 +168,5 @@ class StatePool:
         return sum(t.numel() * t.element_size() for t in self.export(slot).values())
 
     def reserved_bytes(self) -> int:
-        """Device bytes the whole pool occupies."""
+        """Device bytes the whole pool occupies (the scratch row included)."""
         return sum(t.numel() * t.element_size() for state in self.tensors for t in state.values())

@@ -28,6 +28,12 @@ def _add_load_args(p: argparse.ArgumentParser) -> None:
         metavar="KEY=VALUE",
         help="override a config value at load, e.g. --set gka.num_iter=10 (VALUE is JSON; repeatable)",
     )
+    p.add_argument(
+        "--enforce-eager",
+        action="store_true",
+        help="on a GPU, decode without CUDA graphs (default: every decode batch size replays a graph captured at "
+        "start-up, for models whose mixers allow it)",
+    )
 
 
 def cmd_generate(args: argparse.Namespace) -> int:
@@ -40,6 +46,7 @@ def cmd_generate(args: argparse.Namespace) -> int:
         max_sessions=1,
         max_context=args.max_context,
         config_overrides=parse_overrides(args.overrides),
+        enforce_eager=args.enforce_eager,
     )
     prompt = args.prompt
     if args.chat:
@@ -115,6 +122,7 @@ def cmd_serve(args: argparse.Namespace) -> int:
         shutdown_grace_seconds=args.shutdown_grace,
         cors_origins=args.cors_origin or [],
         config_overrides=parse_overrides(args.overrides),
+        enforce_eager=args.enforce_eager,
     )
     serve(settings)
     return 0
@@ -125,6 +133,12 @@ def cmd_loadtest(args: argparse.Namespace) -> int:
     from kvfree.loadtest.cli import main as loadtest_main
 
     return loadtest_main(args.loadtest_args)
+
+
+def cmd_bench(args: argparse.Namespace) -> int:
+    from kvfree.engine.bench import main as bench_main
+
+    return bench_main(args.bench_args)
 
 
 def _cpu():
@@ -231,6 +245,15 @@ def build_parser() -> argparse.ArgumentParser:
     )
     p.add_argument("loadtest_args", nargs=argparse.REMAINDER)
     p.set_defaults(func=cmd_loadtest)
+
+    p = sub.add_parser(
+        "bench",
+        help="time a preset's model step (decode at several batch sizes, one long prefill) against its floor",
+        add_help=False,
+        prefix_chars="+",
+    )
+    p.add_argument("bench_args", nargs=argparse.REMAINDER)
+    p.set_defaults(func=cmd_bench)
     return parser
 
 

@@ -3,12 +3,20 @@
 from __future__ import annotations
 
 import math
+import os
 
 import pytest
 import torch
 
+# Triton kernels run under Triton's interpreter on a machine without a GPU (CI). It must be set before the first
+# module that defines a kernel is imported; the default dispatch (`KVFREE_KERNELS=auto`) still picks the PyTorch
+# reference on the CPU, so only tests that ask for Triton run it.
+if not torch.cuda.is_available():
+    os.environ.setdefault("TRITON_INTERPRET", "1")
+
 from kvfree.engine.config import ModelConfig
 from kvfree.engine.model import HybridLM
+from kvfree.engine.step_batch import StepBatch
 
 VOCAB = 261
 
@@ -106,14 +114,12 @@ def one_thread():
 # -- helpers shared by the mixer, pool and snapshot tests ------------------------------------------------------------
 def mixer_prefill(mixer, state: dict[str, torch.Tensor], slot: int, x: torch.Tensor) -> torch.Tensor:
     """One session's tokens x `[T, D]` through `mixer.prefill`, continuing the state in `slot`."""
-    from kvfree.engine.layers import PrefillBatch
-
-    return mixer.prefill(x, state, PrefillBatch(torch.tensor([slot]), [x.shape[0]]))
+    return mixer.prefill(x, state, StepBatch.prefill([slot], [x.shape[0]]))
 
 
 def mixer_decode_all(mixer, state: dict[str, torch.Tensor], slot: int, x: torch.Tensor) -> torch.Tensor:
     """The same tokens fed one `decode` step at a time."""
-    return torch.cat([mixer.decode(x[t : t + 1], state, torch.tensor([slot])) for t in range(x.shape[0])])
+    return torch.cat([mixer.decode(x[t : t + 1], state, StepBatch.decode([slot])) for t in range(x.shape[0])])
 
 
 def state_rows(state: dict[str, torch.Tensor], slot: int) -> dict[str, torch.Tensor]:
@@ -132,12 +138,10 @@ def assert_states_close(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor], 
 
 def model_prefill(model: HybridLM, pool, slot: int, ids: list[int], chunk: int = 4096) -> torch.Tensor:
     """Prefill token `ids` into `slot` in chunks of at most `chunk`; returns the last token's logits `[V]`."""
-    from kvfree.engine.layers import PrefillBatch
-
     logits = None
     for start in range(0, len(ids), chunk):
         piece = torch.tensor(ids[start : start + chunk])
-        logits = model.prefill(piece, pool.tensors, PrefillBatch(torch.tensor([slot]), [len(piece)]))
+        logits = model.prefill(piece, pool.tensors, StepBatch.prefill([slot], [len(piece)]))
     return logits[0]
 
 
@@ -147,7 +151,7 @@ def greedy(model: HybridLM, pool, slots: list[int], first: list[int], steps: int
     Returns (tokens per session, logits `[B, steps, V]`)."""
     tokens, ids, all_logits = [[] for _ in slots], torch.tensor(first), []
     for _ in range(steps):
-        logits = model.decode(ids, pool.tensors, torch.tensor(slots))
+        logits = model.decode(ids, pool.tensors, StepBatch.decode(slots))
         all_logits.append(logits)
         ids = logits.argmax(-1)
         for row, t in enumerate(ids.tolist()):

@@ -12,10 +12,10 @@ import torch
 import torch.nn.functional as F
 
 from kvfree.engine.config import ConfigError, ModelConfig
-from kvfree.engine.layers import PrefillBatch
 from kvfree.engine.layers.bmojo import BMojoMixer, state_bytes
 from kvfree.engine.model import HybridLM
 from kvfree.engine.state_pool import StatePool
+from kvfree.engine.step_batch import StepBatch
 from kvfree.kernels.bmojo import eidetic_update
 from tests.conftest import (
     VOCAB,
@@ -250,13 +250,38 @@ def test_random_splits_and_decode_tail_equal_one_prefill(variant: str, seed: int
     assert_states_close(state_rows(state, 1), state_rows(state, 0))
 
 
+@pytest.mark.parametrize("variant", list(VARIANTS))
+def test_packed_prefill_at_mixed_phases_equals_each_alone(variant: str) -> None:
+    """One packed prefill of sessions at different chunk phases (fresh, chunk-aligned, mid-chunk) and chunk counts
+    (so chunk_bmojo batches some and not others) == each session alone; a row the batch does not name stays
+    bit-identical."""
+    mixer, state, _ = mixer_and_pool(seed=20, capacity=5, **VARIANTS[variant])
+    w = mixer.w
+    gen = torch.Generator().manual_seed(20)
+    for slot, n in ((1, 2 * w), (2, w + 3), (3, 5), (4, 1)):
+        mixer_prefill(mixer, state, slot, torch.randn(n, D, generator=gen))
+    slots, lens = [2, 0, 1, 4], [3, 2 * w + 1, w + 2, w + 2]
+    xs = [torch.randn(n, D, generator=gen) for n in lens]
+    saved = {name: t.clone() for name, t in state.items()}
+    packed = mixer.prefill(torch.cat(xs), state, StepBatch.prefill(slots, lens))
+    after = {name: t.clone() for name, t in state.items()}
+    for name in state:
+        state[name].copy_(saved[name])
+    alone = torch.cat([mixer_prefill(mixer, state, slot, x) for slot, x in zip(slots, xs, strict=True)])
+    assert rel_err(packed, alone) <= TOL
+    for slot in slots:
+        assert_states_close({n: t[slot] for n, t in after.items()}, state_rows(state, slot))
+    for name in state:
+        assert torch.equal(after[name][3], saved[name][3]), name
+
+
 @pytest.mark.parametrize("layers", [["bmojo"], ["bmojo", "mamba2", "bmojo"]])
 def test_training_forward_equals_prefill(layers: list[str]) -> None:
     model = make_model(layers, seed=8, mlp=True)
     ids = torch.randint(0, 256, (3, 29), generator=torch.Generator().manual_seed(8))
     batched = model(ids)
     pool = StatePool(model, capacity=3)
-    packed = model.prefill(ids.flatten(), pool.tensors, PrefillBatch(torch.arange(3), [29] * 3), all_logits=True)
+    packed = model.prefill(ids.flatten(), pool.tensors, StepBatch.prefill([0, 1, 2], [29] * 3), all_logits=True)
     assert rel_err(batched.flatten(0, 1), packed) <= TOL
 
 
@@ -334,7 +359,7 @@ def test_large_innovation_token_is_kept_and_store_is_bounded() -> None:
     eps = oracle_intermediates(mixer, u)["eps"]
     assert int(eps.argmax()) == spike
     for t in range(u.shape[0]):
-        mixer.decode(u[t : t + 1], state, torch.tensor([0]))
+        mixer.decode(u[t : t + 1], state, StepBatch.decode([0]))
         n = int(state["eid_n"][0])
         pos = state["eid_pos"][0, :n].tolist()
         s = (t // w) * w  # the memory token t saw: published at its chunk start, from positions < s only
@@ -422,7 +447,7 @@ def test_bytes_per_session_constant_and_equal_to_formula() -> None:
     assert per_layer == state_bytes(c, D, b)
     assert pool.session_bytes(0) == pool.session_bytes(1) == pool.bytes_per_session() == 2 * per_layer
     assert pool.bytes_per_session(10) == pool.bytes_per_session(1_000_000) and pool.bytes_per_token() == 0
-    assert pool.reserved_bytes() == 2 * pool.bytes_per_session()
+    assert pool.reserved_bytes() == 3 * pool.bytes_per_session()  # two sessions and the pool's scratch row
 
 
 def test_state_stays_bounded_and_exact_at_a_million_positions() -> None:
@@ -459,9 +484,9 @@ def test_16k_session_is_finite_and_decode_matches_chunked_prefill() -> None:
     ids = random_ids(n, 19)
     model_prefill(model, pool, 0, ids[: n - tail], chunk=4000)  # 4000 is not a multiple of w: mid-chunk splits
     step_logits = torch.stack(
-        [model.decode(torch.tensor([i]), pool.tensors, torch.tensor([0]))[0] for i in ids[n - tail :]]
+        [model.decode(torch.tensor([i]), pool.tensors, StepBatch.decode([0]))[0] for i in ids[n - tail :]]
     )
-    full = model.prefill(torch.tensor(ids), pool.tensors, PrefillBatch(torch.tensor([1]), [n]), all_logits=True)
+    full = model.prefill(torch.tensor(ids), pool.tensors, StepBatch.prefill([1], [n]), all_logits=True)
     assert torch.isfinite(full).all() and torch.isfinite(step_logits).all()
     assert all(torch.isfinite(t).all() for t in pool.export(0).values() if t.is_floating_point())
     assert rel_err(step_logits, full[n - tail :]) <= TOL

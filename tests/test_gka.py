@@ -13,6 +13,7 @@ left there is the shared RMSNorm, which computes in fp32.
 
 from __future__ import annotations
 
+import itertools
 import math
 import tempfile
 import time
@@ -22,11 +23,11 @@ import torch
 import torch.nn.functional as F
 
 from kvfree.engine.config import ConfigError, ModelConfig
-from kvfree.engine.layers import PrefillBatch
 from kvfree.engine.loader import load_model, save_model
 from kvfree.engine.model import HybridLM
 from kvfree.engine.state_pool import StatePool
-from kvfree.kernels.gka import gka_chunked, gka_step, omega_schedule
+from kvfree.engine.step_batch import StepBatch
+from kvfree.kernels.gka import chunk_gka, fused_recurrent_gka, gka_chunked, gka_step, omega_schedule
 from tests.conftest import (
     VOCAB,
     assert_states_close,
@@ -337,6 +338,51 @@ def test_gate_extremes() -> None:
     assert torch.isfinite(o32).all() and rel_err(o32, want) <= 1e-4
 
 
+# -- serving ops: pool rows addressed by state_indices ---------------------------------------------------------------
+@pytest.mark.parametrize("dtype", [F64, torch.float32])
+@pytest.mark.parametrize("lens", [[37], [8, 8, 8], [77, 5, 0, 33, 1]])
+def test_chunk_gka_equals_gka_chunked_per_sequence(lens: list[int], dtype: torch.dtype) -> None:
+    """chunk_gka on packed sequences == gka_chunked on each alone, states in place in the pool rows named; the other
+    rows stay bit-for-bit. Equal lengths take the batched path, unequal ones the shared chunk layout; an empty sequence
+    keeps its state exactly."""
+    He, D, Dv, S, C = 2, 8, 6, 7, 16
+    slots = [5, 0, 3, 6, 1][: len(lens)]
+    q, k, v, g, alpha = (t.to(dtype) for t in random_inputs(len(lens), max(lens), He, D, Dv, seed=20))
+    h0, s0 = (t.to(dtype) for t in random_states(len(lens), He, D, Dv, seed=21))
+    h, s = (t.to(dtype) for t in random_states(S, He, D, Dv, seed=22))  # no zero rows to hide a stray write
+    h[slots], s[slots] = h0, s0
+    h_before, s_before = h.clone(), s.clone()
+    packed = [torch.cat([t[i, :n] for i, n in enumerate(lens)]) for t in (q, k, v, g, alpha)]
+    cu = [0, *itertools.accumulate(lens)]
+    state_indices = torch.tensor(slots, dtype=torch.int32)
+    o = chunk_gka(*packed, h, s, state_indices, torch.tensor(cu, dtype=torch.int32), 0.02, 30, D**-0.5, C)
+    assert o.shape == (cu[-1], He, Dv) and o.dtype == dtype and h.dtype == s.dtype == dtype
+    tol = 1e-13 if dtype == F64 else STATE_TOL
+    for i, n in enumerate(lens):
+        if n == 0:
+            assert torch.equal(h[slots[i]], h0[i]) and torch.equal(s[slots[i]], s0[i])
+            continue
+        one = (t[i : i + 1, :n] for t in (q, k, v, g, alpha))
+        want, H, S_ = gka_chunked(*one, h0[i : i + 1], s0[i : i + 1], 0.02, 30, D**-0.5, C)
+        assert rel_err(o[cu[i] : cu[i + 1]], want[0]) <= tol
+        assert rel_err(h[slots[i]], H[0]) <= tol and rel_err(s[slots[i]], S_[0]) <= tol
+    others = [r for r in range(S) if r not in slots]
+    assert torch.equal(h[others], h_before[others]) and torch.equal(s[others], s_before[others])
+
+
+def test_fused_recurrent_gka_updates_pool_rows() -> None:
+    """fused_recurrent_gka == gka_step on the gathered rows, bit for bit; the rows not named stay untouched."""
+    He, D, Dv, S = 2, 8, 6, 5
+    slots = [3, 0, 4]
+    q, k, v, g, alpha = (t[:, 0].float() for t in random_inputs(3, 1, He, D, Dv, seed=23))
+    h, s = (t.float() for t in random_states(S, He, D, Dv, seed=24))
+    h_before, s_before = h.clone(), s.clone()
+    o = fused_recurrent_gka(q, k, v, g, alpha, h, s, torch.tensor(slots, dtype=torch.int32), 0.02, 30, D**-0.5)
+    want, H, S_ = gka_step(q, k, v, g, alpha, h_before[slots], s_before[slots], 0.02, 30, D**-0.5)
+    assert torch.equal(o, want) and torch.equal(h[slots], H) and torch.equal(s[slots], S_)
+    assert torch.equal(h[[1, 2]], h_before[[1, 2]]) and torch.equal(s[[1, 2]], s_before[[1, 2]])
+
+
 # -- the layer: independent reference and serving invariants ---------------------------------------------------------
 def test_layer_matches_independent_float64_reference() -> None:
     """The whole layer (conv, L2 norms, beta, alpha, Mamba-2 gate, CH, RMSNorm gate-after-norm, out proj) against a
@@ -359,7 +405,7 @@ def _parity_prefill_vs_decode(dtype: torch.dtype, T: int, seed: int) -> tuple[fl
     for slot in (0, 1):
         mixer_prefill(mixer, state, slot, prefix)
     y_prefill = mixer_prefill(mixer, state, 0, x)
-    y_decode = torch.cat([mixer.decode(x[t : t + 1], state, torch.tensor([1])) for t in range(T)])
+    y_decode = torch.cat([mixer.decode(x[t : t + 1], state, StepBatch.decode([1])) for t in range(T)])
     assert y_prefill.shape == (T, HIDDEN)
     worst_state = max(rel_err(state[n][1], state[n][0]) for n in state)
     return rel_err(y_decode, y_prefill), worst_state
@@ -403,7 +449,7 @@ def test_packed_prefill_equals_separate(dtype: torch.dtype) -> None:
     after_alone = {k: v.clone() for k, v in state.items()}
     for k in state:
         state[k].copy_(saved[k])
-    packed = mixer.prefill(torch.cat(xs), state, PrefillBatch(torch.tensor([0, 1, 2]), lens))
+    packed = mixer.prefill(torch.cat(xs), state, StepBatch.prefill([0, 1, 2], lens))
     assert rel_err(packed, torch.cat(alone)) <= (FP64_TOL if dtype == F64 else OUT_TOL)
     for slot in range(3):
         assert_states_close(
@@ -418,7 +464,7 @@ def test_training_forward_equals_prefill(dtype: torch.dtype) -> None:
     ids = torch.randint(0, 256, (3, 29), generator=torch.Generator().manual_seed(6))
     batched = model(ids)
     state = [new_state(layer.mixer, 3, dtype) for layer in model.layers]
-    packed = model.prefill(ids.flatten(), state, PrefillBatch(torch.arange(3), [29] * 3), all_logits=True)
+    packed = model.prefill(ids.flatten(), state, StepBatch.prefill([0, 1, 2], [29] * 3), all_logits=True)
     assert batched.shape == (3, 29, VOCAB)
     assert rel_err(batched.flatten(0, 1), packed) <= (FP64_TOL if dtype == F64 else OUT_TOL)
 
@@ -503,9 +549,9 @@ def test_long_session_16k() -> None:
     T, tail = 16_384, 64
     ids = torch.tensor(random_ids(T, 14))
     pool = StatePool(model, capacity=2)
-    full = model.prefill(ids, pool.tensors, PrefillBatch(torch.tensor([0]), [T]), all_logits=True)
-    model.prefill(ids[: T - tail], pool.tensors, PrefillBatch(torch.tensor([1]), [T - tail]))
-    steps = torch.cat([model.decode(ids[t : t + 1], pool.tensors, torch.tensor([1])) for t in range(T - tail, T)])
+    full = model.prefill(ids, pool.tensors, StepBatch.prefill([0], [T]), all_logits=True)
+    model.prefill(ids[: T - tail], pool.tensors, StepBatch.prefill([1], [T - tail]))
+    steps = torch.cat([model.decode(ids[t : t + 1], pool.tensors, StepBatch.decode([1])) for t in range(T - tail, T)])
     assert torch.isfinite(full).all() and torch.isfinite(steps).all()
     assert rel_err(steps, full[T - tail :]) <= 1e-5  # measured 5e-7 (this model has no near-cancelling head)
     for layer_state in pool.tensors:

@@ -19,10 +19,10 @@ from kvfree.checkpoints import CheckpointError, read_checkpoint
 from kvfree.checkpoints.byte_tokenizer import write_byte_tokenizer
 from kvfree.checkpoints.hf_mamba2 import convert_hf_mamba2
 from kvfree.engine.config import ModelConfig
-from kvfree.engine.layers.base import PrefillBatch
 from kvfree.engine.loader import load_model
 from kvfree.engine.model import HybridLM
 from kvfree.engine.state_pool import StatePool
+from kvfree.engine.step_batch import StepBatch
 from tests.conftest import rel_err
 
 transformers = pytest.importorskip("transformers")
@@ -112,7 +112,7 @@ def our_prefill(model: HybridLM, ids: torch.Tensor, pieces: list[int] | None = N
     slot = pool.alloc()
     logits, start = [], 0
     for n in pieces or [len(ids)]:
-        batch = PrefillBatch(slots=torch.tensor([slot]), lens=[n])
+        batch = StepBatch.prefill([slot], [n])
         logits.append(model.prefill(ids[start : start + n], pool.tensors, batch, all_logits=True))
         start += n
     return torch.cat(logits), pool, slot
@@ -139,7 +139,7 @@ def our_greedy(model: HybridLM, ids: torch.Tensor, steps: int) -> tuple[list[int
     for _ in range(steps):
         tok = int(step_logits[-1].argmax())
         tokens.append(tok)
-        step_logits.append(model.decode(torch.tensor([tok]), pool.tensors, slots)[0])
+        step_logits.append(model.decode(torch.tensor([tok]), pool.tensors, StepBatch.decode(slots))[0])
     return tokens, step_logits
 
 

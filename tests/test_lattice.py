@@ -16,11 +16,21 @@ import torch
 import torch.nn.functional as F
 
 from kvfree.engine.config import ConfigError, ModelConfig
-from kvfree.engine.layers import PrefillBatch
 from kvfree.engine.layers.lattice import MU_MIN
 from kvfree.engine.model import HybridLM
 from kvfree.engine.state_pool import StatePool
-from kvfree.kernels.lattice import lattice_recurrent, lattice_step, lattice_unnormalised_update, orthonormal_columns
+from kvfree.engine.step_batch import StepBatch
+from kvfree.kernels.conv import causal_conv1d
+from kvfree.kernels.lattice import (
+    chunk_lattice,
+    chunk_lattice_qk_conv,
+    fused_recurrent_lattice,
+    fused_recurrent_lattice_qk_conv,
+    lattice_recurrent,
+    lattice_step,
+    lattice_unnormalised_update,
+    orthonormal_columns,
+)
 from tests.conftest import VOCAB, assert_states_close, mixer_prefill, randomize, rel_err, state_rows
 
 TOL = 1e-5
@@ -208,6 +218,89 @@ def test_orthonormal_columns_is_identity_on_orthonormal_input() -> None:
     assert (orthonormal_columns(S0) - S0).abs().max() < 1e-14
 
 
+# -- the slot-indexed ops ----------------------------------------------------------------------------------------------
+# Unequal lengths, an empty sequence, rows out of order; the pool has rows no sequence names.
+OP_LENS, OP_ROWS = [5, 0, 11, 1, 7], [6, 0, 3, 1, 4]
+
+
+def op_pool(gen: torch.Generator, rows: int, H: int, d: int, m: int) -> torch.Tensor:
+    return torch.stack([unit_orthonormal(H, d, m, gen) for _ in range(rows)])
+
+
+def cu_of(lens: list[int]) -> torch.Tensor:
+    return torch.tensor([0, *torch.tensor(lens).cumsum(0).tolist()], dtype=torch.int32)
+
+
+@pytest.mark.parametrize("variant", ["dec", "enc"])
+@pytest.mark.parametrize("forget", [False, True])
+@pytest.mark.parametrize("lens", [OP_LENS, [6] * 5])
+def test_chunk_lattice_equals_lattice_recurrent_per_sequence(variant: str, forget: bool, lens: list[int]) -> None:
+    """Packed, padded and masked prefill on pool rows == each sequence alone from its row; other rows bit-identical.
+    Then one decode step per row == lattice_step."""
+    gen = torch.Generator().manual_seed(20)
+    H, d, m = 2, 5, 4
+    pool = op_pool(gen, 8, H, d, m)
+    before = pool.clone()
+    q, k, v, gamma, mu = (t[0] for t in random_inputs(gen, 1, sum(lens), H, d, m))
+    mu = mu if forget else None
+    rows = torch.tensor(OP_ROWS, dtype=torch.int32)
+    y = chunk_lattice(q, k, v, gamma, mu, pool, rows, cu_of(lens), variant, cu_seqlens_cpu=cu_of(lens))
+    assert y.shape == (sum(lens), H, d) and y.dtype == torch.float64
+    cu = cu_of(lens).tolist()
+    for i, row in enumerate(OP_ROWS):
+        s, e = cu[i], cu[i + 1]
+        if s == e:
+            assert torch.equal(pool[row], before[row])
+            continue
+        yi, Si = lattice_recurrent(
+            before[row][None], q[None, s:e], k[None, s:e], v[None, s:e], gamma[None, s:e],
+            None if mu is None else mu[None, s:e], variant,
+        )  # fmt: skip
+        assert rel_err(y[s:e], yi[0]) <= 1e-12 and rel_err(pool[row], Si[0]) <= 1e-12
+    untouched = [r for r in range(8) if r not in OP_ROWS]
+    assert torch.equal(pool[untouched], before[untouched])
+
+    before = pool.clone()
+    n = len(OP_ROWS)
+    y = fused_recurrent_lattice(q[:n], k[:n], v[:n], gamma[:n], None if mu is None else mu[:n], pool, rows, variant)
+    y1, S1 = lattice_step(before[rows.long()], q[:n], k[:n], v[:n], gamma[:n], None if mu is None else mu[:n], variant)
+    assert torch.equal(y, y1) and torch.equal(pool[rows.long()], S1)
+    assert torch.equal(pool[untouched], before[untouched])
+
+
+def test_qk_conv_ops_read_one_shared_tail() -> None:
+    """conv_q and conv_k both continue from the session's one tail, which then advances once; other rows untouched."""
+    gen = torch.Generator().manual_seed(21)
+    C, K = 6, 4
+    x = torch.randn(sum(OP_LENS), C, generator=gen, dtype=torch.float64)
+    wq, wk = torch.randn(2, C, K, generator=gen, dtype=torch.float64)
+    bq, bk = torch.randn(2, C, generator=gen, dtype=torch.float64)
+    pool = torch.randn(8, K - 1, C, generator=gen, dtype=torch.float64)
+    before = pool.clone()
+    rows = torch.tensor(OP_ROWS, dtype=torch.int32)
+    q, k = chunk_lattice_qk_conv(x, pool, rows, cu_of(OP_LENS), wq, bq, wk, bk)
+    cu = cu_of(OP_LENS).tolist()
+    for i, row in enumerate(OP_ROWS):
+        s, e = cu[i], cu[i + 1]
+        if s == e:
+            assert torch.equal(pool[row], before[row])
+            continue
+        qi, tail = causal_conv1d(x[None, s:e], wq, bq, before[row][None])
+        ki, _ = causal_conv1d(x[None, s:e], wk, bk, before[row][None])
+        assert rel_err(q[s:e], qi[0]) <= 1e-12 and rel_err(k[s:e], ki[0]) <= 1e-12
+        assert torch.equal(pool[row], tail[0])
+    untouched = [r for r in range(8) if r not in OP_ROWS]
+    assert torch.equal(pool[untouched], before[untouched])
+
+    before = pool.clone()
+    xd = x[: len(OP_ROWS)]
+    q, k = fused_recurrent_lattice_qk_conv(xd, pool, rows, wq, None, wk, bk)
+    qi, tail = causal_conv1d(xd[:, None], wq, None, before[rows.long()])
+    ki, _ = causal_conv1d(xd[:, None], wk, bk, before[rows.long()])
+    assert rel_err(q, qi[:, 0]) <= 1e-12 and rel_err(k, ki[:, 0]) <= 1e-12
+    assert torch.equal(pool[rows.long()], tail) and torch.equal(pool[untouched], before[untouched])
+
+
 # -- the layer against an independent float64 implementation ----------------------------------------------------------
 @pytest.mark.parametrize("variant", ["dec", "enc"])
 def test_layer_matches_float64_spec_implementation(variant: str) -> None:
@@ -230,7 +323,7 @@ def test_prefill_equals_decode_steps(variant: str, T: int) -> None:
     for slot in (0, 1):  # both sessions start from the same non-trivial state
         mixer_prefill(mixer, state, slot, prefix)
     y_prefill = mixer_prefill(mixer, state, 0, x)
-    y_decode = torch.cat([mixer.decode(x[t : t + 1], state, torch.tensor([1])) for t in range(T)])
+    y_decode = torch.cat([mixer.decode(x[t : t + 1], state, StepBatch.decode([1])) for t in range(T)])
     assert y_prefill.shape == (T, D)
     assert rel_err(y_prefill, y_decode) <= TOL_VARIANT[variant]
     assert_states_close(state_rows(state, 0), state_rows(state, 1), TOL_VARIANT[variant])
@@ -252,7 +345,7 @@ def test_config_options_keep_forward_prefill_decode_equal(options: dict) -> None
     x = torch.randn(19, D)
     y_forward = mixer(x[None])[0]
     y_prefill = mixer_prefill(mixer, state, 0, x)
-    y_decode = torch.cat([mixer.decode(x[t : t + 1], state, torch.tensor([1])) for t in range(19)])
+    y_decode = torch.cat([mixer.decode(x[t : t + 1], state, StepBatch.decode([1])) for t in range(19)])
     assert rel_err(y_prefill, y_forward) <= TOL and rel_err(y_decode, y_forward) <= TOL
     assert_states_close(state_rows(state, 0), state_rows(state, 1))
 
@@ -265,7 +358,7 @@ def test_training_forward_equals_prefill(variant: str) -> None:
     ids = torch.randint(0, 256, (3, 29))
     batched = model(ids)
     pool = make_pool(model, 3)
-    packed = model.prefill(ids.flatten(), pool.tensors, PrefillBatch(torch.arange(3), [29] * 3), all_logits=True)
+    packed = model.prefill(ids.flatten(), pool.tensors, StepBatch.prefill([0, 1, 2], [29] * 3), all_logits=True)
     assert rel_err(batched.flatten(0, 1), packed) <= TOL
 
 
@@ -298,7 +391,7 @@ def test_new_session_state_is_S0() -> None:
     H, d, m = SUB["num_heads"], SUB["head_dim"], SUB["num_slots"]
     for layer, state in zip(model.layers, pool.tensors, strict=True):
         S0 = layer.mixer.S0
-        assert state["S"].dtype == torch.float32 and state["S"].shape == (2, H, d, m)
+        assert state["S"].dtype == torch.float32 and state["S"].shape == (pool.capacity + 1, H, d, m)  # + scratch row
         assert torch.equal(state["S"][slot], S0) and S0.abs().sum() > 0
         assert (S0.transpose(-1, -2) @ S0 - torch.eye(m)).abs().max() < 1e-6  # orthonormal columns
         assert torch.count_nonzero(state["conv"][slot]) == 0
@@ -311,15 +404,15 @@ def test_freed_slot_reset_returns_S0_exactly() -> None:
     slot = pool.alloc()
     fresh = {k: v.clone() for k, v in pool.export(slot).items()}
     ids = torch.randint(0, 256, (40,), generator=torch.Generator().manual_seed(8))
-    model.prefill(ids, pool.tensors, PrefillBatch(torch.tensor([slot]), [40]))
+    model.prefill(ids, pool.tensors, StepBatch.prefill([slot], [40]))
     assert not torch.equal(pool.export(slot)["layers.0.S"], fresh["layers.0.S"])
     pool.free(slot)
     assert pool.alloc() == slot
     for key, tensor in pool.export(slot).items():
         assert torch.equal(tensor, fresh[key]), key
     new_pool = make_pool(model, 1)
-    a = model.prefill(ids[:9], pool.tensors, PrefillBatch(torch.tensor([slot]), [9]))
-    b = model.prefill(ids[:9], new_pool.tensors, PrefillBatch(torch.tensor([0]), [9]))
+    a = model.prefill(ids[:9], pool.tensors, StepBatch.prefill([slot], [9]))
+    b = model.prefill(ids[:9], new_pool.tensors, StepBatch.prefill([0], [9]))
     assert torch.equal(a, b)
 
 
@@ -328,13 +421,13 @@ def test_snapshot_restore_mid_sequence_continues_identically() -> None:
     gen = torch.Generator().manual_seed(9)
     prompt, more = torch.randint(0, 256, (21,), generator=gen), torch.randint(0, 256, (8,), generator=gen)
     src = make_pool(model, 2)
-    model.prefill(prompt, src.tensors, PrefillBatch(torch.tensor([1]), [21]))
+    model.prefill(prompt, src.tensors, StepBatch.prefill([1], [21]))
     snapshot = src.export(1)
     dst = make_pool(model, 3)
     dst.import_(2, snapshot)
     for t in range(8):
-        a = model.decode(more[t : t + 1], src.tensors, torch.tensor([1]))
-        b = model.decode(more[t : t + 1], dst.tensors, torch.tensor([2]))
+        a = model.decode(more[t : t + 1], src.tensors, StepBatch.decode([1]))
+        b = model.decode(more[t : t + 1], dst.tensors, StepBatch.decode([2]))
         assert torch.equal(a, b)
     for key, tensor in src.export(1).items():
         assert torch.equal(dst.export(2)[key], tensor), key
@@ -355,7 +448,7 @@ def test_fold_at_load_keeps_the_function() -> None:
         pool = make_pool(model, 1)
         state = pool.tensors[0]
         y = mixer_prefill(mixer, state, 0, x)
-        yd = torch.cat([mixer.decode(xd[t : t + 1], state, torch.tensor([0])) for t in range(5)])
+        yd = torch.cat([mixer.decode(xd[t : t + 1], state, StepBatch.decode([0])) for t in range(5)])
         return y, yd, mixer(x[None])[0], state_rows(state, 0)
 
     y0, yd0, f0, st0 = serve()
@@ -383,8 +476,8 @@ def test_checkpoint_round_trip_keeps_S0_fp32_and_folds(tmp_path) -> None:
     ids = torch.randint(0, 256, (17,), generator=torch.Generator().manual_seed(12))
     for a, b in zip(model.layers, loaded.layers, strict=True):
         assert b.mixer.folded and (b.mixer.S0 - a.mixer.S0).abs().max() < 1e-6
-    ref = model.prefill(ids, make_pool(model, 1).tensors, PrefillBatch(torch.tensor([0]), [17]), all_logits=True)
-    got = loaded.prefill(ids, make_pool(loaded, 1).tensors, PrefillBatch(torch.tensor([0]), [17]), all_logits=True)
+    ref = model.prefill(ids, make_pool(model, 1).tensors, StepBatch.prefill([0], [17]), all_logits=True)
+    got = loaded.prefill(ids, make_pool(loaded, 1).tensors, StepBatch.prefill([0], [17]), all_logits=True)
     assert rel_err(got, ref) <= TOL
     bf16 = load_model(tmp_path / "ckpt", device="cpu", dtype="bfloat16")
     assert bf16.layers[0].mixer.qk_proj.weight.dtype == torch.bfloat16
@@ -430,9 +523,9 @@ def test_long_session_16k() -> None:
     model = make_model(("lattice", "lattice"), seed=13)
     ids = torch.randint(0, 256, (T,), generator=gen)
     pool = make_pool(model, 2)
-    whole = model.prefill(ids, pool.tensors, PrefillBatch(torch.tensor([0]), [T]), all_logits=True)[-tail:]
-    model.prefill(ids[:-tail], pool.tensors, PrefillBatch(torch.tensor([1]), [T - tail]))
-    stepped = torch.cat([model.decode(ids[t : t + 1], pool.tensors, torch.tensor([1])) for t in range(T - tail, T)])
+    whole = model.prefill(ids, pool.tensors, StepBatch.prefill([0], [T]), all_logits=True)[-tail:]
+    model.prefill(ids[:-tail], pool.tensors, StepBatch.prefill([1], [T - tail]))
+    stepped = torch.cat([model.decode(ids[t : t + 1], pool.tensors, StepBatch.decode([1])) for t in range(T - tail, T)])
     assert torch.isfinite(whole).all() and torch.isfinite(stepped).all()
     assert rel_err(stepped, whole) <= TOL
     for state in pool.tensors:

@@ -5,8 +5,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from kvfree.engine.layers import PrefillBatch
 from kvfree.engine.state_pool import StatePool
+from kvfree.engine.step_batch import StepBatch
 from tests.conftest import assert_states_close, make_model, mixer_prefill, output_tol, rel_err, state_rows
 
 KINDS = ["mamba2", "attention", "swa", "ska", "gka", "lattice", "bmojo"]
@@ -30,7 +30,7 @@ def test_prefill_equals_decode_steps(kind: str, T: int) -> None:
     for slot in (0, 1):
         mixer_prefill(mixer, state, slot, prefix)
     y_prefill = mixer_prefill(mixer, state, 0, x)
-    y_decode = torch.cat([mixer.decode(x[t : t + 1], state, torch.tensor([1])) for t in range(T)])
+    y_decode = torch.cat([mixer.decode(x[t : t + 1], state, StepBatch.decode([1])) for t in range(T)])
     assert y_prefill.shape == (T, D)
     assert rel_err(y_prefill, y_decode) <= output_tol(kind)
     assert_states_close(state_rows(state, 0), state_rows(state, 1))
@@ -66,7 +66,7 @@ def test_packed_prefill_equals_separate(kind: str) -> None:
     after_alone = {k: v.clone() for k, v in state.items()}
     for k in state:
         state[k].copy_(saved[k])
-    packed = mixer.prefill(torch.cat(xs), state, PrefillBatch(torch.tensor([0, 1, 2]), lens))
+    packed = mixer.prefill(torch.cat(xs), state, StepBatch.prefill([0, 1, 2], lens))
     assert rel_err(packed, torch.cat(alone)) <= output_tol(kind)
     for slot in range(3):
         assert_states_close(state_rows(state, slot), {k: v[slot] for k, v in after_alone.items()})
@@ -81,11 +81,11 @@ def test_batched_decode_rows_are_independent(kind: str) -> None:
         mixer_prefill(mixer, state, slot, torch.randn(3 + 2 * slot, 32))
     saved = {k: v.clone() for k, v in state.items()}
     xs = torch.randn(9, 3, 32)
-    together = torch.stack([mixer.decode(xs[t], state, torch.tensor([2, 0, 3])) for t in range(9)])
+    together = torch.stack([mixer.decode(xs[t], state, StepBatch.decode([2, 0, 3])) for t in range(9)])
     for k in state:
         state[k].copy_(saved[k])
     for row, slot in enumerate([2, 0, 3]):
-        alone = torch.cat([mixer.decode(xs[t, row : row + 1], state, torch.tensor([slot])) for t in range(9)])
+        alone = torch.cat([mixer.decode(xs[t, row : row + 1], state, StepBatch.decode([slot])) for t in range(9)])
         assert rel_err(together[:, row], alone) <= output_tol(kind, 1e-6)
     # The untouched slot kept its state exactly.
     for k in state:
@@ -115,7 +115,7 @@ def test_attention_reports_context_overflow() -> None:
     mixer, state = model.layers[0].mixer, pool.tensors[0]
     mixer_prefill(mixer, state, 0, torch.randn(16, 32))
     with pytest.raises(ContextOverflowError, match="max_context"):
-        mixer.decode(torch.randn(1, 32), state, torch.tensor([0]))
+        mixer.decode(torch.randn(1, 32), state, StepBatch.decode([0]))
     with pytest.raises(ContextOverflowError, match="max_context"):
         mixer_prefill(mixer, state, 0, torch.randn(2, 32))
 
@@ -128,7 +128,7 @@ def test_training_forward_equals_prefill(layers) -> None:
     ids = torch.randint(0, 256, (3, 29))
     batched = model(ids)
     pool = StatePool(model, capacity=3, max_context=64)
-    packed = model.prefill(ids.flatten(), pool.tensors, PrefillBatch(torch.arange(3), [29] * 3), all_logits=True)
+    packed = model.prefill(ids.flatten(), pool.tensors, StepBatch.prefill([0, 1, 2], [29] * 3), all_logits=True)
     assert batched.shape == (3, 29, model.config.vocab_size)
     assert rel_err(batched.flatten(0, 1), packed) <= TOL
 

@@ -64,10 +64,10 @@ def test_evaluation_scores_a_perfect_oracle() -> None:
             answers[(row, k)] = v
     real_decode = model.decode  # wrap decode so it "knows" each session's pairs: a perfect recall oracle
 
-    def decode(ids, state, slots):
-        logits = real_decode(ids, state, slots)
+    def decode(ids, state, batch):
+        logits = real_decode(ids, state, batch)
         boost = torch.zeros_like(logits)
-        for row, (slot, tok) in enumerate(zip(slots.tolist(), ids.tolist(), strict=True)):
+        for row, (slot, tok) in enumerate(zip(batch.state_indices.tolist(), ids.tolist(), strict=True)):
             if (slot, tok) in answers:
                 boost[row, answers[(slot, tok)]] = 1e4
         return logits + boost

@@ -9,7 +9,6 @@ import time
 import pytest
 import torch
 
-from kvfree.engine.layers import PrefillBatch
 from kvfree.engine.model import HybridLM
 from kvfree.engine.sessions import PoolExhausted, Session, SessionLimitError, SessionManager, SessionNotFound
 from kvfree.engine.snapshot import (
@@ -21,6 +20,7 @@ from kvfree.engine.snapshot import (
     token_hash,
 )
 from kvfree.engine.state_pool import StatePool
+from kvfree.engine.step_batch import StepBatch
 from tests.conftest import make_model
 
 KEY = b"test-key"
@@ -43,11 +43,11 @@ def fp(model) -> str:
 
 def feed(model: HybridLM, pool: StatePool, slot: int, tokens: list[int], steps: int) -> tuple[list[int], torch.Tensor]:
     """Prefill `tokens`, then greedy-decode `steps` tokens. Returns the tokens fed in all and every logits row."""
-    logits = [model.prefill(torch.tensor(tokens), pool.tensors, PrefillBatch(torch.tensor([slot]), [len(tokens)]))[0]]
+    logits = [model.prefill(torch.tensor(tokens), pool.tensors, StepBatch.prefill([slot], [len(tokens)]))[0]]
     fed = list(tokens)
     for _ in range(steps):
         fed.append(int(logits[-1].argmax()))
-        logits.append(model.decode(torch.tensor(fed[-1:]), pool.tensors, torch.tensor([slot]))[0])
+        logits.append(model.decode(torch.tensor(fed[-1:]), pool.tensors, StepBatch.decode([slot]))[0])
     return fed, torch.stack(logits)
 
 

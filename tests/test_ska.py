@@ -5,6 +5,7 @@
   pipeline step by step, one token at a time) that the mixer must match;
 - the engine invariants (prefill == decode steps, split and packed prefill, forward == prefill, snapshots, slots);
 - mode P (the paper's prefix mode) as docs/design/ska.md §3.4 defines it;
+- the serving ops `chunk_ska` / `fused_recurrent_ska` on pool rows against the per-session math;
 - the Koopman MLP (eq. 14, |lambda| <= 1) and models that use it;
 - a 16K-token session.
 """
@@ -17,11 +18,22 @@ import pytest
 import torch
 
 from kvfree.engine.config import ConfigError, ModelConfig
-from kvfree.engine.layers import PrefillBatch
 from kvfree.engine.layers.mlp import KoopmanMLP
 from kvfree.engine.model import HybridLM
 from kvfree.engine.state_pool import StatePool
-from kvfree.kernels.ska import cholesky_fallback_count, robust_cholesky, ska_readout
+from kvfree.engine.step_batch import StepBatch
+from kvfree.kernels.ska import (
+    SKAState,
+    cholesky_fallback_count,
+    chunk_ska,
+    fused_recurrent_ska,
+    robust_cholesky,
+    ska_chunked,
+    ska_empty_state,
+    ska_prefix,
+    ska_readout,
+    ska_step,
+)
 from tests.conftest import (
     SUBCONFIGS,
     VOCAB,
@@ -236,7 +248,7 @@ def test_6_state_bytes_per_head_and_constant_in_context(accum: str) -> None:
     assert pool.bytes_per_token() == 0
     slot = pool.alloc()
     for n in (5, 300):
-        model.prefill(torch.randint(0, 256, (n,)), pool.tensors, PrefillBatch(torch.tensor([slot]), [n]))
+        model.prefill(torch.randint(0, 256, (n,)), pool.tensors, StepBatch.prefill([slot], [n]))
         assert pool.session_bytes(slot) == expected
 
 
@@ -304,7 +316,7 @@ def test_training_forward_equals_prefill(mlp) -> None:
     ids = torch.randint(0, 256, (3, 29))
     batched = model(ids)
     pool = StatePool(model, capacity=3)
-    packed = model.prefill(ids.flatten(), pool.tensors, PrefillBatch(torch.arange(3), [29] * 3), all_logits=True)
+    packed = model.prefill(ids.flatten(), pool.tensors, StepBatch.prefill([0, 1, 2], [29] * 3), all_logits=True)
     assert rel_err(batched.flatten(0, 1), packed) <= TOL
 
 
@@ -342,7 +354,7 @@ def test_freed_slot_keeps_nothing_of_the_old_session() -> None:
     pool = StatePool(model, capacity=2)
     fresh = {k: v.clone() for k, v in pool.export(0).items()}
     slot = pool.alloc()
-    model.prefill(torch.randint(0, 256, (40,)), pool.tensors, PrefillBatch(torch.tensor([slot]), [40]))
+    model.prefill(torch.randint(0, 256, (40,)), pool.tensors, StepBatch.prefill([slot], [40]))
     pool.free(slot)
     again = pool.alloc()
     assert again == slot
@@ -350,8 +362,8 @@ def test_freed_slot_keeps_nothing_of_the_old_session() -> None:
         assert torch.equal(tensor, fresh[key]), key
     new_pool = StatePool(model, capacity=1)
     ids = torch.randint(0, 256, (19,))
-    a = model.prefill(ids, pool.tensors, PrefillBatch(torch.tensor([again]), [19]))
-    b = model.prefill(ids, new_pool.tensors, PrefillBatch(torch.tensor([0]), [19]))
+    a = model.prefill(ids, pool.tensors, StepBatch.prefill([again], [19]))
+    b = model.prefill(ids, new_pool.tensors, StepBatch.prefill([0], [19]))
     assert torch.equal(a, b)
 
 
@@ -393,6 +405,85 @@ def test_mode_p_decode_reestimates_inclusively() -> None:
     assert torch.equal(p_state["m"], c_state["m"]) and torch.equal(p_state["pos"], c_state["pos"])
 
 
+# == the serving ops on pool rows =================================================================================
+OP = {"chunk_size": 8, "eps": 1e-3, "eta": 1.3, "gamma": 1.2, "order": 2, "power_iters": 6}
+H, R, P = 2, 6, 5
+POSITIONS = [0, 0, 16, 3, 8, 11, 5, 13]  # tokens each pool row has consumed
+
+
+def op_inputs(gen: torch.Generator, T: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    return torch.randn(T, H, R, generator=gen), torch.randn(T, H, R, generator=gen), torch.randn(T, H, P, generator=gen)
+
+
+def filled_pool(gen: torch.Generator, key_norm: str) -> SKAState:
+    """A pool of len(POSITIONS) rows, row i having consumed POSITIONS[i] random tokens (mode C)."""
+    rows = []
+    for n in POSITIONS:
+        row = ska_empty_state(1, H, R, P, F64)
+        if n:
+            _, row = ska_chunked(*(t[None] for t in op_inputs(gen, n)), row, 0, key_norm=key_norm, **OP)
+        rows.append(row)
+    return SKAState(*(torch.cat(fields) for fields in zip(*rows, strict=True)))
+
+
+def row_of(pool: SKAState, i: int) -> SKAState:
+    return SKAState(*(t[i : i + 1].clone() for t in pool))
+
+
+@pytest.mark.parametrize("key_norm", ["causal", "frozen"])
+@pytest.mark.parametrize("mode", ["C", "P"])
+def test_chunk_ska_equals_each_session_alone(mode: str, key_norm: str) -> None:
+    """One packed `chunk_ska` call == `ska_chunked` / `ska_prefix` on each session alone, for sessions at assorted
+    positions (grouped by their chunk grid, some groups right-padded, some not consecutive in the batch), a sequence
+    of length 0 (its row unchanged); rows not named are left bit-for-bit unchanged."""
+    gen = torch.Generator().manual_seed(30)
+    pool = filled_pool(gen, key_norm)
+    before = SKAState(*(t.clone() for t in pool))
+    seqs = [(3, 7), (0, 5), (5, 12), (1, 19), (2, 4), (4, 9), (6, 0)]  # (pool row, new tokens)
+    lens = [n for _, n in seqs]
+    z, q, v = op_inputs(gen, sum(lens))
+    cu = torch.tensor([0, *torch.tensor(lens).cumsum(0).tolist()], dtype=torch.int32)
+    slots = torch.tensor([row for row, _ in seqs], dtype=torch.int32)
+    y = chunk_ska(z, q, v, pool, slots, cu, **OP, key_norm=key_norm, mode=mode)
+    assert y.shape == (sum(lens), H, P) and y.dtype == torch.float32
+    extend = ska_chunked if mode == "C" else ska_prefix
+    for (row, n), start in zip(seqs, cu[:-1].tolist(), strict=True):
+        if n == 0:
+            continue
+        part = slice(start, start + n)
+        y1, new = extend(z[None, part], q[None, part], v[None, part], row_of(before, row), POSITIONS[row], **OP,
+                         key_norm=key_norm)  # fmt: skip
+        assert rel_err(y[part], y1[0]) <= 1e-6, (row, n)
+        assert_states_close(row_of(pool, row)._asdict(), new._asdict(), tol=1e-12)
+    for row in (6, 7):
+        for name, got, old in zip(SKAState._fields, row_of(pool, row), row_of(before, row), strict=True):
+            assert torch.equal(got, old), (row, name)
+
+
+@pytest.mark.parametrize("mode", ["C", "P"])
+def test_fused_recurrent_ska_equals_ska_step_on_the_rows(mode: str) -> None:
+    """`fused_recurrent_ska` == `ska_step` on the gathered rows (one of them entering a chunk), in place; rows not
+    named are left bit-for-bit unchanged; an unknown mode is refused."""
+    gen = torch.Generator().manual_seed(31)
+    pool = filled_pool(gen, "causal")
+    before = SKAState(*(t.clone() for t in pool))
+    rows = [5, 2, 0]  # pos 11 (mid-chunk), 16 (enters chunk 2), 0 (new session)
+    z, q, v = op_inputs(gen, len(rows))
+    y = fused_recurrent_ska(z, q, v, pool, torch.tensor(rows, dtype=torch.int32), **OP, mode=mode)
+    idx = torch.tensor(rows)
+    y1, new = ska_step(z, q, v, SKAState(*(t[idx] for t in before)), **OP, mode=mode)
+    assert torch.equal(y, y1)
+    for name, got, want in zip(SKAState._fields, pool, new, strict=True):
+        assert torch.equal(got[idx], want), name
+    untouched = torch.tensor([i for i in range(len(POSITIONS)) if i not in rows])
+    for name, got, old in zip(SKAState._fields, pool, before, strict=True):
+        assert torch.equal(got[untouched], old[untouched]), name
+    with pytest.raises(ValueError, match="mode"):
+        fused_recurrent_ska(z, q, v, pool, torch.tensor(rows, dtype=torch.int32), **OP, mode="X")
+    with pytest.raises(ValueError, match="mode"):
+        chunk_ska(z, q, v, pool, torch.tensor(rows, dtype=torch.int32), torch.tensor([0, 1, 2, 3]), **OP, mode="X")
+
+
 # == numerics =====================================================================================================
 def test_cholesky_jitter_fallback() -> None:
     """A Gram that is not positive definite is factorised with jitter 1e-4*m^2 (then 1e-3, 1e-2), and counted."""
@@ -422,14 +513,14 @@ def test_long_session_16k() -> None:
     mixer = model.layers[1].mixer
     keys = []
     mixer._proj = lambda x: keys.append(type(mixer)._proj(mixer, x)) or keys[-1]  # record the fp32 keys
-    whole = model.prefill(ids, pool.tensors, PrefillBatch(torch.tensor([0]), [T]), all_logits=True)[-tail:]
+    whole = model.prefill(ids, pool.tensors, StepBatch.prefill([0], [T]), all_logits=True)[-tail:]
     del mixer._proj
     z = keys[0][0].double()  # [T, H, r]: the exact products of these fp32 keys, summed in fp64
     exact_G = torch.einsum("thr,thk->hrk", z, z)
     # The stored Gram of 16K tokens equals the exact sum to fp64 accuracy (fp32 accumulators: only ~1e-7).
     assert rel_err(pool.tensors[1]["G"][0], exact_G) <= 1e-12
-    model.prefill(ids[:-tail], pool.tensors, PrefillBatch(torch.tensor([1]), [T - tail]))
-    stepped = torch.cat([model.decode(ids[t : t + 1], pool.tensors, torch.tensor([1])) for t in range(T - tail, T)])
+    model.prefill(ids[:-tail], pool.tensors, StepBatch.prefill([1], [T - tail]))
+    stepped = torch.cat([model.decode(ids[t : t + 1], pool.tensors, StepBatch.decode([1])) for t in range(T - tail, T)])
     assert torch.isfinite(whole).all() and torch.isfinite(stepped).all()
     assert cholesky_fallback_count() == fallbacks
     assert rel_err(stepped, whole) <= TOL
@@ -443,7 +534,7 @@ def test_long_session_16k() -> None:
     for name in ("G", "M", "C"):
         assert rel_err(state[name][1], state[name][0]) <= 1e-7, name
     # The SKA layer contributes to the logits at the end of the session (its output is not zero).
-    assert model.layers[1].mixer.decode(torch.randn(1, 16), state, torch.tensor([1])).abs().sum() > 0
+    assert model.layers[1].mixer.decode(torch.randn(1, 16), state, StepBatch.decode([1])).abs().sum() > 0
 
 
 # == the Spectral Koopman MLP =====================================================================================
@@ -494,8 +585,8 @@ def test_koopman_model_prefill_equals_decode() -> None:
     model = make_model(["mamba2", "ska"], mlp={"intermediate_size": 64, "kind": "koopman", "gated": True})
     ids = torch.randint(0, 256, (23,))
     pool = StatePool(model, capacity=2)
-    pre = model.prefill(ids, pool.tensors, PrefillBatch(torch.tensor([0]), [23]), all_logits=True)
-    dec = torch.cat([model.decode(ids[t : t + 1], pool.tensors, torch.tensor([1])) for t in range(23)])
+    pre = model.prefill(ids, pool.tensors, StepBatch.prefill([0], [23]), all_logits=True)
+    dec = torch.cat([model.decode(ids[t : t + 1], pool.tensors, StepBatch.decode([1])) for t in range(23)])
     assert rel_err(dec, pre) <= TOL
     for layer_state in pool.tensors:
         assert_states_close(state_rows(layer_state, 1), state_rows(layer_state, 0))

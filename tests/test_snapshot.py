@@ -13,7 +13,6 @@ from safetensors.torch import load as st_load
 from safetensors.torch import save as st_save
 
 from kvfree.engine.config import ModelConfig
-from kvfree.engine.layers import PrefillBatch
 from kvfree.engine.model import HybridLM
 from kvfree.engine.snapshot import (
     HASH_MOD,
@@ -27,6 +26,7 @@ from kvfree.engine.snapshot import (
     token_hash,
 )
 from kvfree.engine.state_pool import SnapshotMismatchError, StatePool
+from kvfree.engine.step_batch import StepBatch
 from tests.conftest import make_config, make_model, random_ids, randomize
 
 KEY = b"server-signing-key"
@@ -37,11 +37,11 @@ pytestmark = pytest.mark.usefixtures("one_thread")
 
 def feed(model: HybridLM, pool: StatePool, slot: int, tokens: list[int], steps: int) -> tuple[list[int], torch.Tensor]:
     """Prefill `tokens` into `slot`, then greedy-decode `steps` tokens. Returns them and every logits row."""
-    logits = [model.prefill(torch.tensor(tokens), pool.tensors, PrefillBatch(torch.tensor([slot]), [len(tokens)]))[0]]
+    logits = [model.prefill(torch.tensor(tokens), pool.tensors, StepBatch.prefill([slot], [len(tokens)]))[0]]
     out = []
     for _ in range(steps):
         out.append(int(logits[-1].argmax()))
-        logits.append(model.decode(torch.tensor(out[-1:]), pool.tensors, torch.tensor([slot]))[0])
+        logits.append(model.decode(torch.tensor(out[-1:]), pool.tensors, StepBatch.decode([slot]))[0])
     return out, torch.stack(logits)
 
 

@@ -23,10 +23,10 @@ import torch.nn.functional as F
 
 from kvfree.checkpoints.byte_tokenizer import write_byte_tokenizer
 from kvfree.engine.config import ModelConfig, parse_overrides
-from kvfree.engine.layers import PrefillBatch
 from kvfree.engine.loader import save_model
 from kvfree.engine.model import HybridLM
 from kvfree.engine.state_pool import StatePool
+from kvfree.engine.step_batch import StepBatch
 from kvfree.training.mqar import IGNORE, VOCAB, held_out, make_mqar
 
 BYTE_VOCAB = 261
@@ -214,10 +214,11 @@ def evaluate_batch(model: HybridLM, num_pairs: int, gap: int, batch: int, index:
     B, T = ids.shape
     slots = torch.tensor([pool.alloc() for _ in range(B)], device=model.device)
     prefix = data.prefix_len
-    model.prefill(ids[:, :prefix].flatten(), pool.tensors, PrefillBatch(slots, [prefix] * B))
+    model.prefill(ids[:, :prefix].flatten(), pool.tensors, StepBatch.prefill(slots, [prefix] * B))
     correct = total = 0
+    decode_batch = StepBatch.decode(slots)
     for pos in range(prefix, T - 1):
-        logits = model.decode(ids[:, pos], pool.tensors, slots)
+        logits = model.decode(ids[:, pos], pool.tensors, decode_batch)
         if data.targets[0, pos] != IGNORE:
             pred = logits[:, :VOCAB].argmax(-1)
             correct += int((pred == ids[:, pos + 1]).sum())

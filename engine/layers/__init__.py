@@ -5,7 +5,7 @@ from __future__ import annotations
 from typing import TYPE_CHECKING
 
 from kvfree.engine.layers.attention import AttentionMixer, SlidingWindowMixer
-from kvfree.engine.layers.base import ContextOverflowError, Mixer, PrefillBatch, StateSpec
+from kvfree.engine.layers.base import ContextOverflowError, Mixer, StateSpec
 from kvfree.engine.layers.bmojo import BMojoMixer
 from kvfree.engine.layers.gka import GKAMixer
 from kvfree.engine.layers.lattice import LatticeMixer
@@ -33,4 +33,4 @@ def build_mixer(kind: str, config: ModelConfig) -> Mixer:
     return MIXERS[kind](config.hidden_size, config.mixer_config(kind))
 
 
-__all__ = ["MIXERS", "ContextOverflowError", "Mixer", "PrefillBatch", "StateSpec", "build_mixer", "mixer_class"]
+__all__ = ["MIXERS", "ContextOverflowError", "Mixer", "StateSpec", "build_mixer", "mixer_class"]

@@ -3,13 +3,17 @@
 
 from __future__ import annotations
 
+from collections.abc import Iterator
+from contextlib import contextmanager
+
 import torch
 from pydantic import model_validator
 from torch import nn
 
-from kvfree.engine.layers.base import ContextOverflowError, Mixer, PrefillBatch, StateSpec
+from kvfree.engine.layers.base import ContextOverflowError, Mixer, StateSpec
+from kvfree.engine.step_batch import StepBatch
 from kvfree.engine.strict_config import PositiveInt, StrictConfig
-from kvfree.kernels.attention import apply_rope, attend
+from kvfree.kernels.attention import KVCacheFull, apply_rope, attend, chunk_attention, fused_recurrent_attention
 
 
 class AttentionConfig(StrictConfig):
@@ -36,10 +40,13 @@ class AttentionMixer(Mixer):
 
     Session state: `k`, `v` `[S, Hkv, D]` (activation dtype; keys stored already rotated) and `length` `[]` int64,
     the number of tokens the session has seen. Full attention has S = max_context entries indexed by position;
-    sliding-window attention has S = window entries, position p stored at p % window.
+    sliding-window attention has S = window entries, position p stored at p % window. Serving projects q, k, v and
+    calls `chunk_attention` / `fused_recurrent_attention`, which rotate them at each session's positions and update
+    its cache rows in place.
     """
 
     kind = "attention"
+    graph_blocker = "the keys gathered are sized by a host read of the longest context (`int(n.max())`)"
     config_class = AttentionConfig
 
     def __init__(self, hidden_size: int, cfg: AttentionConfig) -> None:
@@ -77,66 +84,34 @@ class AttentionMixer(Mixer):
             mask &= pos[None, :] > pos[:, None] - self.window
         return self.o_proj(attend(q, k, v, mask.expand(B, T, T)).flatten(-2))
 
-    def _cache_index(self, positions: torch.Tensor) -> torch.Tensor:
-        return positions if self.window is None else positions % self.window
+    def _op_params(self) -> dict:
+        return {"rope_theta": self.cfg.rope_theta, "window": self.window}
 
-    def prefill(self, x: torch.Tensor, state: dict[str, torch.Tensor], batch: PrefillBatch) -> torch.Tensor:
+    def prefill(self, x: torch.Tensor, state: dict[str, torch.Tensor], batch: StepBatch) -> torch.Tensor:
         q, k, v = self._qkv(x)
-        lengths = state["length"].index_select(0, batch.slots).tolist()
-        outs = []
-        for i, (start, end) in enumerate(batch.offsets):
-            slot, n, T = batch.slots[i], lengths[i], end - start
-            capacity = state["k"].shape[1]
-            if self.window is None and n + T > capacity:
-                raise ContextOverflowError(
-                    f"session needs {n + T} tokens of context but the attention KV cache holds {capacity} "
-                    "(raise max_context)"
-                )
-            pos = torch.arange(n, n + T, device=x.device)
-            qi = apply_rope(q[start:end], pos, self.cfg.rope_theta)
-            ki = apply_rope(k[start:end], pos, self.cfg.rope_theta)
-            # Keys this chunk may see from before it: all of them, or the last window - 1 for SWA.
-            first = 0 if self.window is None else max(0, n - self.window + 1)
-            past = torch.arange(first, n, device=x.device)
-            keys = torch.cat([state["k"][slot, self._cache_index(past)], ki])
-            values = torch.cat([state["v"][slot, self._cache_index(past)], v[start:end]])
-            key_pos = torch.cat([past, pos])
-            mask = key_pos[None, :] <= pos[:, None]
-            if self.window is not None:
-                mask &= key_pos[None, :] > pos[:, None] - self.window
-            outs.append(attend(qi[None], keys[None], values[None], mask[None])[0])
-            # Write this chunk's keys (for SWA only the last `window` of them survive in the ring).
-            keep = slice(max(0, T - state["k"].shape[1]), T)
-            state["k"][slot, self._cache_index(pos[keep])] = ki[keep].to(state["k"].dtype)
-            state["v"][slot, self._cache_index(pos[keep])] = v[start:end][keep].to(state["v"].dtype)
-        state["length"].index_add_(0, batch.slots, torch.tensor(batch.lens, device=x.device))
-        return self.o_proj(torch.cat(outs).flatten(-2))
+        with _context_limit():
+            o = chunk_attention(
+                q, k, v, state["k"], state["v"], state["length"], batch.state_indices, batch.cu_seqlens,
+                **self._op_params(), cu_seqlens_cpu=batch.cu_seqlens_cpu,
+            )  # fmt: skip
+        return self.o_proj(o.flatten(-2))
 
-    def decode(self, x: torch.Tensor, state: dict[str, torch.Tensor], slots: torch.Tensor) -> torch.Tensor:
-        q, k, v = self._qkv(x)  # [B, H, D]
-        n = state["length"].index_select(0, slots)  # [B] tokens seen before this one
-        capacity = state["k"].shape[1]
-        longest = int(n.max())  # the one host sync of this step: it sizes the keys gathered below
-        if self.window is None and longest >= capacity:
-            raise ContextOverflowError(
-                f"a session reached {longest + 1} tokens but the attention KV cache holds {capacity} "
-                "(raise max_context)"
+    def decode(self, x: torch.Tensor, state: dict[str, torch.Tensor], batch: StepBatch) -> torch.Tensor:
+        q, k, v = self._qkv(x)
+        with _context_limit():
+            o = fused_recurrent_attention(
+                q, k, v, state["k"], state["v"], state["length"], batch.state_indices, **self._op_params()
             )
-        # apply_rope's token axis is the batch axis here: one position per session.
-        q = apply_rope(q, n, self.cfg.rope_theta)
-        k = apply_rope(k, n, self.cfg.rope_theta)
-        idx = self._cache_index(n)
-        state["k"][slots, idx] = k.to(state["k"].dtype)
-        state["v"][slots, idx] = v.to(state["v"].dtype)
-        # Only the first min(n+1, S) cache entries hold this session's keys; for the ring that is all of them
-        # once it has wrapped, and RoPE already encodes the positions so entry order does not matter.
-        used = min(longest + 1, capacity)
-        keys = state["k"][slots, :used]
-        values = state["v"][slots, :used]
-        mask = torch.arange(used, device=x.device)[None, :] < (n + 1)[:, None]
-        out = attend(q[:, None], keys, values, mask[:, None, :])[:, 0]
-        state["length"].index_add_(0, slots, torch.ones_like(n))
-        return self.o_proj(out.flatten(-2))
+        return self.o_proj(o.flatten(-2))
+
+
+@contextmanager
+def _context_limit() -> Iterator[None]:
+    """The op's full-cache error as the engine's `ContextOverflowError`, naming the setting that sizes the cache."""
+    try:
+        yield
+    except KVCacheFull as e:
+        raise ContextOverflowError(f"{e} (raise max_context)") from e
 
 
 class SlidingWindowMixer(AttentionMixer):

@@ -4,7 +4,11 @@ A mixer owns no per-session memory itself. It declares the state one session nee
 serving entry points read and write that state in pool tensors of shape `[capacity, *shape]`, addressed by slot:
 
 - `prefill(x, state, batch)`: a packed chunk of tokens of one or more sessions, continuing from their states;
-- `decode(x, state, slots)`: one token for each of B sessions.
+- `decode(x, state, batch)`: one token for each of B sessions.
+
+`batch` is the step's `StepBatch` (engine/step_batch.py): pool rows (`state_indices`) and sequence boundaries
+(`cu_seqlens`), built once per step. A mixer projects, calls one op with them, and projects out; the op updates the
+pool rows in place.
 
 `forward(x)` is the training path: whole `[B, T, D]` sequences from a fresh state, differentiable.
 """
@@ -16,6 +20,7 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
+from kvfree.engine.step_batch import StepBatch
 from kvfree.engine.strict_config import StrictConfig
 
 
@@ -34,26 +39,6 @@ class StateSpec:
     per_token: bool = False
 
 
-@dataclass
-class PrefillBatch:
-    """Where each session of a packed prefill chunk lives.
-
-    slots: `[B]` int64 pool rows.  lens: the B chunk lengths (host ints), summing to the packed token count.
-    """
-
-    slots: torch.Tensor
-    lens: list[int]
-
-    @property
-    def offsets(self) -> list[tuple[int, int]]:
-        """(start, end) of each session's tokens on the packed axis."""
-        out, start = [], 0
-        for n in self.lens:
-            out.append((start, start + n))
-            start += n
-        return out
-
-
 class ContextOverflowError(ValueError):
     """A session would exceed the context its state was sized for (only the attention baseline has a limit)."""
 
@@ -63,6 +48,9 @@ class Mixer(nn.Module):
 
     kind: str = ""  # the name in config.json's `layers` list and the key of its sub-config
     config_class: type[StrictConfig]  # the sub-config's schema, defined beside the mixer
+    # Why `decode` cannot be captured in a CUDA graph (a host sync or data-dependent shape), or "" when it can.
+    # A model with any such mixer decodes eagerly, and says so once in the log.
+    graph_blocker: str = ""
 
     def state_specs(self, max_context: int) -> dict[str, StateSpec]:
         """The state one session needs. `max_context` only sizes per-token (KV-cache) states."""
@@ -73,12 +61,12 @@ class Mixer(nn.Module):
         for tensor in state.values():
             tensor.index_fill_(0, slots, 0)
 
-    def prefill(self, x: torch.Tensor, state: dict[str, torch.Tensor], batch: PrefillBatch) -> torch.Tensor:
+    def prefill(self, x: torch.Tensor, state: dict[str, torch.Tensor], batch: StepBatch) -> torch.Tensor:
         """x: `[T, D]` packed tokens of `batch`'s sessions -> `[T, D]`; updates their state rows in place."""
         raise NotImplementedError
 
-    def decode(self, x: torch.Tensor, state: dict[str, torch.Tensor], slots: torch.Tensor) -> torch.Tensor:
-        """x: `[B, D]` one token per session in `slots` -> `[B, D]`; updates their state rows in place."""
+    def decode(self, x: torch.Tensor, state: dict[str, torch.Tensor], batch: StepBatch) -> torch.Tensor:
+        """x: `[B, D]` one token per session of `batch` -> `[B, D]`; updates their state rows in place."""
         raise NotImplementedError
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:

@@ -20,6 +20,11 @@ oldest first, fp32), a ring of the last w K/V (`ring_k`, `ring_v`, slot p % w) w
 active fading K/V (`fad_k`, `fad_v`, valid count `fad_n`), the active eidetic store (`eid_k`, `eid_v`, `eid_eps`,
 `eid_pos`, valid count `eid_n`) and the position `t`. The memory is published lazily: at the first token of a chunk
 (t % w == 0, t > 0), from the ring, which then holds exactly the finished chunk. Zeros are a new session.
+
+Serving runs the SSM through the composed Mamba-2 mixer's own `prefill` / `decode` (which update the `conv` / `ssm`
+pool rows in place), then the memory part through one op, `chunk_bmojo` / `fused_recurrent_bmojo`
+(kernels/bmojo), which updates the other rows; training runs `Mamba2Mixer.forward` and `bmojo_chunked` from a fresh
+state.
 """
 
 from __future__ import annotations
@@ -30,12 +35,12 @@ import torch
 from pydantic import Field, model_validator
 from torch import nn
 
-from kvfree.engine.layers.base import Mixer, PrefillBatch, StateSpec
+from kvfree.engine.layers.base import Mixer, StateSpec
 from kvfree.engine.layers.mamba2 import Mamba2Config, Mamba2Mixer
 from kvfree.engine.layers.norms import RMSNorm
+from kvfree.engine.step_batch import StepBatch
 from kvfree.engine.strict_config import PositiveInt, StrictConfig
-from kvfree.kernels.attention import attend
-from kvfree.kernels.bmojo import chunked_memory_attention, eidetic_update, innovation
+from kvfree.kernels.bmojo import MemoryState, bmojo_chunked, chunk_bmojo, fused_recurrent_bmojo
 
 State = dict[str, torch.Tensor]
 
@@ -106,6 +111,7 @@ class BMojoMixer(Mixer):
     """Mamba-2 (fading memory) + innovation-selected eidetic memory + sliding window, one NoPE attention."""
 
     kind = "bmojo"
+    graph_blocker = "chunk boundaries are found with `nonzero()` on the host"
     config_class = BMojoConfig
 
     def __init__(self, hidden_size: int, cfg: BMojoConfig) -> None:
@@ -169,173 +175,50 @@ class BMojoMixer(Mixer):
         out = self.o_proj(o.flatten(-2))
         return y + out if self.cfg.wiring == "P2" else out
 
-    def _fresh_state(self, batch: int, like: torch.Tensor) -> State:
-        """A new session's state for `batch` sequences (the training path has no pool)."""
-        return {
-            name: torch.zeros((batch, *spec.shape), dtype=spec.dtype or like.dtype, device=like.device)
-            for name, spec in self.state_specs(0).items()
-        }
-
-    # -- the chunked form (training forward and prefill) ---------------------------------------------------------
-    def _run(self, u: torch.Tensor, st: State, t0: int) -> tuple[torch.Tensor, State]:
-        """Sequences u `[B, T, D]` that all continue from position t0 with states `st` (`[B, ...]` each).
-
-        Returns (output `[B, T, D]`, new state). Differentiable; the state inputs are only read.
-        """
-        B, T, _ = u.shape
-        w, m_f, L = self.w, self.m_f, self.buf_len
-        dev = u.device
-        y, conv, ssm = self.ssm._mix(u, st["conv"], st["ssm"])
-        eps, y_buf = innovation(y, st["y_buf"], self.cfg.predictor_taps)
+    def _qkv(self, u: torch.Tensor, y: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """The attention's q `[..., Hq, dh]` and k, v `[..., Hkv, dh]` from the mixer input u and the SSM output y."""
         a = self._attn_input(u, y)
-        q = self.q_proj(a).unflatten(-1, (self.cfg.num_heads, self.cfg.head_dim))
         k, v = self._kv(a)
+        return self.q_proj(a).unflatten(-1, (self.cfg.num_heads, self.cfg.head_dim)), k, v
 
-        # The chunk grid: queries at positions s0 .. s0 + n*w - 1, keys at s0 - w .. s0 + n*w - 1. Keys before t0
-        # come from the ring, which holds positions [t0 - w, t0); every real query t >= t0 only reaches keys
-        # >= t - w + 1 > t0 - w, so the ring suffices and the zero fill elsewhere is never seen by a real query.
-        s0 = (t0 // w) * w
-        n = -(-(t0 + T - s0) // w)
-        r0 = max(0, t0 - w)
-        ring_slots = torch.arange(r0, t0, device=dev) % w
-        pre = r0 - (s0 - w)
-        post = (n + 1) * w - (t0 + T - (s0 - w))
+    def _memory(self, state: State) -> list[torch.Tensor]:
+        """The memory-state pool tensors, in the order the ops take them (`MemoryState`)."""
+        return [state[name] for name in MemoryState._fields]
 
-        def ext(old: torch.Tensor, new: torch.Tensor) -> torch.Tensor:
-            pad = (B, 1, *new.shape[2:])
-            return torch.cat(
-                [new.new_zeros(pad).expand(B, pre, *new.shape[2:]), old[:, ring_slots].to(new.dtype), new]
-                + [new.new_zeros(pad).expand(B, post, *new.shape[2:])],
-                1,
-            )
-
-        k_ext, v_ext = ext(st["ring_k"], k), ext(st["ring_v"], v)
-        eps_ext = ext(st["ring_eps"], eps)
-
-        # Chunk boundaries inside this call publish a new memory (the lazy rule: the boundary at t0 itself is
-        # published here too, since no token of that chunk has run yet). Fading tokens of all of them at once.
-        starts = [s0 + i * w for i in range(n)]
-        publish = [s > 0 and s >= t0 for s in starts]
-        pub_starts = [s for s, p in zip(starts, publish, strict=True) if p]
-        if pub_starts and m_f:
-            y_ext = torch.cat([st["y_buf"].to(y.dtype), y], 1)  # position p at index L + p - t0
-            rows = torch.tensor([L + s - t0 - m_f + i for s in pub_starts for i in range(m_f)], device=dev)
-            fk, fv = self._fading_kv(y_ext[:, rows])
-            fk = fk.unflatten(1, (len(pub_starts), m_f))
-            fv = fv.unflatten(1, (len(pub_starts), m_f))
-        fad_k, fad_v, fad_n = st["fad_k"], st["fad_v"], st["fad_n"]
-        eid = (st["eid_k"], st["eid_v"], st["eid_eps"], st["eid_pos"], st["eid_n"])
-        mem_k, mem_v, mem_valid = [], [], []
-        fad_slots = torch.arange(m_f, device=dev)
-        eid_slots = torch.arange(self.m_e, device=dev)
-        pub_i = 0
-        for i, s in enumerate(starts):
-            if publish[i]:
-                cand = slice(i * w, (i + 1) * w)  # chunk c-1 = positions s-w .. s-1 of the grid
-                cand_pos = torch.arange(s - w, s, device=dev)
-                eid = eidetic_update(*eid, k_ext[:, cand], v_ext[:, cand], eps_ext[:, cand].detach(), cand_pos)
-                if m_f:
-                    fad_k, fad_v = fk[:, pub_i].to(fad_k.dtype), fv[:, pub_i].to(fad_v.dtype)
-                fad_n = torch.full_like(st["fad_n"], m_f)
-                pub_i += 1
-            mem_k.append(torch.cat([fad_k, eid[0]], 1))
-            mem_v.append(torch.cat([fad_v, eid[1]], 1))
-            mem_valid.append(torch.cat([fad_slots[None, :] < fad_n[:, None], eid_slots[None, :] < eid[4][:, None]], 1))
-
-        q_grid = torch.cat(
-            [q.new_zeros(B, t0 - s0, *q.shape[2:]), q, q.new_zeros(B, n * w - (t0 - s0) - T, *q.shape[2:])], 1
-        )
-        o = chunked_memory_attention(
-            q_grid, k_ext, v_ext, torch.stack(mem_k, 1), torch.stack(mem_v, 1), torch.stack(mem_valid, 1), s0
-        )[:, t0 - s0 : t0 - s0 + T]
-        out = self._output(y, o)
-
-        # Hand over: the ring keeps the last w positions; the memory stays that of the chunk of t0+T-1.
-        keep = torch.arange(max(t0, t0 + T - w), t0 + T, device=dev)
-        new = {
-            "t": st["t"] + T,
-            "conv": conv,
-            "ssm": ssm,
-            "y_buf": y_buf,
-            "ring_k": st["ring_k"].index_copy(1, keep % w, k[:, keep - t0].to(st["ring_k"].dtype)),
-            "ring_v": st["ring_v"].index_copy(1, keep % w, v[:, keep - t0].to(st["ring_v"].dtype)),
-            "ring_eps": st["ring_eps"].index_copy(1, keep % w, eps[:, keep - t0]),
-            "fad_k": fad_k,
-            "fad_v": fad_v,
-            "fad_n": fad_n,
-            "eid_k": eid[0],
-            "eid_v": eid[1],
-            "eid_eps": eid[2],
-            "eid_pos": eid[3],
-            "eid_n": eid[4],
-        }
-        return out, new
-
+    # -- training: whole sequences from a new session's state ----------------------------------------------------
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self._run(x, self._fresh_state(x.shape[0], x), 0)[0]
-
-    def prefill(self, x: torch.Tensor, state: State, batch: PrefillBatch) -> torch.Tensor:
-        outs = []
-        for i, (start, end) in enumerate(batch.offsets):
-            if end == start:
-                continue
-            slot = batch.slots[i : i + 1]
-            st = {name: tensor.index_select(0, slot) for name, tensor in state.items()}
-            out, new = self._run(x[start:end].unsqueeze(0), st, int(st["t"][0]))
-            for name, tensor in state.items():
-                tensor.index_copy_(0, slot, new[name].to(tensor.dtype))
-            outs.append(out[0])
-        return torch.cat(outs) if outs else x[:0]
-
-    # -- decode --------------------------------------------------------------------------------------------------
-    def _publish_from_ring(self, state: State, slots: torch.Tensor, t: torch.Tensor) -> None:
-        """Chunk-boundary publish (t % w == 0, t > 0) for `slots`: the ring holds positions t-w .. t-1 in order."""
-        sel = {name: state[name].index_select(0, slots) for name in state}
-        cand_pos = t[:, None] - self.w + torch.arange(self.w, device=t.device)[None, :]
-        eid = eidetic_update(
-            sel["eid_k"], sel["eid_v"], sel["eid_eps"], sel["eid_pos"], sel["eid_n"],
-            sel["ring_k"], sel["ring_v"], sel["ring_eps"], cand_pos,
-        )  # fmt: skip
-        for name, value in zip(("eid_k", "eid_v", "eid_eps", "eid_pos", "eid_n"), eid, strict=True):
-            state[name].index_copy_(0, slots, value.to(state[name].dtype))
-        if self.m_f:
-            fk, fv = self._fading_kv(sel["y_buf"][:, self.buf_len - self.m_f :])  # y_{t-m_f} .. y_{t-1}
-            state["fad_k"].index_copy_(0, slots, fk.to(state["fad_k"].dtype))
-            state["fad_v"].index_copy_(0, slots, fv.to(state["fad_v"].dtype))
-        state["fad_n"].index_fill_(0, slots, self.m_f)
-
-    def decode(self, x: torch.Tensor, state: State, slots: torch.Tensor) -> torch.Tensor:
-        w = self.w
-        t = state["t"].index_select(0, slots)  # [B] position of this token
-        boundary = ((t > 0) & (t % w == 0)).nonzero().flatten()
-        if boundary.numel():
-            self._publish_from_ring(state, slots[boundary], t[boundary])
-        y = self.ssm.decode(x, {"conv": state["conv"], "ssm": state["ssm"]}, slots)  # writes conv/ssm rows
-        eps, y_buf = innovation(y[:, None], state["y_buf"].index_select(0, slots), self.cfg.predictor_taps)
-        state["y_buf"].index_copy_(0, slots, y_buf)
-        a = self._attn_input(x, y)
-        q = self.q_proj(a).unflatten(-1, (self.cfg.num_heads, self.cfg.head_dim))
-        k, v = self._kv(a)
-        idx = t % w
-        state["ring_k"][slots, idx] = k.to(state["ring_k"].dtype)
-        state["ring_v"][slots, idx] = v.to(state["ring_v"].dtype)
-        state["ring_eps"][slots, idx] = eps[:, 0]
-        # NoPE: key order is irrelevant, so the ring is read in slot order; slots > t are unwritten at the start.
-        keys = torch.cat([state[n].index_select(0, slots) for n in ("ring_k", "fad_k", "eid_k")], 1)
-        values = torch.cat([state[n].index_select(0, slots) for n in ("ring_v", "fad_v", "eid_v")], 1)
-        fad_n = state["fad_n"].index_select(0, slots)
-        eid_n = state["eid_n"].index_select(0, slots)
-        dev = x.device
-        valid = torch.cat(
-            [
-                torch.arange(w, device=dev)[None, :] <= t[:, None],
-                torch.arange(self.m_f, device=dev)[None, :] < fad_n[:, None],
-                torch.arange(self.m_e, device=dev)[None, :] < eid_n[:, None],
-            ],
-            1,
+        B, T, _ = x.shape
+        y = self.ssm(x)
+        q, k, v = self._qkv(x, y)
+        specs = self.state_specs(0)
+        fresh = MemoryState(
+            *(
+                torch.zeros((B, *specs[name].shape), dtype=specs[name].dtype or x.dtype, device=x.device)
+                for name in MemoryState._fields
+            )
         )
-        o = attend(q[:, None], keys, values, valid[:, None, :])[:, 0]
-        state["t"].index_add_(0, slots, torch.ones_like(t))
+        o, _ = bmojo_chunked(q, k, v, y, fresh, [0] * B, [T] * B, self._fading_kv, self.cfg.predictor_taps)
+        return self._output(y, o)
+
+    # -- serving: the SSM through the Mamba-2 mixer's serving ops, then one memory op ----------------------------
+    def _ssm_state(self, state: State) -> State:
+        return {"conv": state["conv"], "ssm": state["ssm"]}
+
+    def prefill(self, x: torch.Tensor, state: State, batch: StepBatch) -> torch.Tensor:
+        y = self.ssm.prefill(x, self._ssm_state(state), batch)  # writes the conv/ssm rows
+        q, k, v = self._qkv(x, y)
+        o = chunk_bmojo(
+            q, k, v, y, *self._memory(state), batch.state_indices, batch.cu_seqlens, self._fading_kv,
+            self.cfg.predictor_taps, cu_seqlens_cpu=batch.cu_seqlens_cpu,
+        )  # fmt: skip
+        return self._output(y, o)
+
+    def decode(self, x: torch.Tensor, state: State, batch: StepBatch) -> torch.Tensor:
+        y = self.ssm.decode(x, self._ssm_state(state), batch)  # writes the conv/ssm rows
+        q, k, v = self._qkv(x, y)
+        o = fused_recurrent_bmojo(
+            q, k, v, y, *self._memory(state), batch.state_indices, self._fading_kv, self.cfg.predictor_taps
+        )
         return self._output(y, o)
 
 

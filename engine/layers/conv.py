@@ -7,7 +7,8 @@ import math
 import torch
 from torch import nn
 
-from kvfree.kernels.conv import causal_conv1d
+from kvfree.engine.step_batch import StepBatch
+from kvfree.kernels.conv import causal_conv1d, chunk_causal_conv1d, fused_recurrent_causal_conv1d
 
 
 class ShortConv(nn.Module):
@@ -27,5 +28,16 @@ class ShortConv(nn.Module):
             nn.init.uniform_(self.bias, -bound, bound)
 
     def forward(self, x: torch.Tensor, tail: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """x: `[B, T, C]`, tail: `[B, K-1, C]` -> (y `[B, T, C]`, new tail `[B, K-1, C]`)."""
+        """Training / whole sequences: x `[B, T, C]`, tail `[B, K-1, C]` -> (y `[B, T, C]`, new tail), no activation."""
         return causal_conv1d(x, self.weight, self.bias, tail)
+
+    def prefill(self, x: torch.Tensor, tails: torch.Tensor, batch: StepBatch, activation: str | None) -> torch.Tensor:
+        """Packed tokens x `[T, C]` of `batch`'s sessions -> `[T, C]`; their tails in the pool `[S, K-1, C]` move on."""
+        return chunk_causal_conv1d(
+            x, tails, batch.state_indices, batch.cu_seqlens, self.weight, self.bias, activation,
+            cu_seqlens_cpu=batch.cu_seqlens_cpu,
+        )  # fmt: skip
+
+    def decode(self, x: torch.Tensor, tails: torch.Tensor, batch: StepBatch, activation: str | None) -> torch.Tensor:
+        """One token per session x `[B, C]` -> `[B, C]`; each session's tail shifts by one token in place."""
+        return fused_recurrent_causal_conv1d(x, tails, batch.state_indices, self.weight, self.bias, activation)

@@ -10,11 +10,12 @@ import torch.nn.functional as F
 from pydantic import Field
 from torch import nn
 
-from kvfree.engine.layers.base import Mixer, PrefillBatch, StateSpec
+from kvfree.engine.layers.base import Mixer, StateSpec
 from kvfree.engine.layers.conv import ShortConv
 from kvfree.engine.layers.norms import GatedRMSNorm, RMSNorm
+from kvfree.engine.step_batch import StepBatch
 from kvfree.engine.strict_config import PositiveInt, StrictConfig
-from kvfree.kernels.gka import gka_chunked, gka_step
+from kvfree.kernels.gka import chunk_gka, fused_recurrent_gka, gka_chunked
 
 _L2_EPS = 1e-6  # q, k <- q / (||q|| + 1e-6) (docs/design/gka.md §3 step 4, the HF/FLA form)
 _BETA_EPS = 1e-6  # k, v <- (beta + 1e-6) k, v (docs/design/gka.md §3 step 5)
@@ -101,21 +102,27 @@ class GKAMixer(Mixer):
             "s": StateSpec((c.num_heads, c.head_dim, c.v_head_dim), dtype=torch.float32),
         }
 
-    # -- shared pieces of prefill and decode -------------------------------------------------------------------
-    def _inputs(
-        self, x: torch.Tensor, conv_tail: torch.Tensor
-    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
-        """x `[B, T, d]`, conv tail `[B, K-1, conv_dim]` -> q, k `[B, T, He, D]`, v `[B, T, He, Dv]` (q, k
-        L2-normalised; k, v scaled by the write gate), g, alpha `[B, T, He]` (all fp32), new conv tail."""
+    # -- shared pieces of the training and serving paths -------------------------------------------------------
+    def _project(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """x `[..., d]` -> the short conv's input `[..., conv_dim]` (q|k|v, or q|k without the v conv) and, without
+        the v conv, the raw v projection `[..., He Dv]` (else None)."""
+        q, k, v = self.q_proj(x), self.k_proj(x), self.v_proj(x)
+        if self.cfg.use_v_conv:
+            return torch.cat([q, k, v], dim=-1), None
+        return torch.cat([q, k], dim=-1), v
+
+    def _op_inputs(
+        self, conv_out: torch.Tensor, v: torch.Tensor | None, x: torch.Tensor
+    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+        """The activated conv output `[..., conv_dim]`, the raw v (without the v conv) and x `[..., d]` -> the op's
+        q, k `[..., He, D]`, v `[..., He, Dv]` (q, k L2-normalised; k, v scaled by the write gate), g, alpha
+        `[..., He]`, all fp32 (fp64 for fp64 reference runs)."""
         c = self.cfg
         He, D, Dv = c.num_heads, c.head_dim, c.v_head_dim
-        q, k, v = self.q_proj(x), self.k_proj(x), self.v_proj(x)
-        if c.use_v_conv:
-            qkv, tail = self.conv(torch.cat([q, k, v], dim=-1), conv_tail)
-            q, k, v = F.silu(qkv).split([He * D, He * D, He * Dv], dim=-1)
+        if v is None:
+            q, k, v = conv_out.split([He * D, He * D, He * Dv], dim=-1)
         else:
-            qk, tail = self.conv(torch.cat([q, k], dim=-1), conv_tail)
-            q, k = F.silu(qk).split([He * D, He * D], dim=-1)
+            q, k = conv_out.split([He * D, He * D], dim=-1)
         f = torch.promote_types(x.dtype, torch.float32)  # fp32 gate/state math (fp64 for fp64 reference runs)
         q = q.to(f).unflatten(-1, (He, D))
         k = k.to(f).unflatten(-1, (He, D))
@@ -128,7 +135,11 @@ class GKAMixer(Mixer):
         g = -torch.exp(self.A_log.to(f)) * F.softplus(self.a_proj(x).to(f) + self.dt_bias.to(f))
         # Without the alpha-connection alpha = 1: the pure ridge solution.
         alpha = torch.sigmoid(self.alpha_proj(x).to(f)) if self.alpha_proj is not None else torch.ones_like(g)
-        return q, k, v, g, alpha, tail
+        return q, k, v, g, alpha
+
+    def _op_params(self) -> dict:
+        """The op's parameters: ridge strength a, Chebyshev steps r and the output scale."""
+        return {"ridge": self.cfg.ridge_strength, "num_iter": self.cfg.num_iter, "scale": self.scale}
 
     def _out(self, o: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
         """o `[..., He, Dv]` (fp32), x `[..., d]` -> `[..., d]`: per-head norm, output gate, out projection."""
@@ -138,16 +149,17 @@ class GKAMixer(Mixer):
             o = self.norm(o)
         return self.o_proj(o.flatten(-2).to(self.o_proj.weight.dtype))
 
+    # -- training path: whole sequences from given states -----------------------------------------------------
     def _mix(
         self, x: torch.Tensor, conv_tail: torch.Tensor, h: torch.Tensor, s: torch.Tensor
     ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
         """Whole sequences x `[B, T, d]` from the given states -> (y `[B, T, d]`, conv tail, h, s)."""
-        c = self.cfg
-        q, k, v, g, alpha, tail = self._inputs(x, conv_tail)
-        o, h, s = gka_chunked(q, k, v, g, alpha, h, s, c.ridge_strength, c.num_iter, self.scale, c.chunk_size)
+        conv_in, v = self._project(x)
+        conv_out, tail = self.conv(conv_in, conv_tail)
+        q, k, v, g, alpha = self._op_inputs(F.silu(conv_out), v, x)
+        o, h, s = gka_chunked(q, k, v, g, alpha, h, s, **self._op_params(), chunk_size=self.cfg.chunk_size)
         return self._out(o, x), tail, h, s
 
-    # -- entry points ------------------------------------------------------------------------------------------
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         B = x.shape[0]
         c = self.cfg
@@ -156,35 +168,18 @@ class GKAMixer(Mixer):
         s = x.new_zeros(B, c.num_heads, c.head_dim, c.v_head_dim, dtype=torch.float32)
         return self._mix(x, tail, h, s)[0]
 
-    def prefill(self, x: torch.Tensor, state: dict[str, torch.Tensor], batch: PrefillBatch) -> torch.Tensor:
-        ys = []
-        for i, (start, end) in enumerate(batch.offsets):
-            slot = batch.slots[i : i + 1]
-            y, tail, h, s = self._mix(
-                x[start:end].unsqueeze(0), state["conv"][slot], state["h"][slot], state["s"][slot]
-            )
-            state["conv"].index_copy_(0, slot, tail.to(state["conv"].dtype))
-            state["h"].index_copy_(0, slot, h.to(state["h"].dtype))
-            state["s"].index_copy_(0, slot, s.to(state["s"].dtype))
-            ys.append(y[0])
-        return torch.cat(ys)
+    # -- serving path: project, one op on the pool rows, project out ------------------------------------------
+    def prefill(self, x: torch.Tensor, state: dict[str, torch.Tensor], batch: StepBatch) -> torch.Tensor:
+        conv_in, v = self._project(x)
+        q, k, v, g, alpha = self._op_inputs(self.conv.prefill(conv_in, state["conv"], batch, activation="silu"), v, x)
+        o = chunk_gka(
+            q, k, v, g, alpha, state["h"], state["s"], batch.state_indices, batch.cu_seqlens, **self._op_params(),
+            chunk_size=self.cfg.chunk_size, cu_seqlens_cpu=batch.cu_seqlens_cpu,
+        )  # fmt: skip
+        return self._out(o, x)
 
-    def decode(self, x: torch.Tensor, state: dict[str, torch.Tensor], slots: torch.Tensor) -> torch.Tensor:
-        c = self.cfg
-        q, k, v, g, alpha, tail = self._inputs(x.unsqueeze(1), state["conv"].index_select(0, slots))
-        o, h, s = gka_step(
-            q[:, 0],
-            k[:, 0],
-            v[:, 0],
-            g[:, 0],
-            alpha[:, 0],
-            state["h"].index_select(0, slots),
-            state["s"].index_select(0, slots),
-            c.ridge_strength,
-            c.num_iter,
-            self.scale,
-        )
-        state["conv"].index_copy_(0, slots, tail.to(state["conv"].dtype))
-        state["h"].index_copy_(0, slots, h.to(state["h"].dtype))
-        state["s"].index_copy_(0, slots, s.to(state["s"].dtype))
+    def decode(self, x: torch.Tensor, state: dict[str, torch.Tensor], batch: StepBatch) -> torch.Tensor:
+        conv_in, v = self._project(x)
+        q, k, v, g, alpha = self._op_inputs(self.conv.decode(conv_in, state["conv"], batch, activation="silu"), v, x)
+        o = fused_recurrent_gka(q, k, v, g, alpha, state["h"], state["s"], batch.state_indices, **self._op_params())
         return self._out(o, x)

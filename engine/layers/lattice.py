@@ -20,11 +20,19 @@ import torch.nn.functional as F
 from pydantic import Field, model_validator
 from torch import nn
 
-from kvfree.engine.layers.base import Mixer, PrefillBatch, StateSpec
+from kvfree.engine.layers.base import Mixer, StateSpec
 from kvfree.engine.layers.conv import ShortConv
 from kvfree.engine.layers.norms import RMSNorm
+from kvfree.engine.step_batch import StepBatch
 from kvfree.engine.strict_config import PositiveInt, StrictConfig
-from kvfree.kernels.lattice import lattice_recurrent, lattice_step, orthonormal_columns
+from kvfree.kernels.lattice import (
+    chunk_lattice,
+    chunk_lattice_qk_conv,
+    fused_recurrent_lattice,
+    fused_recurrent_lattice_qk_conv,
+    lattice_recurrent,
+    orthonormal_columns,
+)
 
 # The fold gamma <- gamma / mu needs mu > 0; the same clamp is applied before and after folding so that both compute
 # one function (spec §4.4, §7).
@@ -163,16 +171,18 @@ class LatticeMixer(Mixer):
             gamma, mu = gamma / mu, None  # (gamma, mu) == (gamma / mu, 1) exactly under Eq. (14) (spec §4.4)
         return self.qk_proj(x), v, gamma, mu
 
-    def _qk(self, p: torch.Tensor, tail: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        """p `[B, T, H*m]`, conv tail `[B, K-1, H*m]` -> q, k `[B, T, H, m]` and the new tail."""
+    def _conv_params(self) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor, torch.Tensor | None]:
+        """(conv_q weight, bias, conv_k weight, bias), in the order the q/k conv ops take them."""
+        return self.conv_q.weight, self.conv_q.bias, self.conv_k.weight, self.conv_k.bias
+
+    def _heads(self, q: torch.Tensor, k: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """Conv outputs q, k `[..., H*m]` -> `[..., H, m]`, L2-normalised in fp32 under qk_norm="l2"."""
         c = self.cfg
-        q, new_tail = self.conv_q(p, tail)
-        k, _ = self.conv_k(p, tail)  # same input, so the same tail
         q = q.unflatten(-1, (c.num_heads, c.slots))
         k = k.unflatten(-1, (c.num_heads, c.slots))
         if c.qk_norm == "l2":
             q, k = F.normalize(q.float(), dim=-1, eps=1e-6), F.normalize(k.float(), dim=-1, eps=1e-6)
-        return q, k, new_tail
+        return q, k
 
     def _out(self, y: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
         """y `[..., H, d]` (fp32), x `[..., D]` -> `[..., D]`."""
@@ -190,53 +200,32 @@ class LatticeMixer(Mixer):
         B = x.shape[0]
         c = self.cfg
         p, v, gamma, mu = self._project(x)
-        q, k, _ = self._qk(p, p.new_zeros(B, c.conv_kernel - 1, p.shape[-1]))
+        tail = p.new_zeros(B, c.conv_kernel - 1, p.shape[-1])
+        q, k = self._heads(self.conv_q(p, tail)[0], self.conv_k(p, tail)[0])  # same input, so the same tail
         S0 = self.initial_state()
         y, _ = lattice_recurrent(
             S0.expand(B, *S0.shape), q, k, v, gamma, mu, c.variant, checkpoint_tokens=c.grad_checkpoint
         )
         return self._out(y, x)
 
-    def prefill(self, x: torch.Tensor, state: dict[str, torch.Tensor], batch: PrefillBatch) -> torch.Tensor:
-        # Projections are token-wise, so they run on the packed tokens; the convs run per session (each has its own
-        # tail); then one token loop advances all sessions together, right-padded and masked to their lengths.
+    def prefill(self, x: torch.Tensor, state: dict[str, torch.Tensor], batch: StepBatch) -> torch.Tensor:
+        # The ops update the sessions' conv tails and S in their pool rows; the recurrence has no parallel form, so
+        # chunk_lattice is the exact token loop, batched over the packed sessions.
         p, v, gamma, mu = self._project(x)
-        offsets, lens, slots = batch.offsets, batch.lens, batch.slots
-        qs, ks, tails = [], [], []
-        for i, (start, end) in enumerate(offsets):
-            q, k, tail = self._qk(p[None, start:end], state["conv"][slots[i : i + 1]])
-            qs.append(q[0])
-            ks.append(k[0])
-            tails.append(tail)
-
-        def pad(pieces: list[torch.Tensor], value: float = 0.0) -> torch.Tensor:
-            return nn.utils.rnn.pad_sequence(pieces, batch_first=True, padding_value=value)
-
-        def split(t: torch.Tensor) -> list[torch.Tensor]:
-            return [t[a:b] for a, b in offsets]
-
-        mask = None
-        if len(set(lens)) > 1:
-            mask = torch.arange(max(lens), device=x.device)[None, :] < torch.tensor(lens, device=x.device)[:, None]
-        y, S = lattice_recurrent(
-            state["S"].index_select(0, slots),
-            pad(qs),
-            pad(ks),
-            pad(split(v)),
-            pad(split(gamma)),
-            None if mu is None else pad(split(mu), 1.0),  # pads: gamma = 0, mu = 1, and masked anyway
-            self.cfg.variant,
-            mask=mask,
-        )
-        state["S"].index_copy_(0, slots, S.to(state["S"].dtype))
-        state["conv"].index_copy_(0, slots, torch.cat(tails).to(state["conv"].dtype))
-        y = torch.cat([y[i, :n] for i, n in enumerate(lens)])
+        qk = chunk_lattice_qk_conv(
+            p, state["conv"], batch.state_indices, batch.cu_seqlens, *self._conv_params(),
+            cu_seqlens_cpu=batch.cu_seqlens_cpu,
+        )  # fmt: skip
+        q, k = self._heads(*qk)
+        y = chunk_lattice(
+            q, k, v, gamma, mu, state["S"], batch.state_indices, batch.cu_seqlens, self.cfg.variant,
+            cu_seqlens_cpu=batch.cu_seqlens_cpu,
+        )  # fmt: skip
         return self._out(y, x)
 
-    def decode(self, x: torch.Tensor, state: dict[str, torch.Tensor], slots: torch.Tensor) -> torch.Tensor:
+    def decode(self, x: torch.Tensor, state: dict[str, torch.Tensor], batch: StepBatch) -> torch.Tensor:
         p, v, gamma, mu = self._project(x)
-        q, k, tail = self._qk(p.unsqueeze(1), state["conv"].index_select(0, slots))
-        y, S = lattice_step(state["S"].index_select(0, slots), q[:, 0], k[:, 0], v, gamma, mu, self.cfg.variant)
-        state["S"].index_copy_(0, slots, S.to(state["S"].dtype))
-        state["conv"].index_copy_(0, slots, tail.to(state["conv"].dtype))
+        qk = fused_recurrent_lattice_qk_conv(p, state["conv"], batch.state_indices, *self._conv_params())
+        q, k = self._heads(*qk)
+        y = fused_recurrent_lattice(q, k, v, gamma, mu, state["S"], batch.state_indices, self.cfg.variant)
         return self._out(y, x)

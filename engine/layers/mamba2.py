@@ -9,11 +9,13 @@ import torch.nn.functional as F
 from pydantic import model_validator
 from torch import nn
 
-from kvfree.engine.layers.base import Mixer, PrefillBatch, StateSpec
+from kvfree.engine.layers.base import Mixer, StateSpec
 from kvfree.engine.layers.conv import ShortConv
 from kvfree.engine.layers.norms import GatedRMSNorm
+from kvfree.engine.step_batch import StepBatch
 from kvfree.engine.strict_config import PositiveInt, StrictConfig
-from kvfree.kernels.mamba2 import ssd_chunked, ssd_step
+from kvfree.kernels.mamba2 import chunk_mamba2, fused_recurrent_mamba2, ssd_chunked
+from kvfree.kernels.mamba2.reference import softplus_dt
 
 
 class Mamba2Config(StrictConfig):
@@ -66,6 +68,7 @@ class Mamba2Mixer(Mixer):
         self.D = nn.Parameter(torch.empty(H))
         self.norm = GatedRMSNorm(self.d_inner, group_size=self.d_inner // G, eps=cfg.norm_eps)
         self.out_proj = nn.Linear(self.d_inner, hidden_size, bias=cfg.use_bias)
+        self._A_cache: tuple[tuple, torch.Tensor] | None = None
         self.reset_parameters()
 
     def reset_parameters(self) -> None:
@@ -85,37 +88,60 @@ class Mamba2Mixer(Mixer):
             "ssm": StateSpec((c.num_heads, c.head_dim, c.state_size), dtype=torch.float32),
         }
 
-    # -- shared pieces of prefill and decode -------------------------------------------------------------------
+    # -- shared pieces of the training and serving paths -------------------------------------------------------
     def _split(self, xbc: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        """Activated conv output `[..., conv_dim]` -> x `[..., H, P]`, B and C `[..., G, N]`."""
+        """Activated conv output `[..., conv_dim]` -> x `[..., H, P]`, B and C `[..., G, N]` (views, no copy)."""
         c = self.cfg
-        x, B, C = F.silu(xbc).split([self.d_inner, c.n_groups * c.state_size, c.n_groups * c.state_size], dim=-1)
+        x, B, C = xbc.split([self.d_inner, c.n_groups * c.state_size, c.n_groups * c.state_size], dim=-1)
         return (
             x.unflatten(-1, (c.num_heads, c.head_dim)),
             B.unflatten(-1, (c.n_groups, c.state_size)),
             C.unflatten(-1, (c.n_groups, c.state_size)),
         )
 
-    def _dt(self, dt: torch.Tensor) -> torch.Tensor:
-        dt = F.softplus(dt.float() + self.dt_bias.float())
-        if self.cfg.time_step_limit is not None:
-            lo, hi = self.cfg.time_step_limit
-            dt = dt.clamp(min=lo, max=hi)
-        return dt
+    def _project(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """x `[..., D]` -> gate `[..., d_inner]`, xBC `[..., conv_dim]` (before the conv), raw dt `[..., H]`."""
+        return self.in_proj(x).split([self.d_inner, self.conv_dim, self.cfg.num_heads], dim=-1)
+
+    def _A(self) -> torch.Tensor:
+        """A = -exp(A_log), fp32 `[H]`.
+
+        Serving reuses one tensor while A_log is unchanged: no kernel per layer per step, and a fixed address for
+        CUDA graphs to read. Training recomputes it so that gradients reach A_log.
+        """
+        if torch.is_grad_enabled() and self.A_log.requires_grad:
+            return -torch.exp(self.A_log.float())
+        # Inference tensors (weights created under inference_mode) have no version counter.
+        version = 0 if self.A_log.is_inference() else self.A_log._version
+        key = (self.A_log.data_ptr(), version, self.A_log.dtype)
+        if self._A_cache is None or self._A_cache[0] != key:
+            self._A_cache = (key, -torch.exp(self.A_log.detach().float()))
+        return self._A_cache[1]
+
+    def _ssm_params(self) -> dict:
+        """The op's parameters: A (fp32), D, dt_bias and the dt clamp."""
+        limit = self.cfg.time_step_limit
+        return {
+            "A": self._A(),
+            "D": self.D,
+            "dt_bias": self.dt_bias,
+            "dt_limit": None if limit is None else (float(limit[0]), float(limit[1])),
+        }
 
     def _out(self, y: torch.Tensor, gate: torch.Tensor) -> torch.Tensor:
         return self.out_proj(self.norm(y.flatten(-2), gate).to(self.out_proj.weight.dtype))
 
-    # -- entry points ------------------------------------------------------------------------------------------
+    # -- training path: whole sequences from given states -----------------------------------------------------
     def _mix(
         self, x: torch.Tensor, conv_tail: torch.Tensor, ssm: torch.Tensor
     ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """Whole sequences x `[B, T, D]` from the given states -> (y `[B, T, D]`, new conv tail, new ssm state)."""
-        gate, xbc, dt = self.in_proj(x).split([self.d_inner, self.conv_dim, self.cfg.num_heads], dim=-1)
+        gate, xbc, dt = self._project(x)
         conv_out, tail = self.conv(xbc, conv_tail)
-        xs, Bs, Cs = self._split(conv_out)
-        A = -torch.exp(self.A_log.float())
-        y, ssm = ssd_chunked(xs, self._dt(dt), A, Bs, Cs, self.D, ssm, self.cfg.chunk_size)
+        xs, Bs, Cs = self._split(F.silu(conv_out))
+        p = self._ssm_params()
+        dt = softplus_dt(dt, p["dt_bias"], p["dt_limit"], torch.float32)
+        y, ssm = ssd_chunked(xs, dt, p["A"], Bs, Cs, p["D"], ssm, self.cfg.chunk_size)
         return self._out(y, gate), tail, ssm
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
@@ -125,22 +151,18 @@ class Mamba2Mixer(Mixer):
         ssm = x.new_zeros(B, c.num_heads, c.head_dim, c.state_size, dtype=torch.float32)
         return self._mix(x, tail, ssm)[0]
 
-    def prefill(self, x: torch.Tensor, state: dict[str, torch.Tensor], batch: PrefillBatch) -> torch.Tensor:
-        ys = []
-        for i, (start, end) in enumerate(batch.offsets):
-            slot = batch.slots[i : i + 1]
-            y, tail, ssm = self._mix(x[start:end].unsqueeze(0), state["conv"][slot], state["ssm"][slot])
-            state["conv"].index_copy_(0, slot, tail.to(state["conv"].dtype))
-            state["ssm"].index_copy_(0, slot, ssm)
-            ys.append(y[0])
-        return torch.cat(ys)
+    # -- serving path: project, one op on the pool rows, project out ------------------------------------------
+    def prefill(self, x: torch.Tensor, state: dict[str, torch.Tensor], batch: StepBatch) -> torch.Tensor:
+        gate, xbc, dt = self._project(x)
+        xs, Bs, Cs = self._split(self.conv.prefill(xbc, state["conv"], batch, activation="silu"))
+        y = chunk_mamba2(
+            xs, dt, Bs, Cs, state["ssm"], batch.state_indices, batch.cu_seqlens, **self._ssm_params(),
+            chunk_size=self.cfg.chunk_size, cu_seqlens_cpu=batch.cu_seqlens_cpu,
+        )  # fmt: skip
+        return self._out(y, gate)
 
-    def decode(self, x: torch.Tensor, state: dict[str, torch.Tensor], slots: torch.Tensor) -> torch.Tensor:
-        gate, xbc, dt = self.in_proj(x).split([self.d_inner, self.conv_dim, self.cfg.num_heads], dim=-1)
-        conv_out, tail = self.conv(xbc.unsqueeze(1), state["conv"].index_select(0, slots))
-        xs, Bs, Cs = self._split(conv_out[:, 0])
-        A = -torch.exp(self.A_log.float())
-        y, ssm = ssd_step(xs, self._dt(dt), A, Bs, Cs, self.D, state["ssm"].index_select(0, slots))
-        state["conv"].index_copy_(0, slots, tail.to(state["conv"].dtype))
-        state["ssm"].index_copy_(0, slots, ssm)
+    def decode(self, x: torch.Tensor, state: dict[str, torch.Tensor], batch: StepBatch) -> torch.Tensor:
+        gate, xbc, dt = self._project(x)
+        xs, Bs, Cs = self._split(self.conv.decode(xbc, state["conv"], batch, activation="silu"))
+        y = fused_recurrent_mamba2(xs, dt, Bs, Cs, state["ssm"], batch.state_indices, **self._ssm_params())
         return self._out(y, gate)

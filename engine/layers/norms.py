@@ -1,10 +1,11 @@
-"""RMS norms shared by every layer kind."""
+"""RMS norms shared by every layer kind: thin modules over `kvfree.kernels.norm` (fused Triton on a GPU)."""
 
 from __future__ import annotations
 
 import torch
-import torch.nn.functional as F
 from torch import nn
+
+from kvfree.kernels.norm import add_rms_norm, gated_rms_norm, rms_norm
 
 
 class RMSNorm(nn.Module):
@@ -17,9 +18,17 @@ class RMSNorm(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         """x: `[..., dim]` -> `[..., dim]` in the weight's dtype."""
-        xf = x.float()
-        xf = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + self.eps)
-        return self.weight * xf.to(self.weight.dtype)
+        return rms_norm(x, self.weight, self.eps)
+
+    def add_forward(
+        self, x: torch.Tensor, residual: torch.Tensor | None, *, inplace: bool = False
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """The residual add folded into the norm: `r = residual + x.float()` (`x.float()` when residual is None).
+
+        x: `[..., dim]` (model dtype), residual: `[..., dim]` fp32 or None -> (`forward(r)` in the weight's dtype,
+        r fp32). inplace=True writes r into `residual` and returns it (ignored when residual is None).
+        """
+        return add_rms_norm(x, residual, self.weight, self.eps, inplace=inplace)
 
 
 class GatedRMSNorm(nn.Module):
@@ -40,12 +49,4 @@ class GatedRMSNorm(nn.Module):
 
     def forward(self, x: torch.Tensor, gate: torch.Tensor) -> torch.Tensor:
         """x, gate: `[..., dim]` -> `[..., dim]` in the weight's dtype."""
-        xf, gf = x.float(), F.silu(gate.float())
-        if not self.norm_before_gate:
-            xf = xf * gf
-        grouped = xf.unflatten(-1, (-1, self.group_size))
-        grouped = grouped * torch.rsqrt(grouped.pow(2).mean(-1, keepdim=True) + self.eps)
-        out = self.weight.float() * grouped.flatten(-2)
-        if self.norm_before_gate:
-            out = out * gf
-        return out.to(self.weight.dtype)
+        return gated_rms_norm(x, gate, self.weight, self.group_size, self.eps, self.norm_before_gate)

@@ -14,9 +14,10 @@ import torch
 from pydantic import Field
 from torch import nn
 
-from kvfree.engine.layers.base import Mixer, PrefillBatch, StateSpec
+from kvfree.engine.layers.base import Mixer, StateSpec
+from kvfree.engine.step_batch import StepBatch
 from kvfree.engine.strict_config import PositiveInt, StrictConfig
-from kvfree.kernels.ska import SKAState, ska_chunked, ska_empty_state, ska_prefix, ska_step
+from kvfree.kernels.ska import SKAState, chunk_ska, fused_recurrent_ska, ska_chunked, ska_empty_state
 
 _ACC = {"float32": torch.float32, "float64": torch.float64}
 
@@ -59,6 +60,7 @@ class SKAMixer(Mixer):
     """
 
     kind = "ska"
+    graph_blocker = "the chunk-boundary readout rebuild branches on the host (`enter.any()`), the Cholesky retry syncs"
     config_class = SKAConfig
 
     def __init__(self, hidden_size: int, cfg: SKAConfig) -> None:
@@ -107,8 +109,10 @@ class SKAMixer(Mixer):
         return z, q, v
 
     def _kw(self) -> dict:
+        """The op's parameters (those of `ska_chunked`, `ska_step` and the serving ops alike)."""
         c = self.cfg
         return {
+            "chunk_size": c.chunk_size,
             "eps": c.ridge_eps,
             "eta": self.eta.float()[0],
             "gamma": self.gamma.float()[0].clamp(1.0, 1.5),  # docs/design/ska.md §2.1 [PROPOSAL]: clamp, init 1
@@ -122,13 +126,9 @@ class SKAMixer(Mixer):
         return self.o_proj(y.flatten(-2).to(self.o_proj.weight.dtype))
 
     @staticmethod
-    def _rows(state: dict[str, torch.Tensor], slots: torch.Tensor) -> SKAState:
-        return SKAState(*(state[name].index_select(0, slots) for name in SKAState._fields))
-
-    @staticmethod
-    def _write(state: dict[str, torch.Tensor], slots: torch.Tensor, new: SKAState) -> None:
-        for name, value in zip(SKAState._fields, new, strict=True):
-            state[name].index_copy_(0, slots, value.to(state[name].dtype))
+    def _pools(state: dict[str, torch.Tensor]) -> SKAState:
+        """The layer's pool tensors `[S, ...]` in the op's order (the fields of `SKAState`)."""
+        return SKAState(**{name: state[name] for name in SKAState._fields})
 
     # -- entry points ------------------------------------------------------------------------------------------
     def forward(self, x: torch.Tensor, mask: torch.Tensor | None = None) -> torch.Tensor:
@@ -141,33 +141,21 @@ class SKAMixer(Mixer):
         c = self.cfg
         z, q, v = self._proj(x)
         state = ska_empty_state(B, c.num_heads, c.rank, c.head_dim, self.acc_dtype, x.device)
-        y, _ = ska_chunked(z, q, v, state, 0, chunk_size=c.chunk_size, a=mask, **self._kw())
+        y, _ = ska_chunked(z, q, v, state, 0, a=mask, **self._kw())
         return self._out(y)
 
-    def prefill(self, x: torch.Tensor, state: dict[str, torch.Tensor], batch: PrefillBatch) -> torch.Tensor:
-        c = self.cfg
+    # -- serving path: project, one op on the pool rows, project out ------------------------------------------
+    def prefill(self, x: torch.Tensor, state: dict[str, torch.Tensor], batch: StepBatch) -> torch.Tensor:
         z, q, v = self._proj(x)
-        starts = state["pos"].index_select(0, batch.slots).tolist()  # host ints: the chunk grid of each session
-        extend = ska_prefix if c.decode_mode == "P" else ska_chunked
-        ys = []
-        for i, (start, end) in enumerate(batch.offsets):
-            slot = batch.slots[i : i + 1]
-            y, new = extend(
-                z[None, start:end],
-                q[None, start:end],
-                v[None, start:end],
-                self._rows(state, slot),
-                starts[i],
-                chunk_size=c.chunk_size,
-                **self._kw(),
-            )
-            self._write(state, slot, new)
-            ys.append(y[0])
-        return self._out(torch.cat(ys))
+        y = chunk_ska(
+            z, q, v, self._pools(state), batch.state_indices, batch.cu_seqlens, **self._kw(),
+            mode=self.cfg.decode_mode, cu_seqlens_cpu=batch.cu_seqlens_cpu,
+        )  # fmt: skip
+        return self._out(y)
 
-    def decode(self, x: torch.Tensor, state: dict[str, torch.Tensor], slots: torch.Tensor) -> torch.Tensor:
-        c = self.cfg
+    def decode(self, x: torch.Tensor, state: dict[str, torch.Tensor], batch: StepBatch) -> torch.Tensor:
         z, q, v = self._proj(x)
-        y, new = ska_step(z, q, v, self._rows(state, slots), chunk_size=c.chunk_size, mode=c.decode_mode, **self._kw())
-        self._write(state, slots, new)
+        y = fused_recurrent_ska(
+            z, q, v, self._pools(state), batch.state_indices, **self._kw(), mode=self.cfg.decode_mode
+        )
         return self._out(y)

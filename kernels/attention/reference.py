@@ -1,4 +1,13 @@
-"""Reference attention: RoPE and masked grouped-query attention over explicit key positions."""
+"""Reference attention in pure PyTorch: RoPE, masked grouped-query attention, and the slot-indexed KV-cache ops.
+
+`apply_rope` and `attend` are the plain math. `chunk_attention` (packed variable-length causal prefill) and
+`fused_recurrent_attention` (one decode token per session) serve the engine: each session's keys and values live in
+rows of preallocated pool tensors, addressed by `state_indices`, together with its `length` (tokens seen). A full KV
+cache stores position p at entry p and holds up to its capacity; with `window` set the cache is a ring of exactly
+`window` entries, position p at entry p % window, and a query sees the last `window` tokens, itself included. The ops
+rotate queries and keys by RoPE at their absolute positions (`length` + offset), so callers pass unrotated
+projections; the cache stores rotated keys.
+"""
 
 from __future__ import annotations
 
@@ -6,6 +15,11 @@ import torch
 import torch.nn.functional as F
 
 from kvfree.kernels.common import state_math
+from kvfree.kernels.dispatch import host_cu_seqlens, varlen_positions
+
+
+class KVCacheFull(ValueError):
+    """A session's context would not fit in its full KV cache; raised before any state is touched."""
 
 
 def apply_rope(x: torch.Tensor, positions: torch.Tensor, theta: float) -> torch.Tensor:
@@ -47,3 +61,212 @@ def attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor
         q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), attn_mask=mask[:, None]
     )
     return out.transpose(1, 2)
+
+
+# -- the slot-indexed serving ops ---------------------------------------------------------------------------------
+def _check_capacity(k_cache: torch.Tensor, needed: int, window: int | None) -> None:
+    """Raise before any write: a full cache must hold `needed` positions; a ring must have exactly `window` entries."""
+    capacity = k_cache.shape[1]
+    if window is not None and capacity != window:
+        raise ValueError(f"window={window}: the ring must have {window} entries, the cache has {capacity}")
+    if window is None and needed > capacity:
+        raise KVCacheFull(f"a session needs {needed} tokens of context but the KV cache holds {capacity}")
+
+
+def _rotate(q: torch.Tensor, k: torch.Tensor, positions: torch.Tensor, theta: float) -> tuple[torch.Tensor, ...]:
+    """q `[T, Hq, D]` and k `[T, Hkv, D]` rotated at `positions` `[T]` in one pass (the angles are computed once)."""
+    return apply_rope(torch.cat([q, k], 1), positions, theta).split([q.shape[1], k.shape[1]], 1)
+
+
+def _entries(positions: torch.Tensor, window: int | None) -> torch.Tensor:
+    """Cache entry of each absolute position: itself (full cache) or its ring slot."""
+    return positions if window is None else positions % window
+
+
+# Sessions share one padded attention call while padding keeps the group's work within 1.25x of the exact work plus
+# this many score entries: a call's fixed cost outweighs a few thousand scores, so tiny sessions always share one.
+_PAD_SLACK = 16384
+
+
+def _groups(queries: list[int], keys: list[int]) -> list[list[int]]:
+    """Sessions batched into padded attention calls: by key count, longest first, while padding stays cheap.
+
+    `queries[i]` and `keys[i]` are session i's new tokens and the keys they see (past + new). Equal shapes always
+    share a call; a long session does not drag short ones up to its size.
+    """
+    groups: list[list[int]] = []
+    exact = t_max = k_max = 0
+    for i in sorted(range(len(queries)), key=lambda i: (-keys[i], -queries[i])):
+        if not queries[i]:
+            continue
+        tq, tk = max(t_max, queries[i]), max(k_max, keys[i])
+        if groups and (len(groups[-1]) + 1) * tq * tk <= 1.25 * (exact + queries[i] * keys[i]) + _PAD_SLACK:
+            groups[-1].append(i)
+            exact, t_max, k_max = exact + queries[i] * keys[i], tq, tk
+        else:
+            groups.append([i])
+            exact, t_max, k_max = queries[i] * keys[i], queries[i], keys[i]
+    return [sorted(group) for group in groups]  # packed order within a group: one group of all is the packed layout
+
+
+def _attend_chunk(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    rows: torch.Tensor,
+    starts: torch.Tensor,
+    past: torch.Tensor,
+    first: torch.Tensor,
+    t_max: int,
+    p_max: int,
+    window: int | None,
+) -> torch.Tensor:
+    """Causal attention of G sessions' new tokens over [their cached past | themselves], right-padded to one call.
+
+    q, k, v: the packed (rotated) tokens of all sessions; rows, starts: `[G]` pool row and first packed token of each
+    session of the group; past: `[G]` tokens seen before; first: `[G]` the first past position a new token may see;
+    t_max, p_max: the longest new and visible past spans (host ints). Returns `[G, t_max, Hq, D]`; rows past a
+    session's own length are padding.
+    """
+    dev = q.device
+    j = torch.arange(t_max, device=dev)
+    tok = (starts[:, None] + j[None, :]).clamp(max=q.shape[0] - 1)  # padding repeats a real token
+    past_pos = first[:, None] + torch.arange(p_max, device=dev)[None, :]  # [G, Pmax]
+    # Only the entries the chunk can see are gathered (a full cache row may hold max_context entries).
+    entries = _entries(past_pos, window).clamp(max=k_cache.shape[1] - 1)
+    keys = torch.cat([k_cache[rows[:, None], entries].to(k.dtype), k[tok]], 1)
+    values = torch.cat([v_cache[rows[:, None], entries].to(v.dtype), v[tok]], 1)
+    q_pos = past[:, None] + j[None, :]  # [G, Tmax]
+    # Past padding gets a position no query reaches. New-token padding sits after every real query of its session,
+    # so causality masks it, and a padding query still sees itself: no row of the mask is empty.
+    far = torch.iinfo(torch.int64).max // 2
+    key_pos = torch.cat([past_pos.masked_fill(past_pos >= past[:, None], far), q_pos], 1)  # [G, Pmax + Tmax]
+    mask = key_pos[:, None, :] <= q_pos[:, :, None]
+    if window is not None:
+        mask &= key_pos[:, None, :] > q_pos[:, :, None] - window
+    return attend(q[tok], keys, values, mask)
+
+
+def chunk_attention(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    length: torch.Tensor,
+    state_indices: torch.Tensor,
+    cu_seqlens: torch.Tensor,
+    rope_theta: float = 10000.0,
+    window: int | None = None,
+    *,
+    cu_seqlens_cpu: torch.Tensor | list[int] | None = None,
+) -> torch.Tensor:
+    """Causal prefill of packed variable-length sequences, each continuing its session's KV cache in the pool.
+
+    Session i's n = `length` tokens seen so far sit in its cache; its T new tokens take positions n .. n+T-1, are
+    rotated by RoPE there, attend to the cached past and to each other causally (with `window`: only keys at
+    positions > p - window for the query at p), and are then written to the cache.
+
+    Args:
+        q: `[T, Hq, D]` bf16/fp16/fp32, unrotated queries of N sequences concatenated.
+        k, v: `[T, Hkv, D]`, unrotated keys and values; Hkv divides Hq.
+        k_cache, v_cache: `[S, C, Hkv, D]` pools (activation dtype). Rows `state_indices` receive the new tokens'
+            rotated keys and values: at entries n .. n+T-1 of a full cache (C = max context), or at p % window for
+            the last `window` positions p of each sequence in a ring (C = window).
+        length: `[S]` int64 pool of tokens seen; rows `state_indices` grow by each sequence's T.
+        state_indices: `[N]` int32, the pool row of each sequence (distinct).
+        cu_seqlens: `[N+1]` int32, sequence boundaries in q (device), from 0 to T.
+        rope_theta: RoPE base.
+        window: None for full causal attention, else the sliding window (the cache's ring size).
+        cu_seqlens_cpu: a host copy of cu_seqlens (tensor or list); copied from the device (a sync) when None.
+
+    Rows not named in `state_indices` are left untouched. Raises `KVCacheFull` (nothing written) when a full cache
+    cannot hold n + T positions.
+
+    Returns:
+        `[T, Hq, D]` in q's dtype.
+    """
+    cu = host_cu_seqlens(cu_seqlens, cu_seqlens_cpu, q.shape[0])
+    idx = state_indices.to(torch.int64)
+    dev = q.device
+    past = length.index_select(0, idx)  # [N] int64
+    past_h = past.tolist()  # host: plans the padded calls (one sync, like the host cu_seqlens)
+    lens_h = [b - a for a, b in zip(cu[:-1], cu[1:], strict=True)]
+    _check_capacity(k_cache, max(n + t for n, t in zip(past_h, lens_h, strict=True)), window)
+    seq, offset, lens, _ = varlen_positions(cu, dev)
+    pos = past[seq] + offset  # absolute position of every packed token
+    q, k = _rotate(q, k, pos, rope_theta)
+    first = torch.zeros_like(past) if window is None else (past - window + 1).clamp(min=0)
+    visible = [n if window is None else min(n, window - 1) for n in past_h]  # past tokens a chunk can see
+    # Per-session metadata stacked, so that a group's is one index away: rows, starts, past, first, lens.
+    meta = torch.stack([idx, torch.tensor(cu[:-1], dtype=torch.int64, device=dev), past, first, lens])
+    groups = _groups(lens_h, [p + t for p, t in zip(visible, lens_h, strict=True)])
+    out = q.new_empty(q.shape)
+    for group in groups:
+        rows, starts, g_past, g_first, g_lens = meta if len(group) == len(lens_h) else meta[:, group].unbind()
+        t_max = max(lens_h[i] for i in group)
+        o = _attend_chunk(
+            q, k, v, k_cache, v_cache, rows, starts, g_past, g_first, t_max, max(visible[i] for i in group), window
+        )
+        j = torch.arange(t_max, device=dev)[None, :]
+        real = j < g_lens[:, None]
+        if len(groups) == 1:  # every session in one call, in packed order: the real rows are the packed tokens
+            out = o[real]
+        else:
+            out[(starts[:, None] + j)[real]] = o[real]
+    # Write after attending: a ring keeps only each sequence's last `window` tokens, which the chunk's own earlier
+    # queries may still have needed.
+    rows, entries = idx[seq], _entries(pos, window)
+    if max(lens_h) > k_cache.shape[1]:
+        keep = offset >= lens[seq] - k_cache.shape[1]
+        rows, entries, k, v = rows[keep], entries[keep], k[keep], v[keep]
+    k_cache.index_put_((rows, entries), k.to(k_cache.dtype))
+    v_cache.index_put_((rows, entries), v.to(v_cache.dtype))
+    length.index_copy_(0, idx, past + lens)
+    return out
+
+
+def fused_recurrent_attention(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    length: torch.Tensor,
+    state_indices: torch.Tensor,
+    rope_theta: float = 10000.0,
+    window: int | None = None,
+) -> torch.Tensor:
+    """One decode token per session: rotate at position n = `length`, append to the cache, attend over it.
+
+    Args:
+        q: `[B, Hq, D]` bf16/fp16/fp32, unrotated.  k, v: `[B, Hkv, D]` unrotated; Hkv divides Hq.
+        k_cache, v_cache: `[S, C, Hkv, D]` pools; rows `state_indices` receive the token's rotated key and value at
+            entry n (full cache) or n % window (ring of C = window entries).
+        length: `[S]` int64 pool of tokens seen; rows `state_indices` grow by one.
+        state_indices: `[B]` int32, the pool row of each session (distinct).
+        rope_theta: RoPE base.  window: None for full attention, else the sliding window (the ring size).
+
+    Rows not named in `state_indices` are left untouched. Raises `KVCacheFull` (nothing written) when a full cache
+    is already full. The longest length is read on the host (it sizes the keys gathered): a device sync.
+
+    Returns:
+        `[B, Hq, D]` in q's dtype.
+    """
+    idx = state_indices.to(torch.int64)
+    n = length.index_select(0, idx)  # [B] tokens seen before this one
+    longest = int(n.max())
+    _check_capacity(k_cache, longest + 1, window)
+    q, k = _rotate(q, k, n, rope_theta)  # the token axis is the batch axis here: one position per session
+    entry = _entries(n, window)
+    k_cache.index_put_((idx, entry), k.to(k_cache.dtype))
+    v_cache.index_put_((idx, entry), v.to(v_cache.dtype))
+    # Only the first min(n+1, C) entries hold this session's keys; for a ring that is all of them once it has
+    # wrapped, and RoPE already encodes the positions, so entry order does not matter.
+    used = min(longest + 1, k_cache.shape[1])
+    mask = torch.arange(used, device=q.device)[None, :] < (n + 1)[:, None]
+    out = attend(q[:, None], k_cache[idx, :used], v_cache[idx, :used], mask[:, None, :])[:, 0]
+    length.index_copy_(0, idx, n + 1)
+    return out

@@ -15,6 +15,11 @@ its Frobenius norm comes from the three-term formula of §6.1, the C Chebyshev s
 matrix iteration (§6.2), and the output is chunked gated linear attention (§6.3). All chunks are solved at
 once after a cheap sequential pass that forms the chunk-start states.
 
+`chunk_gka` (packed variable-length prefill) and `fused_recurrent_gka` (one decode step) are the serving ops, slot-
+indexed like `kvfree.kernels.mamba2`'s: they read each session's (H, S) from rows of preallocated pools and write the
+new states back in place. `chunk_gka` lays every sequence's chunks side by side in one row (no padding beyond whole
+chunks), so all sequences share one Chebyshev solve; only the cheap chunk-start pass runs per sequence.
+
 State math runs in fp32, or in fp64 when the inputs are fp64 (used by the tests).
 """
 
@@ -26,6 +31,7 @@ import torch
 import torch.nn.functional as F
 
 from kvfree.kernels.common import state_math
+from kvfree.kernels.dispatch import chunk_metadata, host_cu_seqlens, varlen_positions
 from kvfree.kernels.mamba2.reference import segsum
 
 # Squared Frobenius norms are clamped here before the square root: ||H|| = 0 only when every key seen is exactly
@@ -125,6 +131,78 @@ def _to_chunks(x: torch.Tensor, chunk: int) -> torch.Tensor:
     return x.movedim(3, 1)
 
 
+def _chunk_summaries(
+    K: torch.Tensor, V: torch.Tensor, G: torch.Tensor
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """What each chunk needs of its own tokens, for chunk tensors `[B, He, nc, C, *]` (any chunk layout).
+
+    Returns zeta `[B, He, nc, C]` (decay from the chunk start to token c, inclusive), Lambda `[B, He, nc, C, C]`, and
+    the chunk's own contribution to the state at its end, dh `[B, He, nc, D, D]` and ds `[B, He, nc, D, Dv]`.
+    """
+    zeta = torch.exp(torch.cumsum(G, dim=-1))
+    # Lambda[c, j] = exp(g_{j+1} + ... + g_c) for j <= c, else 0. Summed increments (segsum), not differences
+    # of a cumsum, so that strong decay neither loses precision nor turns into 0/0.
+    lam = torch.exp(segsum(G))
+    to_end = lam[..., -1, :]  # decay from token j to the chunk end
+    dh = torch.einsum("bhncd,bhnc,bhnce->bhnde", K, to_end, K)
+    ds = torch.einsum("bhncd,bhnc,bhnce->bhnde", K, to_end, V)
+    return zeta, lam, dh, ds
+
+
+def _carry(
+    z_end: torch.Tensor, dh: torch.Tensor, ds: torch.Tensor, h0: torch.Tensor, s0: torch.Tensor
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Chunk-start states by a sequential pass over the nc chunks of each sequence (cheap elementwise work).
+
+    z_end: `[B, He, nc]` whole-chunk decays.  dh, ds: `[B, He, nc, D, D|Dv]` (`_chunk_summaries`).  h0, s0: `[B, He,
+    D, D|Dv]` the states before the first chunk. A chunk with z_end = 1 and dh = ds = 0 passes the state on exactly.
+
+    Returns H0 `[B, He, nc, D, D]`, S0 `[B, He, nc, D, Dv]` (the states each chunk starts from) and the final h, s.
+    """
+    z_end = z_end[..., None, None]
+    hs, ss = [h0], [s0]
+    for n in range(z_end.shape[2]):
+        hs.append(z_end[:, :, n] * hs[-1] + dh[:, :, n])
+        ss.append(z_end[:, :, n] * ss[-1] + ds[:, :, n])
+    return torch.stack(hs[:-1], dim=2), torch.stack(ss[:-1], dim=2), hs[-1], ss[-1]
+
+
+def _chunk_outputs(
+    Q: torch.Tensor,
+    K: torch.Tensor,
+    V: torch.Tensor,
+    A: torch.Tensor,
+    zeta: torch.Tensor,
+    lam: torch.Tensor,
+    H0: torch.Tensor,
+    S0: torch.Tensor,
+    ridge: float,
+    num_iter: int,
+    scale: float,
+) -> torch.Tensor:
+    """The outputs `[B, He, nc, C, Dv]` of every chunk at once from its start states (§6.1-§6.3); chunks independent."""
+    # ||H_c||_F^2 for every token of every chunk at once (three-term formula, §6.1):
+    #   zeta_c^2 ||H0||^2 + 2 zeta_c sum_j Lam[c,j] k_j^T H0 k_j + sum_{j,j'} Lam[c,j] Lam[c,j'] (k_j . k_j')^2
+    gram = K @ K.transpose(-1, -2)  # [B, He, nc, C, C]
+    p = torch.einsum("bhncd,bhnde,bhnce->bhnc", K, H0, K)
+    fro_sq = (
+        zeta.square() * H0.square().sum((-2, -1)).unsqueeze(-1)
+        + 2.0 * zeta * (lam @ p.unsqueeze(-1)).squeeze(-1)
+        + ((lam @ gram.square()) * lam).sum(-1)
+    )
+    fro = fro_sq.clamp_min(_MIN_FRO_SQ).sqrt().unsqueeze(-1)  # [B, He, nc, C, 1]
+
+    # Chebyshev for all queries at once (§6.2): row c of matvec(X) is H_c x_c, never forming H_c.
+    def matvec(X: torch.Tensor) -> torch.Tensor:
+        return zeta.unsqueeze(-1) * (X @ H0) + ((X @ K.transpose(-1, -2)) * lam) @ K
+
+    X = chebyshev_solve(matvec, Q, fro, ridge, num_iter)
+    Qp = Q + A.unsqueeze(-1) * (X - Q)
+
+    # Chunked gated linear attention with the blended queries (§6.3).
+    return scale * (zeta.unsqueeze(-1) * (Qp @ S0) + ((Qp @ K.transpose(-1, -2)) * lam) @ V)
+
+
 @state_math
 def gka_chunked(
     q: torch.Tensor,
@@ -162,43 +240,167 @@ def gka_chunked(
     G = _to_chunks(g.to(f), C)  # [B, He, nc, C]
     A = _to_chunks(alpha.to(f), C)
     nc = Q.shape[2]
-
-    zeta = torch.exp(torch.cumsum(G, dim=-1))  # decay from the chunk start to token c (inclusive)
-    # Lambda[c, j] = exp(g_{j+1} + ... + g_c) for j <= c, else 0. Summed increments (segsum), not differences
-    # of a cumsum, so that strong decay neither loses precision nor turns into 0/0.
-    lam = torch.exp(segsum(G))  # [B, He, nc, C, C]
-    to_end = lam[..., -1, :]  # decay from token j to the chunk end
-
-    # Chunk-start states: a sequential pass over chunks (cheap elementwise work on [B, He, D, D]).
-    dh = torch.einsum("bhncd,bhnc,bhnce->bhnde", K, to_end, K)
-    ds = torch.einsum("bhncd,bhnc,bhnce->bhnde", K, to_end, V)
-    z_end = zeta[..., -1, None, None]  # [B, He, nc, 1, 1]
-    hs, ss = [h0], [s0]
-    for n in range(nc):
-        hs.append(z_end[:, :, n] * hs[-1] + dh[:, :, n])
-        ss.append(z_end[:, :, n] * ss[-1] + ds[:, :, n])
-    H0 = torch.stack(hs[:-1], dim=2)  # [B, He, nc, D, D]
-    S0 = torch.stack(ss[:-1], dim=2)  # [B, He, nc, D, Dv]
-
-    # ||H_c||_F^2 for every token of every chunk at once (three-term formula, §6.1):
-    #   zeta_c^2 ||H0||^2 + 2 zeta_c sum_j Lam[c,j] k_j^T H0 k_j + sum_{j,j'} Lam[c,j] Lam[c,j'] (k_j . k_j')^2
-    gram = K @ K.transpose(-1, -2)  # [B, He, nc, C, C]
-    p = torch.einsum("bhncd,bhnde,bhnce->bhnc", K, H0, K)
-    fro_sq = (
-        zeta.square() * H0.square().sum((-2, -1)).unsqueeze(-1)
-        + 2.0 * zeta * (lam @ p.unsqueeze(-1)).squeeze(-1)
-        + ((lam @ gram.square()) * lam).sum(-1)
-    )
-    fro = fro_sq.clamp_min(_MIN_FRO_SQ).sqrt().unsqueeze(-1)  # [B, He, nc, C, 1]
-
-    # Chebyshev for all queries at once (§6.2): row c of matvec(X) is H_c x_c, never forming H_c.
-    def matvec(X: torch.Tensor) -> torch.Tensor:
-        return zeta.unsqueeze(-1) * (X @ H0) + ((X @ K.transpose(-1, -2)) * lam) @ K
-
-    X = chebyshev_solve(matvec, Q, fro, ridge, num_iter)
-    Qp = Q + A.unsqueeze(-1) * (X - Q)
-
-    # Chunked gated linear attention with the blended queries (§6.3).
-    O = scale * (zeta.unsqueeze(-1) * (Qp @ S0) + ((Qp @ K.transpose(-1, -2)) * lam) @ V)  # [B, He, nc, C, Dv]
+    zeta, lam, dh, ds = _chunk_summaries(K, V, G)
+    H0, S0, h, s = _carry(zeta[..., -1], dh, ds, h0, s0)
+    O = _chunk_outputs(Q, K, V, A, zeta, lam, H0, S0, ridge, num_iter, scale)  # [B, He, nc, C, Dv]
     o = O.movedim(1, 3).reshape(B, nc * C, He, Dv)[:, :T]
-    return o, hs[-1], ss[-1]
+    return o, h, s
+
+
+# -- the serving ops: packed variable-length prefill and decode on pool rows ----------------------------------------
+def _varlen_chunks(
+    cu: tuple[int, ...], chunk: int, device: torch.device
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, int, int]:
+    """The chunk layout of packed sequences: each sequence zero-padded to whole chunks, all chunks in one row.
+
+    Returns (`dest` `[T]` int64: each packed token's place on the chunk-padded axis of NC * chunk tokens,
+    `chunk_seq`, `chunk_idx` `[NC]` int64: each chunk's sequence and its index within it, NC, the most chunks of one
+    sequence). An empty sequence has no chunks.
+    """
+    indices, offsets, nc = chunk_metadata(cu, chunk, device)
+    seq, pos, _, _ = varlen_positions(cu, device)
+    dest = offsets.long()[seq] * chunk + pos
+    counts = [-(-(cu[i + 1] - cu[i]) // chunk) for i in range(len(cu) - 1)]
+    indices = indices.long()
+    return dest, indices[:, 0], indices[:, 1], nc, max(counts)
+
+
+def _gka_varlen(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    g: torch.Tensor,
+    alpha: torch.Tensor,
+    h0: torch.Tensor,
+    s0: torch.Tensor,
+    cu: tuple[int, ...],
+    ridge: float,
+    num_iter: int,
+    scale: float,
+    chunk_size: int,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """`gka_chunked` on packed sequences of any lengths: q `[T, He, D]` ... (as `chunk_gka`), h0, s0 `[N, He, D,
+    D|Dv]` and host boundaries `cu` -> (o `[T, He, Dv]`, final h, final s), all in the work dtype.
+
+    Every sequence's chunks lie side by side in one row (no padding beyond whole chunks), so one Chebyshev solve
+    serves all sequences; only the cheap chunk-start pass runs per sequence (padded to the most chunks).
+    """
+    T, He, _ = q.shape
+    Dv = v.shape[-1]
+    f = h0.dtype
+    C = chunk_size
+    dest, chunk_seq, chunk_idx, nc, most = _varlen_chunks(cu, C, q.device)
+
+    def chunks(t: torch.Tensor) -> torch.Tensor:
+        # [T, He, *] -> [1, He, NC, C, *]: padding tokens have k = v = q = 0 and g = 0 (decay 1), so they leave the
+        # state unchanged and output zeros, as in gka_chunked.
+        out = t.new_zeros(nc * C, *t.shape[1:], dtype=f)
+        out[dest] = t.to(f)
+        return out.view(1, nc, C, *t.shape[1:]).movedim(3, 1)
+
+    Q, K, V, G, A = (chunks(t) for t in (q, k, v, g, alpha))
+    zeta, lam, dh, ds = _chunk_summaries(K, V, G)
+
+    # The chunk-start states per sequence: lay the chunk summaries out as [N, He, most, ...] (missing chunks pass the
+    # state on: decay 1, no increment), run gka_chunked's pass, and read each real chunk's start state back.
+    def per_seq(t: torch.Tensor, fill: float) -> torch.Tensor:
+        out = t.new_full((len(cu) - 1, He, most, *t.shape[3:]), fill)
+        out[chunk_seq, :, chunk_idx] = t[0].movedim(1, 0)
+        return out
+
+    H0, S0, h, s = _carry(per_seq(zeta[..., -1], 1.0), per_seq(dh, 0.0), per_seq(ds, 0.0), h0, s0)
+    H0, S0 = (t[chunk_seq, :, chunk_idx].movedim(0, 1)[None] for t in (H0, S0))  # [1, He, NC, D, D|Dv]
+    O = _chunk_outputs(Q, K, V, A, zeta, lam, H0, S0, ridge, num_iter, scale)  # [1, He, NC, C, Dv]
+    return O[0].movedim(0, 2).reshape(nc * C, He, Dv)[dest], h, s
+
+
+@state_math
+def chunk_gka(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    g: torch.Tensor,
+    alpha: torch.Tensor,
+    h: torch.Tensor,
+    s: torch.Tensor,
+    state_indices: torch.Tensor,
+    cu_seqlens: torch.Tensor,
+    ridge: float,
+    num_iter: int,
+    scale: float,
+    chunk_size: int = 64,
+    *,
+    cu_seqlens_cpu: torch.Tensor | list[int] | None = None,
+) -> torch.Tensor:
+    """Chunked GKA prefill over packed variable-length sequences, states (h, s) in place in their pools.
+
+    Args:
+        q: `[T, He, D]` L2-normalised queries of N sequences concatenated.
+        k: `[T, He, D]` L2-normalised keys times (beta + 1e-6).  v: `[T, He, Dv]` values times (beta + 1e-6).
+        g: `[T, He]` log forget gates (<= 0).  alpha: `[T, He]` alpha-connection gates.
+        h: `[S, He, D, D]` fp32 key-covariance pool.  s: `[S, He, D, Dv]` fp32 key-value pool. Rows `state_indices`
+            hold the initial states and receive the final ones; other rows are left untouched.
+        state_indices: `[N]` int32, the pool row of each sequence.
+        cu_seqlens: `[N+1]` int32, sequence boundaries in q (device), from 0 to T.
+        ridge: a.  num_iter: r (Chebyshev steps).  scale: output scale (D^-1/2).
+        chunk_size: tokens per chunk; chunks never cross a sequence boundary. The result does not depend on it
+            beyond rounding.
+        cu_seqlens_cpu: a host copy of cu_seqlens (tensor or list); copied from the device (a sync) when None.
+
+    Returns:
+        o: `[T, He, Dv]` in q's dtype (computed in fp32, or fp64 for fp64 inputs or pools).
+    """
+    T, He, _ = q.shape
+    cu = host_cu_seqlens(cu_seqlens, cu_seqlens_cpu, T)
+    if T == 0:
+        return q.new_zeros(0, He, v.shape[-1])
+    f = _work_dtype(q, h)
+    idx = state_indices.to(torch.int64)
+    h0, s0 = h.index_select(0, idx).to(f), s.index_select(0, idx).to(f)
+    N = len(cu) - 1
+    if all(cu[i + 1] - cu[i] == T // N for i in range(N)):
+        # Equal lengths (a single sequence included): a plain batch for gka_chunked, no chunk layout to build.
+        o, h_end, s_end = gka_chunked(
+            *(t.unflatten(0, (N, T // N)) for t in (q, k, v, g, alpha)), h0, s0, ridge, num_iter, scale, chunk_size
+        )
+        o = o.flatten(0, 1)
+    else:
+        o, h_end, s_end = _gka_varlen(q, k, v, g, alpha, h0, s0, cu, ridge, num_iter, scale, chunk_size)
+    h.index_copy_(0, idx, h_end.to(h.dtype))
+    s.index_copy_(0, idx, s_end.to(s.dtype))
+    return o.to(q.dtype)
+
+
+def fused_recurrent_gka(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    g: torch.Tensor,
+    alpha: torch.Tensor,
+    h: torch.Tensor,
+    s: torch.Tensor,
+    state_indices: torch.Tensor,
+    ridge: float,
+    num_iter: int,
+    scale: float,
+) -> torch.Tensor:
+    """One GKA decode step per session (`gka_step`), its states (h, s) updated in place in their pools.
+
+    Args:
+        q: `[B, He, D]` L2-normalised queries.  k: `[B, He, D]` L2-normalised keys times (beta + 1e-6).
+        v: `[B, He, Dv]` values times (beta + 1e-6).  g: `[B, He]` log forget gates (<= 0).  alpha: `[B, He]`.
+        h: `[S, He, D, D]` fp32 pool; rows `state_indices` become `exp(g) h + k k^T`.
+        s: `[S, He, D, Dv]` fp32 pool; rows `state_indices` become `exp(g) s + k v^T`. Other rows are left untouched.
+        state_indices: `[B]` int32, the pool row of each session.
+        ridge: a.  num_iter: r (Chebyshev steps).  scale: output scale (D^-1/2).
+
+    Returns:
+        o: `[B, He, Dv]` in q's dtype, `scale * S^T q'` with the new S.
+    """
+    idx = state_indices.to(torch.int64)
+    o, h_new, s_new = gka_step(
+        q, k, v, g, alpha, h.index_select(0, idx), s.index_select(0, idx), ridge, num_iter, scale
+    )
+    h.index_copy_(0, idx, h_new.to(h.dtype))
+    s.index_copy_(0, idx, s_new.to(s.dtype))
+    return o.to(q.dtype)

@@ -22,19 +22,24 @@ rank-one write). The forget gate is exactly redundant with the step size: (gamma
 
 The math is sequential (no parallel form of the exact recurrence exists, paper Remark 3.4), so prefill is a loop over
 tokens, vectorised over sequences and heads. The state math runs in fp32 (fp64 if the state is fp64, for tests).
+
+`lattice_recurrent` and `lattice_step` are that math on batches of equal-length sequences with explicit states.
+`chunk_lattice` (packed variable-length prefill) and `fused_recurrent_lattice` (one decode token per session) are the
+slot-indexed ops the layer calls: they read each session's S from a row of a preallocated pool and write it back in
+place. `chunk_lattice_qk_conv` / `fused_recurrent_lattice_qk_conv` are the layer's two short convs over the shared q/k
+projection, which read one conv tail per session (spec §5.5).
 """
 
 from __future__ import annotations
 
 from collections.abc import Callable
-from typing import TypeVar
 
 import torch
 from torch.utils.checkpoint import checkpoint
 
 from kvfree.kernels.common import state_math
-
-F = TypeVar("F", bound=Callable)
+from kvfree.kernels.conv import chunk_causal_conv1d, fused_recurrent_causal_conv1d
+from kvfree.kernels.dispatch import host_cu_seqlens, varlen_positions
 
 VARIANTS = ("dec", "enc", "sim")
 
@@ -232,6 +237,187 @@ def lattice_recurrent(
         y, S = checkpoint(_scan, S, *seg, variant, use_reentrant=False, preserve_rng_state=False)
         ys.append(y)
     return torch.cat(ys).transpose(0, 1), S
+
+
+# -- slot-indexed ops on the state pool ---------------------------------------------------------------------------
+def chunk_lattice(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    gamma: torch.Tensor,
+    mu: torch.Tensor | None,
+    state: torch.Tensor,
+    state_indices: torch.Tensor,
+    cu_seqlens: torch.Tensor,
+    variant: str = "dec",
+    *,
+    cu_seqlens_cpu: torch.Tensor | list[int] | None = None,
+) -> torch.Tensor:
+    """Exact recurrent prefill over packed variable-length sequences, states in place in a pool (spec §5.2, §5.5).
+
+    There is no parallel form: the reference runs one token loop for all N sequences at once, right-padded to the
+    longest and masked, so a padding position leaves its sequence's state bit-identical.
+
+    Args:
+        q, k: `[T, H, m]` (fp32 after the layer's L2 norm, or the activation dtype), the tokens of N sequences
+            concatenated.  v: `[T, H, d]`.  gamma: `[T, H]` step sizes.  mu: `[T, H]` forget gate, or None (mu = 1,
+            the folded serving form).
+        state: `[S, H, d, m]` fp32 pool (fp64 allowed for tests) of states with unit columns; rows `state_indices`
+            hold the initial states and receive the final ones. Other rows are left untouched.
+        state_indices: `[N]` int32, the pool row of each sequence (padding names a scratch row, never -1).
+        cu_seqlens: `[N+1]` int32, sequence boundaries on the token axis (device), from 0 to T. A sequence may be
+            empty (its state is kept).
+        variant: "dec", "enc" or "sim".
+        cu_seqlens_cpu: a host copy of cu_seqlens (tensor or list); copied from the device (a sync) when None.
+
+    Returns:
+        y: `[T, H, d]` in the state's compute dtype (fp32, or fp64 for an fp64 state): the read-outs `S_t q_t`.
+    """
+    T = q.shape[0]
+    cu = host_cu_seqlens(cu_seqlens, cu_seqlens_cpu, T)
+    n, longest = len(cu) - 1, max(b - a for a, b in zip(cu, cu[1:], strict=False))
+    if longest == 0:
+        return q.new_empty(T, *v.shape[1:], dtype=_compute_dtype(state))
+    idx = state_indices.to(torch.int64)
+    if n * longest == T:  # equal lengths: the packed axis is already [N, L], with no padding and no mask
+        seq = pos = mask = None
+    else:
+        seq, pos, lens, _ = varlen_positions(cu, q.device)
+        mask = torch.arange(longest, device=q.device) < lens[:, None]
+
+    def pad(t: torch.Tensor, value: float = 0.0) -> torch.Tensor:
+        if mask is None:
+            return t.unflatten(0, (n, longest))
+        out = t.new_full((n, longest, *t.shape[1:]), value)
+        out[seq, pos] = t
+        return out
+
+    y, final = lattice_recurrent(
+        state.index_select(0, idx), pad(q), pad(k), pad(v), pad(gamma),
+        None if mu is None else pad(mu, 1.0),  # pads: gamma = 0, mu = 1 (a no-op step), and masked anyway
+        variant, mask=mask,
+    )  # fmt: skip
+    state.index_copy_(0, idx, final.to(state.dtype))
+    return y.flatten(0, 1) if mask is None else y[seq, pos]
+
+
+def fused_recurrent_lattice(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    gamma: torch.Tensor,
+    mu: torch.Tensor | None,
+    state: torch.Tensor,
+    state_indices: torch.Tensor,
+    variant: str = "dec",
+) -> torch.Tensor:
+    """One decode token per session, its state updated in place in the pool (the arithmetic of one prefill step).
+
+    Args:
+        q, k: `[B, H, m]`.  v: `[B, H, d]`.  gamma: `[B, H]`.  mu: `[B, H]` or None (mu = 1).
+        state: `[S, H, d, m]` fp32 pool; rows `state_indices` advance by one token. Other rows are left untouched.
+        state_indices: `[B]` int32, the pool row of each session.
+        variant: "dec", "enc" or "sim".
+
+    Returns:
+        y: `[B, H, d]` in the state's compute dtype.
+    """
+    idx = state_indices.to(torch.int64)
+    y, new = lattice_step(state.index_select(0, idx), q, k, v, gamma, mu, variant)
+    state.index_copy_(0, idx, new.to(state.dtype))
+    return y
+
+
+def _shared_tail_convs(
+    conv: Callable[..., torch.Tensor],
+    x: torch.Tensor,
+    state: torch.Tensor,
+    state_indices: torch.Tensor,
+    convs: tuple[tuple[torch.Tensor, torch.Tensor | None], ...],
+) -> tuple[torch.Tensor, ...]:
+    """Several depthwise convs of the same input from one tail per session, as one conv over stacked channels.
+
+    The pool holds a single tail for all of them, so the conv ops, which advance the tail they read, cannot run on
+    it once per filter: the named rows are gathered once, stacked (`[N, K-1, G*C]`) and run as one conv on that
+    copy, and the advanced tail (the same in every stacked copy) is written back once.
+    `conv` is `chunk_causal_conv1d` or `fused_recurrent_causal_conv1d` with its grid arguments bound; x `[..., C]`.
+    """
+    C, G = x.shape[-1], len(convs)
+    idx = state_indices.to(torch.int64)
+    tails = state.index_select(0, idx).repeat(1, 1, G)
+    rows = torch.arange(len(idx), dtype=torch.int32, device=idx.device)
+    weight = torch.cat([w for w, _ in convs])
+    bias = None
+    if any(b is not None for _, b in convs):
+        bias = torch.cat([w.new_zeros(w.shape[0]) if b is None else b for w, b in convs])
+    y = conv(x.repeat(*(1,) * (x.dim() - 1), G), tails, rows, weight, bias)
+    state.index_copy_(0, idx, tails[..., :C])
+    return y.split(C, dim=-1)
+
+
+def chunk_lattice_qk_conv(
+    p: torch.Tensor,
+    state: torch.Tensor,
+    state_indices: torch.Tensor,
+    cu_seqlens: torch.Tensor,
+    q_weight: torch.Tensor,
+    q_bias: torch.Tensor | None,
+    k_weight: torch.Tensor,
+    k_bias: torch.Tensor | None,
+    *,
+    cu_seqlens_cpu: torch.Tensor | list[int] | None = None,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """The layer's two short convs (conv_q, conv_k) over the shared q/k projection of packed sequences.
+
+    Both read the same input, so one tail per session serves both (spec §6.2); it is read once and advanced once.
+
+    Args:
+        p: `[T, C]` (C = H*m) the projection of N sequences' tokens, concatenated.
+        state: `[S, K-1, C]` pool of tails (p's dtype or fp32); rows `state_indices` are read, then overwritten with
+            each sequence's last `K-1` inputs (as `kvfree.kernels.conv.chunk_causal_conv1d`). Others are untouched.
+        state_indices: `[N]` int32, the pool row of each sequence.
+        cu_seqlens: `[N+1]` int32, sequence boundaries in p (device), from 0 to T.
+        q_weight, k_weight: `[C, K]` depthwise filters; `[:, -1]` multiplies the current token.
+        q_bias, k_bias: `[C]` or None.
+        cu_seqlens_cpu: a host copy of cu_seqlens (tensor or list); copied from the device (a sync) when None.
+
+    Returns:
+        q, k: `[T, C]` each in p's dtype, no activation.
+    """
+
+    def conv(x, tails, rows, weight, bias):
+        return chunk_causal_conv1d(x, tails, rows, cu_seqlens, weight, bias, None, cu_seqlens_cpu=cu_seqlens_cpu)
+
+    q, k = _shared_tail_convs(conv, p, state, state_indices, ((q_weight, q_bias), (k_weight, k_bias)))
+    return q, k
+
+
+def fused_recurrent_lattice_qk_conv(
+    p: torch.Tensor,
+    state: torch.Tensor,
+    state_indices: torch.Tensor,
+    q_weight: torch.Tensor,
+    q_bias: torch.Tensor | None,
+    k_weight: torch.Tensor,
+    k_bias: torch.Tensor | None,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """One decode token per session through conv_q and conv_k from the session's one tail, shifted once in place.
+
+    Args:
+        p: `[B, C]` one token's q/k projection per session.
+        state: `[S, K-1, C]` pool of tails; rows `state_indices` shift by one token. Other rows are left untouched.
+        state_indices: `[B]` int32, the pool row of each session.
+        q_weight, k_weight: `[C, K]`.  q_bias, k_bias: `[C]` or None.
+
+    Returns:
+        q, k: `[B, C]` each in p's dtype, no activation.
+    """
+
+    def conv(x, tails, rows, weight, bias):
+        return fused_recurrent_causal_conv1d(x, tails, rows, weight, bias, None)
+
+    q, k = _shared_tail_convs(conv, p, state, state_indices, ((q_weight, q_bias), (k_weight, k_bias)))
+    return q, k
 
 
 def orthonormal_columns(S: torch.Tensor) -> torch.Tensor:

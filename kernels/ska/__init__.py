@@ -1,8 +1,17 @@
-"""Spectral Koopman Attention (Echo): chunk-causal / prefix-mode extend and the single-token decode step."""
+"""Spectral Koopman Attention (Echo): chunk-causal / prefix-mode extend and the single-token decode step.
+
+`chunk_ska` (packed variable-length prefill, mode C or P) and `fused_recurrent_ska` (one decode step) read and write
+the per-session states in place in a pool, addressed by slot. They are the PyTorch references for now: the Triton
+kernels (and their `kvfree.kernels.dispatch.use_triton` switch) come with SKA's kernel issue. `ska_chunked`,
+`ska_prefix` and `ska_step` are the plain math on batches of sessions.
+"""
 
 from kvfree.kernels.ska.reference import (
+    MODES,
     SKAState,
     cholesky_fallback_count,
+    chunk_ska,
+    fused_recurrent_ska,
     power_iteration_sigma,
     robust_cholesky,
     ska_chunked,
@@ -13,8 +22,11 @@ from kvfree.kernels.ska.reference import (
 )
 
 __all__ = [
+    "MODES",
     "SKAState",
     "cholesky_fallback_count",
+    "chunk_ska",
+    "fused_recurrent_ska",
     "power_iteration_sigma",
     "robust_cholesky",
     "ska_chunked",

@@ -29,6 +29,11 @@ Key max-norm m (`key_norm`, docs/design/ska.md §3.3 [PROPOSAL], §8 item 1):
   first prefill when serving), then frozen. Non-causal inside that first segment, and a split first prefill
   differs from one prefill.
 
+Serving ops (the engine's op shape, docs/design/architecture.md §3): `chunk_ska` (packed variable-length prefill,
+mode C or P) and `fused_recurrent_ska` (one decode token per session) read each session's `SKAState` from rows of
+preallocated pool tensors and write the new state back in place; they are built on `ska_chunked` / `ska_prefix` /
+`ska_step`, which are the math on batches of sessions.
+
 Precision: keys, queries and values are fp32; the stats G, M, C and everything from them up to J are in the
 dtype of the state's accumulators (`acc_dtype`, fp64 by default in the engine: docs/design/ska.md §5 recommends fp64
 accumulators for sessions beyond ~16K tokens, and at r <= 64 the r^3 work per chunk is cheap); J is cast to fp32
@@ -45,9 +50,11 @@ import torch
 import torch.nn.functional as F
 
 from kvfree.kernels.common import state_math
+from kvfree.kernels.dispatch import host_cu_seqlens, varlen_positions
 
 logger = logging.getLogger(__name__)
 
+MODES = ("C", "P")  # decode_mode: chunk-causal (ska.md §3.3) or the paper's prefix mode (§3.4)
 M_FLOOR = 1e-6  # docs/design/ska.md §2.3: m = max(max ||z||, 1e-6)
 JITTERS = (1e-4, 1e-3, 1e-2)  # docs/design/ska.md §3.3/§5: Cholesky retries with (jitter * m^2) I added
 _FALLBACKS = [0]
@@ -192,6 +199,20 @@ def _grid(x: torch.Tensor, front: int, nc: int, S: int) -> torch.Tensor:
     return F.pad(x, pad).view(B, nc, S, *x.shape[2:])
 
 
+def _with_padding(a: torch.Tensor | None, lens: torch.Tensor | None, T: int) -> torch.Tensor | None:
+    """The action mask `[B, T]` with each row's right padding (positions >= lens) set to 0, so it is never written
+    into the statistics (a masked key is 0: it adds nothing to G, M, C, and its norm 0 never raises m)."""
+    if lens is None:
+        return a
+    real = torch.arange(T, device=lens.device) < lens[:, None]
+    return real if a is None else a * real
+
+
+def _take(x: torch.Tensor, idx: torch.Tensor | None) -> torch.Tensor:
+    """`x[b, idx[b]]` for every row b of x `[B, N, ...]`; `x[:, -1]` when idx is None."""
+    return x[:, -1] if idx is None else x[torch.arange(x.shape[0], device=x.device), idx]
+
+
 def _mask_keys(z: torch.Tensor, v: torch.Tensor, a: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor]:
     if a is None:
         return z, v
@@ -246,6 +267,7 @@ def ska_chunked(
     power_iters: int,
     key_norm: str = "causal",
     a: torch.Tensor | None = None,
+    lens: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, SKAState]:
     """Chunk-causal SKA (eqs. 7-10) over T new tokens of B sessions that all start at absolute position t0.
 
@@ -256,19 +278,23 @@ def ska_chunked(
 
     Args:
         z, q: `[B, T, H, r]` raw keys and queries (fp32).  v: `[B, T, H, P]` values (fp32).
-        state: the sessions' `SKAState` (pos is assumed to equal t0 for every row).
-        t0: host int, the absolute position of the first new token (sets the chunk grid).
+        state: the sessions' `SKAState` (pos is assumed to equal t0 for every row, but see t0).
+        t0: host int, the absolute position of the first new token (sets the chunk grid). Only `t0 % chunk_size`
+            and `t0 == 0` enter the math (state.pos carries each row's own position), so rows at different
+            positions that agree on both can share one call (`chunk_ska` batches them so).
         a: optional `[B, T]` action mask in {0, 1} (0 = the token is not written into the stats, e.g. padding).
+        lens: optional `[B]` int64, row b's real tokens are its first lens[b] (>= 1): the rest is right padding,
+            masked out of the stats; its outputs are meaningless and the state is taken at each row's last real token.
 
     Returns:
         y `[B, T, H, P]` fp32, and the new state (totals over all tokens < t0 + T, z_prev = a z of the last token,
-        J of the chunk holding the last token, pos = t0 + T).
+        J of the chunk holding the last token, pos = t0 + T; with `lens`, T is each row's lens).
     """
     B, T, H, r = z.shape
     S = chunk_size
     front = t0 % S
     nc = -(-(front + T) // S)
-    zw, Gc, Mc, Cc = _chunk_stats(z, v, a, state, front, nc, S)
+    zw, Gc, Mc, Cc = _chunk_stats(z, v, _with_padding(a, lens, T), state, front, nc, S)
     Gcs, Mcs, Ccs = Gc.cumsum(1), Mc.cumsum(1), Cc.cumsum(1)
     norms = _grid(zw.detach().norm(dim=-1), front, nc, S)  # [B, nc, S, H]; m is detached (docs/design/ska.md §2.9)
     m_starts, m_new = _segment_m(state.m, norms, t0, key_norm)
@@ -301,14 +327,15 @@ def ska_chunked(
     Jall = torch.cat(Js, dim=1)  # [B, nc, H, P, r]
     y = torch.einsum("bcshr,bchpr->bcshp", _grid(q.float(), front, nc, S), Jall)
     y = y.reshape(B, nc * S, H, -1)[:, front : front + T]
-    new = SKAState(
+    last = None if lens is None else lens - 1  # each row's last real token
+    new = SKAState(  # padding adds exact zeros to the totals and to the running max
         G=state.G + Gcs[:, -1],
         M=state.M + Mcs[:, -1],
         C=state.C + Ccs[:, -1],
-        z_prev=zw[:, -1].float(),
+        z_prev=_take(zw, last).float(),
         m=m_new,
-        J=Jall[:, -1],
-        pos=state.pos + T,
+        J=_take(Jall, None if last is None else (front + last) // S),
+        pos=state.pos + (T if lens is None else lens),
     )
     return y, new
 
@@ -330,20 +357,23 @@ def ska_prefix(
     key_norm: str = "causal",
     a: torch.Tensor | None = None,
     chunk_size: int = 64,
+    lens: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, SKAState]:
     """The paper's prefix mode (ska.md §3.4) over T new tokens: add all of them to the stats, build ONE J from the
     totals, and read every new token through it (y_t = J q_t, non-causal within the segment).
 
-    Shapes as `ska_chunked`. The stats are summed per chunk of `chunk_size` tokens then added (ska.md §5 rec. 1),
-    so mode P and mode C leave the same totals. A one-token call is the paper's inclusive decode step.
+    Shapes, `a` and `lens` as `ska_chunked` (only `t0 == 0` matters here). The stats are summed per chunk of
+    `chunk_size` tokens then added (ska.md §5 rec. 1), so mode P and mode C leave the same totals. A one-token call is
+    the paper's inclusive decode step.
     """
     B, T, H, r = z.shape
-    zw, Gc, Mc, Cc = _chunk_stats(z, v, a, state, 0, -(-T // chunk_size), chunk_size)
+    zw, Gc, Mc, Cc = _chunk_stats(z, v, _with_padding(a, lens, T), state, 0, -(-T // chunk_size), chunk_size)
     G, M, C = state.G + Gc.sum(1), state.M + Mc.sum(1), state.C + Cc.sum(1)
     m = _update_m(state.m, zw.detach().norm(dim=-1).amax(dim=1), torch.tensor(t0 == 0), key_norm)
     J = ska_readout(G, M, C, m, eps=eps, eta=eta, gamma=gamma, order=order, power_iters=power_iters).float()
     y = torch.einsum("bthr,bhpr->bthp", q.float(), J)
-    return y, SKAState(G=G, M=M, C=C, z_prev=zw[:, -1].float(), m=m, J=J, pos=state.pos + T)
+    z_prev = _take(zw, None if lens is None else lens - 1).float()
+    return y, SKAState(G=G, M=M, C=C, z_prev=z_prev, m=m, J=J, pos=state.pos + (T if lens is None else lens))
 
 
 def _update_m(m0: torch.Tensor, norms: torch.Tensor, first: torch.Tensor, key_norm: str) -> torch.Tensor:
@@ -413,3 +443,181 @@ def ska_step(
     y = torch.einsum("bhpr,bhr->bhp", J, q.float())
     new = _accumulate(state, z, v, a, key_norm)._replace(J=J)
     return y, new
+
+
+# -- serving ops: pool rows addressed by state_indices, updated in place -----------------------------------------
+def _gather(pools: SKAState, idx: torch.Tensor) -> SKAState:
+    return SKAState(*(pool.index_select(0, idx) for pool in pools))
+
+
+def _scatter(pools: SKAState, idx: torch.Tensor, new: SKAState) -> None:
+    for pool, value in zip(pools, new, strict=True):
+        pool.index_copy_(0, idx, value.to(pool.dtype))
+
+
+class _Group(NamedTuple):
+    """Some sequences of a packed batch, laid out as a batch `[n, longest, ...]` (right-padded where lengths differ).
+
+    Consecutive sequences (a whole batch, or one sequence) are addressed by slices, so laying them out is a view.
+    """
+
+    seqs: slice | torch.Tensor  # the sequences, [n] int64 if not a slice
+    tokens: slice | torch.Tensor  # their tokens on the packed axis, [Tg] int64 if not a slice
+    n: int
+    longest: int
+    # The padded layout: each token's row and column `[Tg]` and the lengths `[n]` (int64); None if all are equal.
+    place: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None
+
+    @classmethod
+    def of(cls, cu: tuple[int, ...], members: list[int], device: torch.device) -> _Group:
+        first, last = members[0], members[-1]
+        if last - first + 1 == len(members):
+            seqs, tokens = slice(first, last + 1), slice(cu[first], cu[last + 1])
+        else:
+            seqs = torch.tensor(members, device=device)
+            tokens = torch.cat([torch.arange(cu[i], cu[i + 1]) for i in members]).to(device)
+        ends = [0]
+        for i in members:
+            ends.append(ends[-1] + cu[i + 1] - cu[i])
+        longest = max(cu[i + 1] - cu[i] for i in members)
+        equal = ends[-1] == len(members) * longest
+        place = None if equal else varlen_positions(tuple(ends), device)[:3]
+        return cls(seqs, tokens, len(members), longest, place)
+
+    @property
+    def lens(self) -> torch.Tensor | None:
+        """`[n]` int64 lengths where they differ, for `ska_chunked` / `ska_prefix`; None when all are `longest`."""
+        return None if self.place is None else self.place[2]
+
+    def pad(self, t: torch.Tensor) -> torch.Tensor:
+        """Packed `[T, ...]` -> `[n, longest, ...]`, zeros after each sequence's end."""
+        t = t[self.tokens]
+        if self.place is None:
+            return t.unflatten(0, (self.n, self.longest))
+        row, col, _ = self.place
+        out = t.new_zeros(self.n, self.longest, *t.shape[1:])
+        out[row, col] = t
+        return out
+
+    def unpad(self, t: torch.Tensor) -> torch.Tensor:
+        """`[n, longest, ...]` -> the group's tokens `[Tg, ...]`, in the order of `tokens`."""
+        if self.place is None:
+            return t.flatten(0, 1)
+        row, col, _ = self.place
+        return t[row, col]
+
+
+def _check_mode(mode: str) -> None:
+    if mode not in MODES:
+        raise ValueError(f"mode={mode!r}: expected one of {MODES}")
+
+
+def chunk_ska(
+    z: torch.Tensor,
+    q: torch.Tensor,
+    v: torch.Tensor,
+    state: SKAState,
+    state_indices: torch.Tensor,
+    cu_seqlens: torch.Tensor,
+    chunk_size: int,
+    eps: float,
+    eta: torch.Tensor | float,
+    gamma: torch.Tensor | float,
+    order: int,
+    power_iters: int,
+    key_norm: str = "causal",
+    mode: str = "C",
+    *,
+    cu_seqlens_cpu: torch.Tensor | list[int] | None = None,
+) -> torch.Tensor:
+    """SKA prefill over packed variable-length sequences, each continuing its session's state in place in the pool.
+
+    mode "C": the chunk-causal extend (`ska_chunked`, ska.md §3.3) on each session's absolute chunk grid; mode "P":
+    the paper's prefix mode (`ska_prefix`, §3.4): one operator over everything up to the segment's end.
+
+    Args:
+        z, q: `[T, H, r]` fp32 raw keys and queries of N sequences concatenated.  v: `[T, H, P]` fp32 values.
+        state: an `SKAState` of pool tensors, in its field order: G, M `[S, H, r, r]` and C `[S, H, P, r]` (the
+            accumulator dtype, fp64 or fp32), z_prev `[S, H, r]` fp32, m `[S, H]` fp32, J `[S, H, P, r]` fp32 and
+            pos `[S]` int64. Rows `state_indices` hold the sessions' states and receive the new ones (all seven
+            fields); other rows are left untouched. A sequence of length 0 leaves its row as it is.
+        state_indices: `[N]` int32, the pool row of each sequence (distinct).
+        cu_seqlens: `[N+1]` int32, sequence boundaries in z (device), from 0 to T.
+        chunk_size: S, the chunk of the chunk-causal operator (mode P sums its stats per chunk of S, ska.md §5).
+        eps: ridge (times m^2).  eta: output scale.  gamma: spectral gain, already clamped to [1, 1.5].
+        order: K, the power filter order.  power_iters: power-iteration steps for sigma_max.
+        key_norm: "causal" or "frozen" (see the module docstring).  mode: "C" or "P".
+        cu_seqlens_cpu: a host copy of cu_seqlens (tensor or list); copied from the device when None.
+
+    Returns:
+        y: `[T, H, P]` fp32, the readout J q of every token.
+
+    Reads each session's position to the host (a sync): it fixes the chunk grid. Sessions that agree on what the
+    math depends on (mode C: pos % S and pos == 0; mode P: pos == 0) run as one batch, right-padded to the longest;
+    in a fresh prefill that is every session.
+    """
+    _check_mode(mode)
+    cu = host_cu_seqlens(cu_seqlens, cu_seqlens_cpu, z.shape[0])
+    idx = state_indices.to(torch.int64)
+    starts = state.pos.index_select(0, idx).tolist()
+    groups: dict[tuple[int, bool], list[int]] = {}
+    for i, t0 in enumerate(starts):
+        if cu[i + 1] > cu[i]:
+            groups.setdefault((t0 % chunk_size if mode == "C" else 0, t0 == 0), []).append(i)  # mode P: no grid
+    extend = ska_chunked if mode == "C" else ska_prefix
+    kw = {"eps": eps, "eta": eta, "gamma": gamma, "order": order, "power_iters": power_iters, "key_norm": key_norm}
+    parts = []
+    for members in groups.values():
+        g = _Group.of(cu, members, z.device)
+        rows = idx[g.seqs]
+        # Any member's position stands for the group's: they agree on all the math reads of it (ska_chunked).
+        out, new = extend(
+            g.pad(z), g.pad(q), g.pad(v), _gather(state, rows), starts[members[0]], chunk_size=chunk_size, lens=g.lens,
+            **kw,
+        )  # fmt: skip
+        _scatter(state, rows, new)
+        parts.append((g.tokens, g.unpad(out)))
+    if len(parts) == 1 and isinstance(parts[0][0], slice) and parts[0][0] == slice(0, z.shape[0]):
+        return parts[0][1]  # one group of every token, in order (e.g. a fresh prefill)
+    y = z.new_zeros(*z.shape[:2], v.shape[-1], dtype=torch.float32)
+    for tokens, part in parts:
+        y[tokens] = part
+    return y
+
+
+def fused_recurrent_ska(
+    z: torch.Tensor,
+    q: torch.Tensor,
+    v: torch.Tensor,
+    state: SKAState,
+    state_indices: torch.Tensor,
+    chunk_size: int,
+    eps: float,
+    eta: torch.Tensor | float,
+    gamma: torch.Tensor | float,
+    order: int,
+    power_iters: int,
+    key_norm: str = "causal",
+    mode: str = "C",
+) -> torch.Tensor:
+    """One SKA decode token per session (`ska_step`), its state updated in place in the pool.
+
+    Args:
+        z, q: `[B, H, r]` fp32 raw keys and queries.  v: `[B, H, P]` fp32 values.
+        state: an `SKAState` of pool tensors `[S, ...]`, as in `chunk_ska`; rows `state_indices` advance by one
+            token (mode C: J is rebuilt first where a session enters a chunk; mode P: after adding the token, every
+            step). Other rows are left untouched.
+        state_indices: `[B]` int32, the pool row of each session (distinct).
+        chunk_size, eps, eta, gamma, order, power_iters, key_norm, mode: as in `chunk_ska`.
+
+    Returns:
+        y: `[B, H, P]` fp32.
+    """
+    _check_mode(mode)
+    idx = state_indices.to(torch.int64)
+    y, new = ska_step(
+        z, q, v, _gather(state, idx), chunk_size=chunk_size, eps=eps, eta=eta, gamma=gamma, order=order,
+        power_iters=power_iters, key_norm=key_norm, mode=mode,
+    )  # fmt: skip
+    _scatter(state, idx, new)
+    return y

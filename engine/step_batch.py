@@ -1,0 +1,95 @@
+"""StepBatch: the description of one forward call's sessions, built once per step and read by every layer.
+
+Every mixer gets the same object instead of rebuilding offsets or slot tensors itself (docs/design/architecture.md
+§3-§4). Ops receive `state_indices` and `cu_seqlens` and update the pool rows in place, so no layer gathers or
+scatters state rows around an op.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import torch
+
+
+@dataclass(frozen=True)
+class StepBatch:
+    """B sessions in one call: prefill (a packed chunk of each) or decode (one token each).
+
+    state_indices: `[B]` int32, on the model's device: each session's pool row.
+    cu_seqlens: `[B+1]` int32, on the device: session i's tokens are `cu_seqlens[i]:cu_seqlens[i+1]` of the packed
+        token axis (decode: 0, 1, ..., B).
+    cu_seqlens_cpu: the same on the host, for kernels that plan their grid from it and for Python-side offsets.
+    last_token_indices: `[B]` int64, on the device: where each session's last token sits on the packed axis.
+    is_decode: one token per session (the CUDA-graph path), rather than a prefill chunk.
+    """
+
+    state_indices: torch.Tensor
+    cu_seqlens: torch.Tensor
+    cu_seqlens_cpu: torch.Tensor
+    last_token_indices: torch.Tensor
+    is_decode: bool
+
+    @classmethod
+    def prefill(
+        cls, slots: Sequence[int] | torch.Tensor, lens: Sequence[int], device: torch.device | str | None = None
+    ) -> StepBatch:
+        """A packed prefill of `lens[i]` tokens for the session in pool row `slots[i]` (lengths >= 1).
+
+        `device` defaults to that of `slots` when it is a tensor, else the CPU.
+        """
+        if device is None:
+            device = slots.device if isinstance(slots, torch.Tensor) else "cpu"
+        slots = _host_ints(slots)
+        if len(slots) != len(lens) or not lens or min(lens) < 1:
+            raise ValueError(f"prefill needs one length >= 1 per slot, got slots {slots} and lengths {list(lens)}")
+        cu = torch.zeros(len(lens) + 1, dtype=torch.int32)
+        cu[1:] = torch.cumsum(torch.tensor(list(lens), dtype=torch.int32), 0)
+        return cls._build(slots, cu, device, is_decode=False)
+
+    @classmethod
+    def decode(cls, slots: Sequence[int] | torch.Tensor, device: torch.device | str | None = None) -> StepBatch:
+        """One token for each session in `slots` (a device tensor of slots keeps its device)."""
+        if device is None:
+            device = slots.device if isinstance(slots, torch.Tensor) else "cpu"
+        host = _host_ints(slots)
+        return cls._build(host, torch.arange(len(host) + 1, dtype=torch.int32), device, is_decode=True)
+
+    @classmethod
+    def _build(cls, slots: list[int], cu: torch.Tensor, device: torch.device | str, is_decode: bool) -> StepBatch:
+        # One host->device copy of one int buffer, then views: [slots | cu_seqlens] as int32.
+        host = torch.cat([torch.tensor(slots, dtype=torch.int32), cu])
+        dev = host.to(device, non_blocking=True)
+        n = len(slots)
+        return cls(
+            state_indices=dev[:n],
+            cu_seqlens=dev[n:],
+            cu_seqlens_cpu=cu,
+            last_token_indices=(dev[n + 1 :] - 1).long(),
+            is_decode=is_decode,
+        )
+
+    @property
+    def num_seqs(self) -> int:
+        return self.state_indices.shape[0]
+
+    @property
+    def seq_lens(self) -> list[int]:
+        """Tokens of each session in this call (host ints)."""
+        return (self.cu_seqlens_cpu[1:] - self.cu_seqlens_cpu[:-1]).tolist()
+
+    @property
+    def offsets(self) -> list[tuple[int, int]]:
+        """(start, end) of each session's tokens on the packed axis (host ints)."""
+        cu = self.cu_seqlens_cpu.tolist()
+        return list(zip(cu[:-1], cu[1:], strict=True))
+
+    @property
+    def slots(self) -> torch.Tensor:
+        """`state_indices` as int64, the index dtype PyTorch's `index_copy_` and friends want."""
+        return self.state_indices.long()
+
+
+def _host_ints(values: Sequence[int] | torch.Tensor) -> list[int]:
+    return values.tolist() if isinstance(values, torch.Tensor) else [int(v) for v in values]
