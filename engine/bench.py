@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import argparse
 import math
+import time
 from pathlib import Path
 from typing import Any
 
@@ -141,6 +142,13 @@ def profile_step(model: HybridLM, batch: int, prefill_tokens: int = 0, steps: in
     with torch.inference_mode():
         step()
         torch.cuda.synchronize(device)
+        # Host time: how long Python takes to issue one step (no sync inside). When it exceeds the device time, the
+        # GPU waits for launches and the step is host-bound.
+        start = time.perf_counter()
+        for _ in range(steps):
+            step()
+        host_us = (time.perf_counter() - start) / steps * 1e6
+        torch.cuda.synchronize(device)
         with profile(activities=[ProfilerActivity.CUDA]) as prof:
             for _ in range(steps):
                 step()
@@ -158,6 +166,7 @@ def profile_step(model: HybridLM, batch: int, prefill_tokens: int = 0, steps: in
         "prefill_tokens": prefill_tokens,
         "kernels_per_step": sum(r["per_step"] for r in rows),
         "device_us_per_step": sum(r["us_per_step"] for r in rows),
+        "host_us_per_step": host_us,
         "top": rows[:15],
     }
 

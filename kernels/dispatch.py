@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import functools
 import os
+from dataclasses import dataclass
 
 import torch
 
@@ -27,9 +28,15 @@ def triton_available() -> bool:
 
 def kernel_mode() -> str:
     """The `KVFREE_KERNELS` setting, validated; unset or empty means `auto`."""
-    mode = os.environ.get("KVFREE_KERNELS", "").strip().lower() or "auto"
+    return _parse_mode(os.environ.get("KVFREE_KERNELS", ""))
+
+
+@functools.lru_cache(maxsize=8)
+def _parse_mode(raw: str) -> str:
+    # Cached by the raw value: every op asks on every call, and the variable may change between calls (tests).
+    mode = raw.strip().lower() or "auto"
     if mode not in MODES:
-        raise ValueError(f"KVFREE_KERNELS={os.environ['KVFREE_KERNELS']!r}: expected one of {', '.join(MODES)}")
+        raise ValueError(f"KVFREE_KERNELS={raw!r}: expected one of {', '.join(MODES)}")
     return mode
 
 
@@ -42,7 +49,8 @@ def use_triton(device: torch.device) -> bool:
     mode = kernel_mode()
     if mode == "reference":
         return False
-    device = torch.device(device)
+    if not isinstance(device, torch.device):
+        device = torch.device(device)
     if mode == "auto":
         return device.type == "cuda" and triton_available()
     if not triton_available():
@@ -106,3 +114,81 @@ def varlen_positions(
     pos = torch.arange(cu[-1]) - torch.tensor(cu[:-1], dtype=torch.int64)[seq]
     longest = int(lens.max()) if len(lens) else 0
     return seq.to(device), pos.to(device), lens.to(device), longest
+
+
+@dataclass(frozen=True)
+class PaddedGroup:
+    """Sequences of a packed batch that one right-padded `[n, longest, ...]` call of a reference op serves.
+
+    seqs: `[n]` which sequences (indices into `cu_seqlens`' sequences, e.g. rows of `state_indices`).
+    tokens: `[t]` their tokens' indices on the packed axis; seq, pos: `[t]` each token's row and position in the
+    padded batch; lens: `[n]` their lengths; longest: the padded length; span: `(start, end)` on the packed axis
+    when the members are consecutive and of equal length, so that padding is a free view.
+    """
+
+    seqs: torch.Tensor
+    tokens: torch.Tensor
+    seq: torch.Tensor
+    pos: torch.Tensor
+    lens: torch.Tensor
+    longest: int
+    span: tuple[int, int] | None
+
+    def pad(self, packed: torch.Tensor) -> torch.Tensor:
+        """`[T, ...]` packed -> `[n, longest, ...]`, zeros after each sequence's end."""
+        if self.span is not None:
+            return packed[self.span[0] : self.span[1]].unflatten(0, (len(self.seqs), self.longest))
+        out = packed.new_zeros(len(self.seqs), self.longest, *packed.shape[1:])
+        out[self.seq, self.pos] = packed[self.tokens]
+        return out
+
+    def scatter(self, padded: torch.Tensor, packed: torch.Tensor) -> None:
+        """Write the real rows of `padded` `[n, longest, ...]` back into `packed` `[T, ...]`."""
+        if self.span is not None:
+            packed[self.span[0] : self.span[1]] = padded.flatten(0, 1)
+        else:
+            packed[self.tokens] = padded[self.seq, self.pos].to(packed.dtype)
+
+
+def padded_groups(
+    cu: tuple[int, ...], device: torch.device, max_waste: float = 1.25, slack: int = 64
+) -> list[PaddedGroup]:
+    """Group the sequences of a packed batch for batched reference calls of an op whose cost is linear in tokens.
+
+    Longest first, a group grows while its padded size (members x longest) stays within `max_waste` times its real
+    tokens plus `slack`: equal lengths always share a call, and one long prompt beside short ones does not make
+    every short one pay its length (the CPU path would then be slower than one call per sequence). Sequences of
+    length 0 are left out.
+    """
+    lens = [cu[i + 1] - cu[i] for i in range(len(cu) - 1)]
+    groups: list[list[int]] = []
+    for i in sorted((i for i in range(len(lens)) if lens[i]), key=lambda i: -lens[i]):
+        if groups:
+            group = groups[-1]
+            padded = (len(group) + 1) * lens[group[0]]
+            if padded <= max_waste * (sum(lens[j] for j in group) + lens[i]) + slack:
+                group.append(i)
+                continue
+        groups.append([i])
+    out = []
+    for group in groups:
+        group = sorted(group) if all(lens[i] == lens[group[0]] for i in group) else group
+        consecutive = group == list(range(group[0], group[0] + len(group)))
+        # Equal lengths in packed order: the padded batch is a view of the packed tensor.
+        span = (cu[group[0]], cu[group[-1] + 1]) if consecutive and lens[group[0]] == lens[group[-1]] else None
+        glens = torch.tensor([lens[i] for i in group], dtype=torch.int64)
+        seq = torch.repeat_interleave(torch.arange(len(group)), glens)
+        starts = torch.tensor([cu[i] for i in group], dtype=torch.int64)
+        pos = torch.arange(int(glens.sum())) - (torch.cumsum(glens, 0) - glens)[seq]
+        out.append(
+            PaddedGroup(
+                seqs=torch.tensor(group, device=device),
+                tokens=(starts[seq] + pos).to(device),
+                seq=seq.to(device),
+                pos=pos.to(device),
+                lens=glens.to(device),
+                longest=max(lens[i] for i in group),
+                span=span,
+            )
+        )
+    return out

@@ -14,7 +14,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from ..dispatch import host_cu_seqlens, varlen_positions
+from ..dispatch import host_cu_seqlens, padded_groups
 
 ACTIVATIONS = (None, "silu")
 
@@ -78,18 +78,19 @@ def chunk_causal_conv1d(
     _activate(x[:0], activation)
     cu = host_cu_seqlens(cu_seqlens, cu_seqlens_cpu, x.shape[0])
     K = weight.shape[1]
-    seq, pos, lens, longest = varlen_positions(cu, x.device)
-    idx = state_indices.to(torch.int64)
-    tail = state.index_select(0, idx)  # [N, K-1, C]
-    xp = x.new_zeros(len(lens), longest, x.shape[1])
-    xp[seq, pos] = x
-    y, _ = causal_conv1d(xp, weight, None if bias is None else bias.to(x.dtype), tail)
-    # The new tail of sequence i is full[i, len_i : len_i + K-1], built in the state's dtype so a shifted fp32 tail
-    # stays exact.
-    full = torch.cat([tail, xp.to(state.dtype)], dim=1)  # [N, K-1+longest, C]
-    rows = (lens[:, None] + torch.arange(K - 1, device=x.device))[..., None].expand(-1, -1, x.shape[1])
-    state.index_copy_(0, idx, full.gather(1, rows))
-    return _activate(y, activation)[seq, pos]
+    y = x.new_empty(x.shape)
+    for g in padded_groups(cu, x.device):  # one batched conv per group of similar lengths
+        idx = state_indices[g.seqs].to(torch.int64)
+        tail = state.index_select(0, idx)  # [n, K-1, C]
+        xp = g.pad(x)
+        yg, _ = causal_conv1d(xp, weight, None if bias is None else bias.to(x.dtype), tail)
+        # The new tail of sequence i is full[i, len_i : len_i + K-1], built in the state's dtype so a shifted fp32
+        # tail stays exact.
+        full = torch.cat([tail, xp.to(state.dtype)], dim=1)  # [n, K-1+longest, C]
+        rows = (g.lens[:, None] + torch.arange(K - 1, device=x.device))[..., None].expand(-1, -1, x.shape[1])
+        state.index_copy_(0, idx, full.gather(1, rows))
+        g.scatter(yg, y)
+    return _activate(y, activation)
 
 
 def fused_recurrent_causal_conv1d(
@@ -114,7 +115,10 @@ def fused_recurrent_causal_conv1d(
     """
     _activate(x[:0], activation)
     idx = state_indices.to(torch.int64)
-    tail = state.index_select(0, idx)
-    y, _ = causal_conv1d(x[:, None], weight, None if bias is None else bias.to(x.dtype), tail)
-    state.index_copy_(0, idx, torch.cat([tail, x[:, None].to(state.dtype)], dim=1)[:, 1:])
-    return _activate(y[:, 0], activation)
+    window = torch.cat([state.index_select(0, idx), x[:, None].to(state.dtype)], dim=1)  # [B, K, C]
+    state.index_copy_(0, idx, window[:, 1:])
+    # One output per channel is a K-term dot product: cheaper as a multiply-sum than as a conv1d launch.
+    y = (window.to(x.dtype) * weight.t().to(x.dtype)).sum(1)
+    if bias is not None:
+        y = y + bias.to(x.dtype)
+    return _activate(y, activation)

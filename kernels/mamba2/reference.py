@@ -21,7 +21,7 @@ import torch
 import torch.nn.functional as F
 
 from ..common import state_math
-from ..dispatch import host_cu_seqlens, varlen_positions
+from ..dispatch import host_cu_seqlens, padded_groups
 
 
 def _acc_dtype(*tensors: torch.Tensor) -> torch.dtype:
@@ -178,24 +178,18 @@ def chunk_mamba2(
     """
     cu = host_cu_seqlens(cu_seqlens, cu_seqlens_cpu, x.shape[0])
     acc = _acc_dtype(x, dt, B, C, state)
-    seq, pos, lens, longest = varlen_positions(cu, x.device)
-    idx = state_indices.to(torch.int64)
-    if longest == 0:
-        return x.new_empty(x.shape)
-    n = len(lens)
-
-    def pad(t: torch.Tensor) -> torch.Tensor:
-        # Right-pad to the longest sequence with zeros: post-softplus dt = 0 and x = 0 leave the state unchanged.
-        out = t.new_zeros(n, longest, *t.shape[1:])
-        out[seq, pos] = t
-        return out
-
-    y, final = ssd_chunked(
-        pad(x), pad(softplus_dt(dt, dt_bias, dt_limit, acc)), A, pad(B), pad(C), D, state.index_select(0, idx),
-        chunk_size,
-    )
-    state.index_copy_(0, idx, final.to(state.dtype))
-    return y[seq, pos].to(x.dtype)
+    dt = softplus_dt(dt, dt_bias, dt_limit, acc)
+    y = x.new_empty(x.shape)
+    # Right-padding with post-softplus dt = 0 and x = 0 leaves a state unchanged, so each group of similar lengths
+    # is one batched `ssd_chunked` call.
+    for g in padded_groups(cu, x.device):
+        idx = state_indices[g.seqs].to(torch.int64)
+        yg, final = ssd_chunked(
+            g.pad(x), g.pad(dt), A, g.pad(B), g.pad(C), D, state.index_select(0, idx), chunk_size
+        )
+        state.index_copy_(0, idx, final.to(state.dtype))
+        g.scatter(yg, y)
+    return y
 
 
 def fused_recurrent_mamba2(
