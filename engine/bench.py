@@ -242,7 +242,8 @@ def main(argv: list[str] | None = None) -> int:
         what = f"prefill of {prof['prefill_tokens']} tokens" if prof["prefill_tokens"] else f"decode B={prof['batch']}"
         print(
             f"## profile, {what} (eager): {prof['kernels_per_step']:.0f} kernels, "
-            f"{prof['device_us_per_step']:.0f} us of device time per step"
+            f"{prof['device_us_per_step']:.0f} us of device time and {prof['host_us_per_step']:.0f} us of host time "
+            "(issuing its launches) per step"
         )
         for r in prof["top"][:10]:
             print(f"  {r['us_per_step']:>9.1f} us  {r['per_step']:>6.0f}x  {r['kernel']}")

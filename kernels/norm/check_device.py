@@ -12,7 +12,7 @@
     graph of 10 calls, per call: the decode step runs in a graph), with the bytes moved (each input read once, each
     output written once) over the time as GB/s, against a device-to-device copy measured in the same run.
 
-Writes DIR/norm_check.json, prints a short table last, and exits 1 when a check fails.
+Writes DIR/norm.json, prints a short table last, and exits 1 when a check fails.
 """
 
 from __future__ import annotations
@@ -261,7 +261,7 @@ def table(res: dict) -> str:
 
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument("--out", default=os.environ.get("OUT", "."), help="folder for norm_check.json")
+    ap.add_argument("--out", default="docs/bench", help="folder for norm.json")
     ap.add_argument("--smoke", action="store_true", help="tiny sizes on the CPU under the Triton interpreter")
     a = ap.parse_args()
     global SZ
@@ -288,7 +288,7 @@ def main() -> int:
         "checks": {}, "timing": {}, "errors": [],
     }
     os.makedirs(a.out, exist_ok=True)
-    path = os.path.join(a.out, "norm_check.json")
+    path = os.path.join(a.out, "norm.json")
     res["copy_GBps"] = copy_GBps(dev) if dev.type == "cuda" else 1.0
     say(f"{res['device']}: copy {res['copy_GBps']:.0f} GB/s")
     for name, step in (("checks", lambda: check_correctness(dev, res)),
