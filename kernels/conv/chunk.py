@@ -107,21 +107,9 @@ def chunk_causal_conv1d(
     *,
     cu_seqlens_cpu: torch.Tensor | list[int] | None = None,
 ) -> torch.Tensor:
-    """Causal depthwise conv1d over packed variable-length sequences, each continuing from its pool row's tail.
+    """Triton `kvfree.kernels.conv.chunk_causal_conv1d` (same arguments and result; see its docstring).
 
-    Args:
-        x: `[T, C]` bf16/fp16/fp32, the tokens of N sequences concatenated (any strides).
-        state: `[S, K-1, C]` pool of tails (x's dtype or fp32); rows `state_indices` are read, then overwritten with
-            each sequence's last `K-1` inputs (for a sequence shorter than `K-1`: the old tail shifted, then its
-            tokens). Other rows are left untouched.
-        state_indices: `[N]` int32, the pool row of each sequence.
-        cu_seqlens: `[N+1]` int32, sequence boundaries in x (device).
-        weight: `[C, K]`, K >= 2; `weight[:, -1]` multiplies the current token.  bias: `[C]` or None.
-        activation: None or "silu".
-        cu_seqlens_cpu: a host copy of cu_seqlens (tensor or list); copied from the device when None.
-
-    Returns:
-        y: `[T, C]` in x's dtype (contiguous).
+    x may have any strides; y is contiguous. Needs K >= 2.
     """
     if activation not in (None, "silu"):
         raise ValueError(f"activation={activation!r}: expected None or 'silu'")

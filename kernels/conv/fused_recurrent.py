@@ -73,17 +73,9 @@ def fused_recurrent_causal_conv1d(
     bias: torch.Tensor | None = None,
     activation: str | None = "silu",
 ) -> torch.Tensor:
-    """One decode token per session: causal depthwise conv1d continuing from, and updating, its pool row's tail.
+    """Triton `kvfree.kernels.conv.fused_recurrent_causal_conv1d` (same arguments and result; see its docstring).
 
-    Args:
-        x: `[B, C]` bf16/fp16/fp32, one token per session (any strides).
-        state: `[S, K-1, C]` pool of tails (x's dtype or fp32); rows `state_indices` are shifted by one token in place.
-        state_indices: `[B]` int32, the pool row of each session.
-        weight: `[C, K]`, K >= 2; `weight[:, -1]` multiplies the current token.  bias: `[C]` or None.
-        activation: None or "silu".
-
-    Returns:
-        y: `[B, C]` in x's dtype (contiguous).
+    x may have any strides. Graph-capturable.
     """
     if activation not in (None, "silu"):
         raise ValueError(f"activation={activation!r}: expected None or 'silu'")

@@ -59,21 +59,8 @@ def chunk_causal_conv1d(
     *,
     cu_seqlens_cpu: torch.Tensor | list[int] | None = None,
 ) -> torch.Tensor:
-    """Causal depthwise conv1d over packed variable-length sequences, each continuing from its pool row's tail.
-
-    Args:
-        x: `[T, C]` bf16/fp16/fp32, the tokens of N sequences concatenated.
-        state: `[S, K-1, C]` pool of tails (x's dtype or fp32); rows `state_indices` are read, then overwritten with
-            each sequence's last `K-1` inputs (for a sequence shorter than `K-1`: the old tail shifted, then its
-            tokens). Other rows are left untouched.
-        state_indices: `[N]` int32, the pool row of each sequence.
-        cu_seqlens: `[N+1]` int32, sequence boundaries in x (device).
-        weight: `[C, K]`; `weight[:, -1]` multiplies the current token.  bias: `[C]` or None.
-        activation: None or "silu".
-        cu_seqlens_cpu: a host copy of cu_seqlens (tensor or list); copied from the device when None.
-
-    Returns:
-        y: `[T, C]` in x's dtype.
+    """The PyTorch reference of `kvfree.kernels.conv.chunk_causal_conv1d` (same arguments and result; see its
+    docstring): one batched `causal_conv1d` per group of similar lengths.
     """
     _activate(x[:0], activation)
     cu = host_cu_seqlens(cu_seqlens, cu_seqlens_cpu, x.shape[0])
@@ -101,18 +88,7 @@ def fused_recurrent_causal_conv1d(
     bias: torch.Tensor | None = None,
     activation: str | None = "silu",
 ) -> torch.Tensor:
-    """One decode token per session: causal depthwise conv1d continuing from, and updating, its pool row's tail.
-
-    Args:
-        x: `[B, C]` bf16/fp16/fp32, one token per session.
-        state: `[S, K-1, C]` pool of tails (x's dtype or fp32); rows `state_indices` are shifted by one token in place.
-        state_indices: `[B]` int32, the pool row of each session.
-        weight: `[C, K]`; `weight[:, -1]` multiplies the current token.  bias: `[C]` or None.
-        activation: None or "silu".
-
-    Returns:
-        y: `[B, C]` in x's dtype.
-    """
+    """The PyTorch reference of `kvfree.kernels.conv.fused_recurrent_causal_conv1d` (same arguments and result)."""
     _activate(x[:0], activation)
     idx = state_indices.to(torch.int64)
     window = torch.cat([state.index_select(0, idx), x[:, None].to(state.dtype)], dim=1)  # [B, K, C]

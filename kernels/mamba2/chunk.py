@@ -360,23 +360,9 @@ def chunk_mamba2(
     *,
     cu_seqlens_cpu: torch.Tensor | list[int] | None = None,
 ) -> torch.Tensor:
-    """Chunked SSD prefill over packed variable-length sequences, states in place in a pool.
+    """Triton `kvfree.kernels.mamba2.chunk_mamba2` (same arguments and result; see its docstring).
 
-    Args:
-        x: `[T, H, P]` bf16/fp16/fp32, the tokens of N sequences concatenated (any strides).
-        dt: `[T, H]` raw step sizes; the op applies `softplus(dt + dt_bias)`, then clamps to `dt_limit`.
-        B, C: `[T, G, N]` with G dividing H; head h uses group `h // (H // G)`.
-        state: `[S, H, P, N]` fp32 pool; rows `state_indices` hold the initial states and receive the final ones.
-            Other rows are left untouched.
-        state_indices: `[N]` int32, the pool row of each sequence.
-        cu_seqlens: `[N+1]` int32, sequence boundaries in x (device).
-        A: `[H]` fp32, negative (`-exp(A_log)`).  D: `[H]` skip.  dt_bias: `[H]`.
-        dt_limit: `(lo, hi)` or None.
-        chunk_size: tokens per chunk (rounded to a power of two in [16, 256]); chunks never cross a sequence boundary.
-        cu_seqlens_cpu: a host copy of cu_seqlens (tensor or list); copied from the device (a sync) when None.
-
-    Returns:
-        y: `[T, H, P]` in x's dtype (contiguous), the SSD output plus `D * x`.
+    x may have any strides; y is contiguous. `chunk_size` is rounded to a power of two in [16, 256].
     """
     T, H, P = x.shape
     G, N = B.shape[1], B.shape[2]

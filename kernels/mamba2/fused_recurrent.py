@@ -151,16 +151,8 @@ def fused_recurrent_mamba2(
     dt_bias: torch.Tensor,
     dt_limit: tuple[float, float] | None = None,
 ) -> torch.Tensor:
-    """One SSD decode step per session, its state updated in place in the pool (no host sync; graph-capturable).
+    """Triton `kvfree.kernels.mamba2.fused_recurrent_mamba2` (same arguments and result; see its docstring).
 
-    Args:
-        x: `[Bs, H, P]` bf16/fp16/fp32 (any strides).  dt: `[Bs, H]` raw (softplus of `dt + dt_bias`, clamped to
-            `dt_limit`).  B, C: `[Bs, G, N]`, G dividing H.
-        state: `[S, H, P, N]` fp32 pool; rows `state_indices` become `exp(dt*A) * state + dt * x ⊗ B`.
-        state_indices: `[Bs]` int32, the pool row of each session.
-        A: `[H]` fp32 negative.  D: `[H]`.  dt_bias: `[H]`.  dt_limit: `(lo, hi)` or None.
-
-    Returns:
-        y: `[Bs, H, P]` in x's dtype, `new_state · C + D * x`.
+    x may have any strides. No host sync and no allocation that depends on values: graph-capturable.
     """
     return launch(x, dt, B, C, state, state_indices, A, D, dt_bias, dt_limit)
