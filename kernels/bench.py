@@ -32,6 +32,9 @@ import traceback
 import torch
 import torch.nn.functional as F
 
+from .benchmarking import RunLog, hbm_bandwidth, median_ms, rel_err
+from .common import poisoned_outputs
+
 f64 = torch.float64
 POOL = 512
 # The sizes; --smoke swaps in tiny ones to run the script itself on the CPU under TRITON_INTERPRET=1.
@@ -77,32 +80,15 @@ SMOKE = {
     "conv_lens": ([40], [20] * 2),
 }
 SZ = REAL
-T0 = time.time()
-LOG: list[str] = []
-
-
-def say(msg: str) -> None:
-    line = f"[{time.time() - T0:6.1f}s] {msg}"
-    LOG.append(line)
-    print(line, flush=True)
-
-
-def rel(out: torch.Tensor, ref: torch.Tensor) -> float:
-    if out.isnan().any():
-        return float("nan")
-    return ((out.to(f64) - ref.to(f64)).norm() / ref.to(f64).norm()).item()
+DEV = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+RUN = RunLog()
+say = RUN.say
+rel = rel_err
 
 
 def bench(fn, warmup: int = 25, rep: int = 100) -> float:
-    """Median milliseconds (device events through triton's do_bench; a host clock for --smoke on the CPU)."""
-    if not torch.cuda.is_available():
-        fn()
-        t = time.perf_counter()
-        fn()
-        return (time.perf_counter() - t) * 1e3
-    from triton.testing import do_bench
-
-    return float(do_bench(fn, warmup=warmup, rep=rep, return_mode="median"))
+    """Median milliseconds of `fn()` (`benchmarking.median_ms`: do_bench on a GPU, a host clock for --smoke)."""
+    return median_ms(fn, DEV, warmup_ms=warmup, rep_ms=rep)
 
 
 def sync() -> None:
@@ -162,17 +148,8 @@ def check_correctness(dev, res: dict) -> None:
     from kvfree.kernels.mamba2 import fused_recurrent as mf
     from kvfree.kernels.mamba2 import reference as mr
 
-    def nan_empty(shape, dtype, device):  # poison every buffer the kernels allocate: an unwritten element shows as NaN
-        return torch.full(shape, float("nan"), dtype=dtype, device=device)
-
-    saved = {m: m._empty for m in (cc, cf, mc, mf)}
-    for m in saved:
-        m._empty = nan_empty
-    try:
+    with poisoned_outputs():  # an element a kernel does not write shows as NaN
         _check_all(dev, res, cc, cf, cr, mc, mf, mr)
-    finally:
-        for m, fn in saved.items():
-            m._empty = fn
 
 
 def _check_all(dev, res, cc, cf, cr, mc, mf, mr) -> None:
@@ -311,7 +288,7 @@ def time_prefill(dev, res: dict, budget_s: float) -> None:
         idx = torch.randperm(POOL, generator=gen, device=dev)[: len(lens)].to(torch.int32)
         tag = f"G{G}_{f'B1_T{T}' if len(lens) == 1 else f'{len(lens)}x{lens[0]}'}"
         for L in chunks:
-            if optional and time.time() - T0 > budget_s:
+            if optional and time.time() - RUN.start > budget_s:
                 say(f"prefill {tag} L={L}: skipped (time budget)")
                 continue
             args = (inp["x"], inp["dt"], inp["B"], inp["C"], pool, idx, cu, inp["A"], inp["D"], inp["dt_bias"], None, L)
@@ -361,7 +338,7 @@ def time_conv(dev, res: dict) -> None:
 
 
 def time_fla(dev, res: dict, budget_s: float) -> None:
-    if time.time() - T0 > budget_s:
+    if time.time() - RUN.start > budget_s:
         res["anchors"]["fla"] = "skipped (time budget): rerun with a larger --budget-s"
         say(res["anchors"]["fla"])
         return
@@ -395,14 +372,6 @@ def time_fla(dev, res: dict, budget_s: float) -> None:
                                                                    "state_GBps": h0.numel() * 8 / ms / 1e6}
     torch.cuda.empty_cache()
     say(f"fla anchors: {json.dumps(res['anchors'])}")
-
-
-def hbm_copy_GBps(dev) -> float:
-    """A 2 GiB device-to-device copy, bytes read plus written."""
-    big = torch.empty(1024**3 // 2, device=dev)
-    big.uniform_()
-    ms = bench(big.clone, warmup=50, rep=200)
-    return 2 * big.numel() * 4 / ms / 1e6
 
 
 def table(res: dict) -> str:
@@ -479,7 +448,7 @@ def main() -> int:
     os.makedirs(a.out, exist_ok=True)
     path = os.path.join(a.out, "kernels.json")
 
-    res["hbm_copy_GBps"] = hbm_copy_GBps(dev) if dev.type == "cuda" else 1.0
+    res["hbm_copy_GBps"] = hbm_bandwidth(dev) / 1e9 if dev.type == "cuda" else 1.0
     empty_cache()
     say(f"{res['device']}: HBM copy {res['hbm_copy_GBps']:.0f} GB/s")
 
@@ -500,10 +469,10 @@ def main() -> int:
             res["errors"].append({name: err[-3000:]})
             say(f"{name} FAILED:\n{err}")
         with open(path, "w") as f:
-            json.dump(res | {"log": LOG}, f, indent=1)
-    res["total_s"] = time.time() - T0
+            json.dump(res | {"log": RUN.lines}, f, indent=1)
+    res["total_s"] = time.time() - RUN.start
     with open(path, "w") as f:
-        json.dump(res | {"log": LOG}, f, indent=1)
+        json.dump(res | {"log": RUN.lines}, f, indent=1)
     print(table(res), flush=True)
     return 1 if res["errors"] or any(not v.get("ok") for v in res["checks"].values()) else 0
 

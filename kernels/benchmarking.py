@@ -50,6 +50,45 @@ def _cuda_events_ms(fn: Callable[[], object], warmup: int, repeats: int) -> floa
     return statistics.median(times)
 
 
+def graph_per_call_ms(fn: Callable[[], object], calls: int = 10) -> float:
+    """Milliseconds per call of `fn` replayed from one CUDA graph of `calls` calls: launch gaps as in a graphed decode
+    step, not as in an eager loop. NaN without a GPU."""
+    if not torch.cuda.is_available():
+        return float("nan")
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):  # warm up outside the capture (compiles, allocator pools)
+        for _ in range(3):
+            fn()
+    torch.cuda.current_stream().wait_stream(side)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        for _ in range(calls):
+            fn()
+    return median_ms(graph.replay, torch.device("cuda")) / calls
+
+
+def rel_err(out: torch.Tensor, ref: torch.Tensor) -> float:
+    """‖out − ref‖ / ‖ref‖ in float64 (METHOD.md's measure); NaN when `out` holds a NaN (an unwritten element)."""
+    if out.isnan().any():
+        return float("nan")
+    ref = ref.to(torch.float64)
+    return ((out.to(torch.float64) - ref).norm() / ref.norm()).item()
+
+
+class RunLog:
+    """Timestamped progress lines of a benchmark script: printed as they come, kept for its JSON."""
+
+    def __init__(self) -> None:
+        self.start = time.time()
+        self.lines: list[str] = []
+
+    def say(self, msg: str) -> None:
+        line = f"[{time.time() - self.start:6.1f}s] {msg}"
+        self.lines.append(line)
+        print(line, flush=True)
+
+
 def hbm_bandwidth(device: torch.device, gib: float = 2.0) -> float | None:
     """Device-memory bandwidth in bytes/s: a large device-to-device copy, counting bytes read plus bytes written.
 

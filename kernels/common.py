@@ -2,8 +2,9 @@
 
 from __future__ import annotations
 
+import contextlib
 import functools
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from typing import TypeVar
 
 import torch
@@ -25,3 +26,29 @@ def state_math(fn: F) -> F:
             return fn(*args, **kwargs)
 
     return wrapper  # type: ignore[return-value]
+
+
+def output_buffer(shape: tuple[int, ...], dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+    """Allocate an output or scratch buffer of a Triton op (uninitialised: the kernel writes every element).
+
+    Every Triton wrapper allocates through this one function, called as `common.output_buffer`, so that a test can
+    replace it and poison every allocation with NaN, proving that nothing is read before it is written.
+    """
+    return torch.empty(shape, dtype=dtype, device=device)
+
+
+@contextlib.contextmanager
+def poisoned_outputs() -> Iterator[None]:
+    """Within this block every buffer a Triton op allocates starts as NaN, so an element a kernel forgot to write
+    shows up in the result (the device scripts' correctness checks)."""
+    global output_buffer
+    saved = output_buffer
+
+    def nan_buffer(shape: tuple[int, ...], dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+        return torch.full(shape, float("nan"), dtype=dtype, device=device)
+
+    output_buffer = nan_buffer
+    try:
+        yield
+    finally:
+        output_buffer = saved

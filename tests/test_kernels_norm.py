@@ -22,6 +22,7 @@ pytest.importorskip("triton")
 
 import kvfree.kernels.norm as norm_ops  # noqa: E402
 from kvfree.engine.layers.norms import GatedRMSNorm, RMSNorm  # noqa: E402
+from kvfree.kernels import common  # noqa: E402
 from kvfree.kernels.norm import fused  # noqa: E402
 from kvfree.kernels.norm import reference as ref  # noqa: E402
 
@@ -69,8 +70,10 @@ def up(*ts: torch.Tensor | None) -> list[torch.Tensor | None]:
 @pytest.fixture
 def poison(monkeypatch):
     """Every buffer the Triton functions allocate starts as NaN."""
-    monkeypatch.setattr(fused, "_empty", lambda shape, dtype, device: torch.full(shape, float("nan"), dtype=dtype,
-                                                                                 device=device))
+    def nan_buffer(shape, dtype, device):
+        return torch.full(shape, float("nan"), dtype=dtype, device=device)
+
+    monkeypatch.setattr(common, "output_buffer", nan_buffer)
 
 
 # -- rms_norm --------------------------------------------------------------------------------------------------------

@@ -14,14 +14,11 @@ import torch
 import triton
 import triton.language as tl
 
+from .. import common
 from ..dispatch import chunk_metadata, host_cu_seqlens
 
 INTERPRET = os.environ.get("TRITON_INTERPRET", "0") in ("1", "true", "True")
 
-
-def _empty(shape: tuple[int, ...], dtype: torch.dtype, device: torch.device) -> torch.Tensor:
-    """Allocation of every output (tests poison it by replacing this function)."""
-    return torch.empty(shape, dtype=dtype, device=device)
 
 
 @triton.jit
@@ -123,7 +120,7 @@ def chunk_causal_conv1d(
     if K - 1 > BT:
         raise ValueError(f"kernel size K={K} is larger than the token block {BT} + 1")
     blocks, _, nb = chunk_metadata(cu, BT, x.device)
-    y = _empty((T, C), x.dtype, x.device)
+    y = common.output_buffer((T, C), x.dtype, x.device)
     if nb == 0:
         return y
     _conv_varlen_kernel[(nb, triton.cdiv(C, BC))](

@@ -26,15 +26,12 @@ import torch
 import triton
 import triton.language as tl
 
+from .. import common
 from ..dispatch import chunk_metadata, host_cu_seqlens
 from .fused_recurrent import softplus
 
 INTERPRET = os.environ.get("TRITON_INTERPRET", "0") in ("1", "true", "True")
 
-
-def _empty(shape: tuple[int, ...], dtype: torch.dtype, device: torch.device) -> torch.Tensor:
-    """Allocation of every output and scratch buffer (tests poison it by replacing this function)."""
-    return torch.empty(shape, dtype=dtype, device=device)
 
 
 @triton.jit(do_not_specialize=["T"])
@@ -374,7 +371,7 @@ def chunk_mamba2(
     L = _chunk_len(chunk_size)
     chunk_indices, chunk_offsets, NC = chunk_metadata(cu, L, x.device)
     dev = x.device
-    y = _empty((T, H, P), x.dtype, dev)
+    y = common.output_buffer((T, H, P), x.dtype, dev)
     if NC == 0:
         return y
     f32 = torch.float32
@@ -382,16 +379,16 @@ def chunk_mamba2(
     prec = "ieee" if x.dtype == f32 else "tf32"
     lo, hi = (float(dt_limit[0]), float(dt_limit[1])) if dt_limit is not None else (0.0, 0.0)
 
-    dtv = _empty((H, T), f32, dev)
-    acs = _empty((H, T), f32, dev)
+    dtv = common.output_buffer((H, T), f32, dev)
+    acs = common.output_buffer((H, T), f32, dev)
     BH = min(32, triton.next_power_of_2(H))
     _chunk_dt_kernel[(NC, triton.cdiv(H, BH))](
         dt, dt_bias, A, dtv, acs, cu_seqlens, chunk_indices, T, dt.stride(0), dt.stride(1), lo, hi,
         H=H, L=L, BH=BH, HAS_LIMIT=dt_limit is not None, num_warps=4,
     )
 
-    hbuf = _empty((NC, H, P, N), x.dtype if x.dtype in (torch.bfloat16, torch.float16) else f32, dev)
-    final = _empty((nseq, H, P, N), f32, dev)
+    hbuf = common.output_buffer((NC, H, P, N), x.dtype if x.dtype in (torch.bfloat16, torch.float16) else f32, dev)
+    final = common.output_buffer((nseq, H, P, N), f32, dev)
     _chunk_state_kernel[lambda meta: (nseq * H, triton.cdiv(P, meta["BP"]), triton.cdiv(N, meta["BN"]))](
         x, B, dtv, acs, state, state_indices, cu_seqlens, chunk_offsets, hbuf, final, T,
         x.stride(0), x.stride(1), x.stride(2), B.stride(0), B.stride(1), B.stride(2),

@@ -29,19 +29,18 @@ from collections.abc import Callable
 
 import torch
 
+from ..benchmarking import RunLog, graph_per_call_ms, hbm_bandwidth, median_ms, rel_err
+from ..common import poisoned_outputs
+
 f64 = torch.float64
 REAL = {"rows": (1, 256, 8192), "D": 1024, "D_inner": 2048, "groups": (2048, 256), "proj": 4384, "copy_mib": 512}
 SMOKE = {"rows": (1, 5, 33), "D": 96, "D_inner": 128, "groups": (128, 32), "proj": 300, "copy_mib": 1}
 SZ = REAL
 EPS = 1e-5
-T0 = time.time()
-LOG: list[str] = []
-
-
-def say(msg: str) -> None:
-    line = f"[{time.time() - T0:6.1f}s] {msg}"
-    LOG.append(line)
-    print(line, flush=True)
+DEV = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+RUN = RunLog()
+say = RUN.say
+rel = rel_err
 
 
 def sync() -> None:
@@ -49,47 +48,14 @@ def sync() -> None:
         torch.cuda.synchronize()
 
 
-def rel(out: torch.Tensor, want: torch.Tensor) -> float:
-    if out.isnan().any():
-        return float("nan")
-    return ((out.to(f64) - want.to(f64)).norm() / want.to(f64).norm()).item()
-
-
 def bench(fn: Callable[[], object], rep: int = 100) -> float:
-    """Median milliseconds (device events through triton's do_bench; a host clock for --smoke on the CPU)."""
-    if not torch.cuda.is_available():
-        fn()
-        t = time.perf_counter()
-        fn()
-        return (time.perf_counter() - t) * 1e3
-    from triton.testing import do_bench
-
-    return float(do_bench(fn, warmup=25, rep=rep, return_mode="median"))
-
-
-def graph_per_call_ms(fn: Callable[[], object], calls: int = 10) -> float:
-    """Milliseconds per call of `fn` replayed from one CUDA graph of `calls` calls (launch gaps as in decode)."""
-    if not torch.cuda.is_available():
-        return float("nan")
-    s = torch.cuda.Stream()
-    s.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(s):
-        for _ in range(3):
-            fn()
-    torch.cuda.current_stream().wait_stream(s)
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        for _ in range(calls):
-            fn()
-    return bench(graph.replay, rep=200) / calls
+    """Median milliseconds of `fn()` (`benchmarking.median_ms`: do_bench on a GPU, a host clock for --smoke)."""
+    return median_ms(fn, DEV, rep_ms=rep)
 
 
 def copy_GBps(dev: torch.device) -> float:
-    """A device-to-device copy, bytes read plus written."""
-    big = torch.empty(SZ["copy_mib"] * 2**20 // 4, device=dev)
-    big.uniform_()
-    ms = bench(big.clone, rep=100)
-    return 2 * big.numel() * 4 / ms / 1e6
+    """A device-to-device copy, bytes read plus written (`benchmarking.hbm_bandwidth`)."""
+    return (hbm_bandwidth(dev, gib=SZ["copy_mib"] / 1024) or float("nan")) / 1e9
 
 
 def inputs(N: int, dev: torch.device, gen: torch.Generator, dtype: torch.dtype = torch.bfloat16) -> dict:
@@ -111,12 +77,8 @@ def check_correctness(dev: torch.device, res: dict) -> None:
     from . import fused
     from . import reference as ref
 
-    saved = fused._empty
-    fused._empty = lambda shape, dtype, device: torch.full(shape, float("nan"), dtype=dtype, device=device)
-    try:
+    with poisoned_outputs():  # an element a kernel does not write shows as NaN
         _check_all(dev, res, fused, ref)
-    finally:
-        fused._empty = saved
 
 
 def _record(res: dict, name: str, errs: dict, tol: float, extra: dict | None = None) -> None:
@@ -300,9 +262,9 @@ def main() -> int:
             err = traceback.format_exc()
             res["errors"].append({name: err[-3000:]})
             say(f"{name} FAILED:\n{err}")
-    res["total_s"] = time.time() - T0
+    res["total_s"] = time.time() - RUN.start
     with open(path, "w") as f:
-        json.dump(res | {"log": LOG}, f, indent=1)
+        json.dump(res | {"log": RUN.lines}, f, indent=1)
     print(table(res), flush=True)
     return 1 if res["errors"] or any(not v.get("ok") for v in res["checks"].values()) else 0
 

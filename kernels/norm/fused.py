@@ -24,6 +24,8 @@ import torch
 import triton
 import triton.language as tl
 
+from .. import common
+
 INTERPRET = os.environ.get("TRITON_INTERPRET", "0") in ("1", "true", "True")
 
 MAX_D = 8192  # widest row (group, for the gated norm) held in one block; wider ones go to the reference
@@ -31,10 +33,6 @@ DTYPES = (torch.float32, torch.bfloat16, torch.float16)  # what the kernels load
 _TILE = 2048  # elements per program that we aim for when rows are short (rows per program = _TILE // BLOCK_D)
 _MAX_ROWS = 32
 
-
-def _empty(shape: tuple[int, ...], dtype: torch.dtype, device: torch.device) -> torch.Tensor:
-    """Allocation of every output (tests poison it by replacing this function)."""
-    return torch.empty(shape, dtype=dtype, device=device)
 
 
 def _rows(t: torch.Tensor, D: int) -> torch.Tensor:
@@ -167,7 +165,7 @@ def rms_norm(
     weight = _check(weight, D, x)
     x2 = _rows(x, D)
     N = x2.shape[0]
-    y = _empty((N, D), weight.dtype, x.device)
+    y = common.output_buffer((N, D), weight.dtype, x.device)
     if N:
         BD, BN, nw = _config(N, D, block_n, num_warps)
         _rms_norm_kernel[(triton.cdiv(N, BN),)](
@@ -216,8 +214,8 @@ def add_rms_norm(
     if direct:
         r2 = ro2  # read and write the same elements (each by the same thread: see the kernel)
     else:
-        ro2 = _empty((N, D), torch.float32, x.device)
-    y = _empty((N, D), weight.dtype, x.device)
+        ro2 = common.output_buffer((N, D), torch.float32, x.device)
+    y = common.output_buffer((N, D), weight.dtype, x.device)
     if N:
         BD, BN, nw = _config(N, D, block_n, num_warps)
         _rms_norm_kernel[(triton.cdiv(N, BN),)](
@@ -275,7 +273,7 @@ def gated_rms_norm(
         raise ValueError(f"group_size {group_size} must divide D={D}")
     x2, g2 = _rows(x, D), _rows(gate, D)
     N = x2.shape[0]
-    y = _empty((N, D), weight.dtype, x.device)
+    y = common.output_buffer((N, D), weight.dtype, x.device)
     if N:
         BG, BN, nw = _config(N, group_size, block_n, num_warps)
         _gated_rms_norm_kernel[(triton.cdiv(N, BN), D // group_size)](

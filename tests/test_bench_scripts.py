@@ -1,0 +1,49 @@
+"""The device benchmark scripts still run: each in its `--smoke` mode (tiny sizes, Triton interpreted on the CPU),
+checking its kernels and writing its JSON, so a change that breaks a script is caught before a device call."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+import torch
+
+pytest.importorskip("triton")
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="--smoke is the CPU mode; on a GPU run the real scripts")
+@pytest.mark.parametrize(
+    ("module", "out_file"),
+    [("kvfree.kernels.bench", "kernels.json"), ("kvfree.kernels.norm.check_device", "norm.json")],
+)
+def test_kernel_bench_script_smoke(tmp_path, module, out_file):
+    env = {**os.environ, "TRITON_INTERPRET": "1"}
+    result = subprocess.run(
+        [sys.executable, "-m", module, "--smoke", "--out", str(tmp_path)],
+        capture_output=True,
+        text=True,
+        timeout=300,
+        env=env,
+        cwd=tmp_path,
+    )
+    assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
+    report = json.loads((tmp_path / out_file).read_text())
+    assert report["checks"] and not report["errors"]
+    assert all(check["ok"] for check in report["checks"].values())
+
+
+def test_model_bench_script_on_the_cpu(tmp_path):
+    from kvfree.engine.bench import main
+
+    out = tmp_path / "model.json"
+    assert (
+        main(["--preset", "tiny", "--device", "cpu", "--batch", "1", "3", "--prefill-tokens", "64", "--out", str(out)])
+        == 0
+    )
+    report = json.loads(out.read_text())
+    assert [row["batch"] for row in report["decode"]] == [1, 3]
+    assert report["prefill"]["tokens"] == 64 and report["prefill"]["tokens_per_s"] > 0
+    assert report["cuda_graphs"] is False and report["environment"]["torch"] == torch.__version__
