@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import os
 import subprocess
 import sys
@@ -185,3 +186,21 @@ def test_set_overrides_config_values(capsys) -> None:
     assert main(["generate", "Hi", "--set", "nosuch.key=1"]) == 2
     assert "nosuch" in capsys.readouterr().err
     assert main(["generate", "Hi", "--set", "oops"]) == 2
+
+
+def test_enforce_eager_flag_is_accepted_by_generate_and_serve(capsys, default_greedy) -> None:
+    """`--enforce-eager` is accepted by generate and serve; on the CPU (never graphed) the tokens are unchanged."""
+    args = ["generate", "Hello", "--max-tokens", "8", "--temperature", "0", "--device", "cpu", "--enforce-eager"]
+    assert main(args) == 0
+    assert capsys.readouterr().out == "Hello" + default_greedy + "\n"
+    with pytest.raises(SystemExit):
+        main(["serve", "--help"])
+    assert "--enforce-eager" in capsys.readouterr().out
+
+
+def test_bench_subcommand_writes_its_json(capsys, tmp_path) -> None:
+    out = tmp_path / "b.json"
+    args = ["bench", "--preset", "tiny", "--device", "cpu", "--batch", "2", "--prefill-tokens", "16", "--out", str(out)]
+    assert main(args) == 0
+    assert "prefill of 16 tokens" in capsys.readouterr().out
+    assert json.loads(out.read_text())["decode"][0]["batch"] == 2
