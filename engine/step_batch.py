@@ -70,26 +70,6 @@ class StepBatch:
             is_decode=is_decode,
         )
 
-    @property
-    def num_seqs(self) -> int:
-        return self.state_indices.shape[0]
-
-    @property
-    def seq_lens(self) -> list[int]:
-        """Tokens of each session in this call (host ints)."""
-        return (self.cu_seqlens_cpu[1:] - self.cu_seqlens_cpu[:-1]).tolist()
-
-    @property
-    def offsets(self) -> list[tuple[int, int]]:
-        """(start, end) of each session's tokens on the packed axis (host ints)."""
-        cu = self.cu_seqlens_cpu.tolist()
-        return list(zip(cu[:-1], cu[1:], strict=True))
-
-    @property
-    def slots(self) -> torch.Tensor:
-        """`state_indices` as int64, the index dtype PyTorch's `index_copy_` and friends want."""
-        return self.state_indices.long()
-
 
 def _host_ints(values: Sequence[int] | torch.Tensor) -> list[int]:
     return values.tolist() if isinstance(values, torch.Tensor) else [int(v) for v in values]

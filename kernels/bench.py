@@ -20,19 +20,16 @@ Writes DIR/kernels.json and prints a short table last; exits 1 when a check fail
 from __future__ import annotations
 
 import argparse
-import datetime
 import itertools
 import json
-import os
-import platform
 import sys
 import time
-import traceback
+from pathlib import Path
 
 import torch
 import torch.nn.functional as F
 
-from .benchmarking import RunLog, hbm_bandwidth, median_ms, rel_err
+from .benchmarking import RunLog, environment, hbm_bandwidth, median_ms, rel_err, run_steps, script_device, sync
 from .common import poisoned_outputs
 
 f64 = torch.float64
@@ -89,11 +86,6 @@ rel = rel_err
 def bench(fn, warmup: int = 25, rep: int = 100) -> float:
     """Median milliseconds of `fn()` (`benchmarking.median_ms`: do_bench on a GPU, a host clock for --smoke)."""
     return median_ms(fn, DEV, warmup_ms=warmup, rep_ms=rep)
-
-
-def sync() -> None:
-    if torch.cuda.is_available():
-        torch.cuda.synchronize()
 
 
 def empty_cache() -> None:
@@ -419,35 +411,18 @@ def main() -> int:
     ap.add_argument("--smoke", action="store_true", help="tiny sizes on the CPU under the Triton interpreter")
     a = ap.parse_args()
     global SZ
-    if a.smoke:
-        SZ = SMOKE
-        if torch.cuda.is_available():
-            print("--smoke is for machines without a GPU", file=sys.stderr)
-            return 2
-        os.environ["TRITON_INTERPRET"] = "1"  # before the kernel modules are imported (lazily, below)
-        a.skip_fla = True
-    elif not torch.cuda.is_available():
-        print("kvfree.kernels.bench needs a CUDA GPU (or --smoke)", file=sys.stderr)
+    dev = script_device(a.smoke, "kvfree.kernels.bench")
+    if dev is None:
         return 2
-    import triton
-
-    dev = torch.device("cuda" if torch.cuda.is_available() else "cpu")
-    res = {
-        "device": torch.cuda.get_device_name() if dev.type == "cuda" else "cpu (smoke)",
-        "sm_count": torch.cuda.get_device_properties(dev).multi_processor_count if dev.type == "cuda" else 0,
-        "torch": torch.__version__,
-        "triton": triton.__version__,
-        "python": platform.python_version(),
-        "date": datetime.datetime.now(datetime.UTC).isoformat(timespec="seconds"),
+    if a.smoke:
+        SZ, a.skip_fla = SMOKE, True
+    res = environment(dev) | {
         "shapes": {"decode": "H=16 P=128 N=128 G=1, bf16 x/B/C, fp32 state, pool 512 rows, random slots",
                    "prefill": "H=16 P=128 N=128 G=1|16, bf16, B=1 T=16384 and 8x4096 packed (cu_seqlens)",
                    "checks": "lens [1,700,64,3,2000,129]; H16/P128/N128 and mamba2-370m H32/P64/N128/G1",
                    "conv": "C=2304 K=4 bf16"},
         "checks": {}, "decode": {}, "prefill": {}, "conv": {}, "anchors": {}, "errors": [],
     }
-    os.makedirs(a.out, exist_ok=True)
-    path = os.path.join(a.out, "kernels.json")
-
     res["hbm_copy_GBps"] = hbm_bandwidth(dev) / 1e9 if dev.type == "cuda" else 1.0
     empty_cache()
     say(f"{res['device']}: HBM copy {res['hbm_copy_GBps']:.0f} GB/s")
@@ -460,21 +435,9 @@ def main() -> int:
     ]
     if not a.skip_fla:
         steps.append(("fla", lambda: time_fla(dev, res, a.budget_s)))
-    for name, step in steps:
-        try:
-            step()
-            sync()
-        except Exception:
-            err = traceback.format_exc()
-            res["errors"].append({name: err[-3000:]})
-            say(f"{name} FAILED:\n{err}")
-        with open(path, "w") as f:
-            json.dump(res | {"log": RUN.lines}, f, indent=1)
-    res["total_s"] = time.time() - RUN.start
-    with open(path, "w") as f:
-        json.dump(res | {"log": RUN.lines}, f, indent=1)
+    status = run_steps(steps, res, Path(a.out) / "kernels.json", RUN)
     print(table(res), flush=True)
-    return 1 if res["errors"] or any(not v.get("ok") for v in res["checks"].values()) else 0
+    return status
 
 
 if __name__ == "__main__":

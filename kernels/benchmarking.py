@@ -8,9 +8,12 @@ from __future__ import annotations
 
 import datetime
 import json
+import os
 import platform
 import statistics
+import sys
 import time
+import traceback
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
@@ -87,6 +90,45 @@ class RunLog:
         line = f"[{time.time() - self.start:6.1f}s] {msg}"
         self.lines.append(line)
         print(line, flush=True)
+
+
+def sync() -> None:
+    """Wait for the GPU (no-op without one), so that a failure or a time lands in the step that caused it."""
+    if torch.cuda.is_available():
+        torch.cuda.synchronize()
+
+
+def script_device(smoke: bool, script: str) -> torch.device | None:
+    """The device a kernel check script runs on: a CUDA GPU, or with `--smoke` the CPU under Triton's interpreter
+    (switched on here, before any kernel module is imported). None, after saying why on stderr, otherwise."""
+    if smoke:
+        if torch.cuda.is_available():
+            print(f"{script}: --smoke is for machines without a GPU", file=sys.stderr)
+            return None
+        os.environ["TRITON_INTERPRET"] = "1"
+        return torch.device("cpu")
+    if not torch.cuda.is_available():
+        print(f"{script} needs a CUDA GPU (or --smoke)", file=sys.stderr)
+        return None
+    return torch.device("cuda")
+
+
+def run_steps(steps: list[tuple[str, Callable[[], object]]], res: dict[str, Any], path: Path, log: RunLog) -> int:
+    """Run a check script's named steps in order; a failing step's traceback goes to `res["errors"]` and the next
+    step still runs. `res` (with the log) is written to `path` after every step, so a run cut short keeps what it
+    measured. Returns the exit status: 1 when a step failed or a check in `res["checks"]` is not ok, else 0."""
+    path.parent.mkdir(parents=True, exist_ok=True)
+    for name, step in steps:
+        try:
+            step()
+            sync()
+        except Exception:
+            err = traceback.format_exc()
+            res["errors"].append({name: err[-3000:]})
+            log.say(f"{name} FAILED:\n{err}")
+        res["total_s"] = time.time() - log.start
+        path.write_text(json.dumps(res | {"log": log.lines}, indent=1))
+    return 1 if res["errors"] or any(not v.get("ok") for v in res["checks"].values()) else 0
 
 
 def hbm_bandwidth(device: torch.device, gib: float = 2.0) -> float | None:

@@ -132,13 +132,23 @@ def cmd_loadtest(args: argparse.Namespace) -> int:
     # Imported here: the load generator speaks HTTP only and has its own parser (`kvfree loadtest --help`).
     from kvfree.loadtest.cli import main as loadtest_main
 
-    return loadtest_main(args.loadtest_args)
+    return loadtest_main(args.forwarded)
 
 
 def cmd_bench(args: argparse.Namespace) -> int:
     from kvfree.engine.bench import main as bench_main
 
-    return bench_main(args.bench_args)
+    return bench_main(args.forwarded)
+
+
+def _add_forwarding_parser(sub: argparse._SubParsersAction, name: str, help: str, func) -> None:
+    """A subcommand whose arguments all go to another module's own parser (`kvfree NAME --help` prints that one).
+
+    prefix_chars="+" keeps argparse from reading `--url`, `-h` ... here, so they all land in the REMAINDER list.
+    """
+    p = sub.add_parser(name, help=help, add_help=False, prefix_chars="+")
+    p.add_argument("forwarded", nargs=argparse.REMAINDER)
+    p.set_defaults(func=func)
 
 
 def _cpu():
@@ -235,25 +245,18 @@ def build_parser() -> argparse.ArgumentParser:
     )
     p.set_defaults(func=cmd_convert)
 
-    # Every argument goes to loadtest.cli's own parser: prefix_chars="+" keeps argparse from reading `--url`, `-h`
-    # ... here, so they all land in the REMAINDER list.
-    p = sub.add_parser(
+    _add_forwarding_parser(
+        sub,
         "loadtest",
-        help="load-test servers over HTTP: memory vs context, latency vs concurrency, verified session soak",
-        add_help=False,
-        prefix_chars="+",
+        "load-test servers over HTTP: memory vs context, latency vs concurrency, verified session soak",
+        cmd_loadtest,
     )
-    p.add_argument("loadtest_args", nargs=argparse.REMAINDER)
-    p.set_defaults(func=cmd_loadtest)
-
-    p = sub.add_parser(
+    _add_forwarding_parser(
+        sub,
         "bench",
-        help="time a preset's model step (decode at several batch sizes, one long prefill) against its floor",
-        add_help=False,
-        prefix_chars="+",
+        "time a preset's model step (decode at several batch sizes, one long prefill) against its floor",
+        cmd_bench,
     )
-    p.add_argument("bench_args", nargs=argparse.REMAINDER)
-    p.set_defaults(func=cmd_bench)
     return parser
 
 

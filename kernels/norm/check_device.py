@@ -18,18 +18,24 @@ Writes DIR/norm.json, prints a short table last, and exits 1 when a check fails.
 from __future__ import annotations
 
 import argparse
-import datetime
 import json
-import os
-import platform
 import sys
-import time
-import traceback
 from collections.abc import Callable
+from pathlib import Path
 
 import torch
 
-from ..benchmarking import RunLog, graph_per_call_ms, hbm_bandwidth, median_ms, rel_err
+from ..benchmarking import (
+    RunLog,
+    environment,
+    graph_per_call_ms,
+    hbm_bandwidth,
+    median_ms,
+    rel_err,
+    run_steps,
+    script_device,
+    sync,
+)
 from ..common import poisoned_outputs
 
 f64 = torch.float64
@@ -41,11 +47,6 @@ DEV = torch.device("cuda" if torch.cuda.is_available() else "cpu")
 RUN = RunLog()
 say = RUN.say
 rel = rel_err
-
-
-def sync() -> None:
-    if torch.cuda.is_available():
-        torch.cuda.synchronize()
 
 
 def bench(fn: Callable[[], object], rep: int = 100) -> float:
@@ -227,46 +228,22 @@ def main() -> int:
     ap.add_argument("--smoke", action="store_true", help="tiny sizes on the CPU under the Triton interpreter")
     a = ap.parse_args()
     global SZ
-    if a.smoke:
-        if torch.cuda.is_available():
-            print("--smoke is for machines without a GPU", file=sys.stderr)
-            return 2
-        SZ = SMOKE
-        os.environ["TRITON_INTERPRET"] = "1"  # before the kernel module is imported (lazily, in the steps)
-    elif not torch.cuda.is_available():
-        print("check_device needs a CUDA GPU (or --smoke)", file=sys.stderr)
+    dev = script_device(a.smoke, "kvfree.kernels.norm.check_device")
+    if dev is None:
         return 2
-    import triton
-
-    dev = torch.device("cuda" if torch.cuda.is_available() else "cpu")
-    res = {
-        "device": torch.cuda.get_device_name() if dev.type == "cuda" else "cpu (smoke)",
-        "torch": torch.__version__,
-        "triton": triton.__version__,
-        "python": platform.python_version(),
-        "date": datetime.datetime.now(datetime.UTC).isoformat(timespec="seconds"),
+    if a.smoke:
+        SZ = SMOKE
+    res = environment(dev) | {
         "shapes": {"rms/add": f"[N, {SZ['D']}] bf16 x and weight, fp32 residual",
                    "gated": f"D={SZ['D_inner']}, x/gate column slices of [N, {SZ['proj']}] bf16, bf16 weight"},
         "checks": {}, "timing": {}, "errors": [],
     }
-    os.makedirs(a.out, exist_ok=True)
-    path = os.path.join(a.out, "norm.json")
     res["copy_GBps"] = copy_GBps(dev) if dev.type == "cuda" else 1.0
     say(f"{res['device']}: copy {res['copy_GBps']:.0f} GB/s")
-    for name, step in (("checks", lambda: check_correctness(dev, res)),
-                       ("timing", lambda: time_all(dev, res, res["copy_GBps"]))):
-        try:
-            step()
-            sync()
-        except Exception:
-            err = traceback.format_exc()
-            res["errors"].append({name: err[-3000:]})
-            say(f"{name} FAILED:\n{err}")
-    res["total_s"] = time.time() - RUN.start
-    with open(path, "w") as f:
-        json.dump(res | {"log": RUN.lines}, f, indent=1)
+    steps = [("checks", lambda: check_correctness(dev, res)), ("timing", lambda: time_all(dev, res, res["copy_GBps"]))]
+    status = run_steps(steps, res, Path(a.out) / "norm.json", RUN)
     print(table(res), flush=True)
-    return 1 if res["errors"] or any(not v.get("ok") for v in res["checks"].values()) else 0
+    return status
 
 
 if __name__ == "__main__":
