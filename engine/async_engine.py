@@ -1,8 +1,9 @@
 """AsyncEngine: the model, its pool, sessions and scheduler on one thread, driven from asyncio (architecture.md §5).
 
 HTTP handlers never touch the model. They submit commands (a request, a session operation) to the engine thread
-through a queue and receive results and tokens through asyncio futures and queues (`loop.call_soon_threadsafe`).
-The thread runs scheduler steps while there is work and sleeps on the command queue otherwise.
+through a queue and receive results and tokens through asyncio futures and queues. The thread runs engine steps
+(engine/llm_engine.py) while there is work and sleeps on the command queue otherwise. A step's outputs for every
+request reach the event loop in one `loop.call_soon_threadsafe` call, not one per token.
 """
 
 from __future__ import annotations
@@ -21,6 +22,7 @@ from typing import Any
 import torch
 
 from kvfree.engine.llm import LLM
+from kvfree.engine.llm_engine import LLMEngine
 from kvfree.engine.sampling import SamplingParams
 from kvfree.engine.scheduler import QueueFull, Request, RequestOutput, Scheduler
 from kvfree.engine.sessions import Session, SessionManager
@@ -43,7 +45,10 @@ class AsyncEngine:
     Args:
         llm: the loaded model, tokenizer and state pool (its `max_sessions` is the number of GPU slots).
         max_waiting: requests that may wait for a slot before new ones get QueueFull (HTTP 429).
-        max_batch_tokens: tokens per step: one per decoding sequence, the rest for prefill chunks.
+        max_batch_tokens: tokens per step while sequences decode: one per decoding sequence, the rest for prefill
+            chunks. A step's time grows with its tokens, so this bounds the inter-token latency of running
+            requests while new prompts are fed; larger values feed prompts faster (lower time to first token).
+        max_prefill_tokens: prefill tokens per step when nothing decodes (default: `max_batch_tokens`).
         max_host_sessions: idle sessions kept in host memory before the oldest go to `snapshot_dir`.
         snapshot_dir: where sessions spill to, persist on shutdown and are found again on start (None: no disk).
         hmac_key: if set, snapshots are signed and only signed snapshots are accepted.
@@ -55,6 +60,7 @@ class AsyncEngine:
         *,
         max_waiting: int = 256,
         max_batch_tokens: int = 2048,
+        max_prefill_tokens: int | None = None,
         max_host_sessions: int = 1024,
         snapshot_dir: Path | None = None,
         hmac_key: bytes | None = None,
@@ -63,19 +69,26 @@ class AsyncEngine:
         self.tokenizer = llm.tokenizer
         self.fingerprint = model_fingerprint(llm.model)
         self.sessions = SessionManager(llm.pool, self.fingerprint, max_host_sessions, snapshot_dir, hmac_key)
-        self.scheduler = Scheduler(llm.runner, self.sessions, llm.tokenizer, max_waiting, max_batch_tokens)
+        self.scheduler = Scheduler(self.sessions, llm.tokenizer, max_waiting, max_batch_tokens, max_prefill_tokens)
+        self.engine = LLMEngine(self.scheduler, llm.runner)
+        self._loop_ref: asyncio.AbstractEventLoop | None = None
+        self._pending: list[tuple[asyncio.Queue, RequestOutput | BaseException]] = []  # this step's emissions
         self._commands: queue.Queue[tuple[Callable[[], Any], Callable[[Any, BaseException | None], None]] | None]
         self._commands = queue.Queue()
         self._thread = threading.Thread(target=self._loop, name="kvfree-engine", daemon=True)
         self.accepting = False
-        self.steps = 0
 
     # -- lifecycle ----------------------------------------------------------------------------------------------
     @property
     def alive(self) -> bool:
         return self._thread.is_alive()
 
+    @property
+    def steps(self) -> int:
+        return self.engine.steps
+
     def start(self) -> None:
+        self._loop_ref = asyncio.get_running_loop()
         self.sessions.load_index()
         self.accepting = True
         self._thread.start()
@@ -84,7 +97,7 @@ class AsyncEngine:
         """Stop admitting, let running requests finish for up to `grace_seconds`, abort the rest, persist sessions."""
         self.accepting = False
         deadline = time.monotonic() + grace_seconds
-        while time.monotonic() < deadline and await self.call(lambda: self.scheduler.has_work):
+        while time.monotonic() < deadline and await self.call(lambda: self.engine.has_work):
             await asyncio.sleep(0.05)
         await self.call(self._abort_all)
         await self.call(self.sessions.persist_all)
@@ -94,26 +107,33 @@ class AsyncEngine:
     def _abort_all(self) -> None:
         for req in [*self.scheduler.waiting, *self.scheduler.running]:
             self.scheduler.abort(req.request_id)
-        while self.scheduler.has_work:  # finish the aborts (free slots, release sessions)
-            self.scheduler.step()
+        while self.engine.has_work:  # finish the aborts (free slots, release sessions)
+            self.engine.step()
+        self._flush()
 
     # -- the engine thread --------------------------------------------------------------------------------------
     def _loop(self) -> None:
         torch.set_grad_enabled(False)
         while True:
             # Sleep on the command queue when idle; otherwise take what has arrived and go on stepping.
-            for command in self._drain(block=not self.scheduler.has_work):
+            for command in self._drain(block=not self.engine.has_work):
                 if command is None:
                     return
                 self._run_command(*command)
-            if self.scheduler.has_work:
+            if self.engine.has_work:
                 try:
                     with torch.inference_mode():
-                        self.scheduler.step()
-                    self.steps += 1
+                        self.engine.step()
                 except Exception as exc:  # a failing step must not take the engine down: fail its requests
                     log.exception("engine step failed; failing the requests in flight")
                     self._fail_in_flight(exc)
+                self._flush()
+
+    def _flush(self) -> None:
+        """Hand this step's outputs to the event loop in one call."""
+        if self._pending:
+            items, self._pending = self._pending, []
+            self._loop_ref.call_soon_threadsafe(_deliver, items)
 
     def _drain(self, block: bool) -> list:
         items = []
@@ -138,6 +158,7 @@ class AsyncEngine:
     def _fail_in_flight(self, exc: Exception) -> None:
         """Send `exc` to every request in flight and free their slots. A session in the failed batch may hold a
         half-updated state, so it starts over (its next turn re-prefills the whole prompt)."""
+        self.engine.discard_in_flight()
         for req in self.scheduler.running:
             req.emit(exc)  # type: ignore[arg-type]
             for seq in req.sequences:
@@ -147,7 +168,7 @@ class AsyncEngine:
                 if req.session.slot is not None:
                     self.llm.pool.reset(req.session.slot)
                 req.session.reset()
-        self.scheduler._retire()
+        self.scheduler.retire()
 
     async def call(self, fn: Callable[[], Any]) -> Any:
         """Run `fn()` on the engine thread (between steps) and return its result, or raise its exception."""
@@ -192,11 +213,10 @@ class AsyncEngine:
         if not self.accepting:
             raise EngineStopped("the server is shutting down")
         request_id = request_id or f"req-{uuid.uuid4().hex}"
-        loop = asyncio.get_running_loop()
         outputs: asyncio.Queue[RequestOutput | BaseException] = asyncio.Queue()
 
-        def emit(out: RequestOutput | BaseException) -> None:
-            loop.call_soon_threadsafe(outputs.put_nowait, out)
+        def emit(out: RequestOutput | BaseException) -> None:  # on the engine thread, flushed after the step
+            self._pending.append((outputs, out))
 
         def submit() -> None:
             session = self.sessions.get(session_id, owner) if session_id else None
@@ -281,6 +301,11 @@ class AsyncEngine:
             stats["gpu_memory_allocated"] = torch.cuda.memory_allocated(self.llm.model.device)
             stats["gpu_memory_reserved"] = torch.cuda.memory_reserved(self.llm.model.device)
         return stats
+
+
+def _deliver(items: list[tuple[asyncio.Queue, RequestOutput | BaseException]]) -> None:
+    for queue_, out in items:
+        queue_.put_nowait(out)
 
 
 __all__ = ["AsyncEngine", "EngineStopped", "QueueFull", "RequestOutput", "SessionBusy"]

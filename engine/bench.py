@@ -62,9 +62,9 @@ def bench_decode(model: HybridLM, batch: int, bandwidth: float | None, graphs: b
         row["eager_ms"] = median_ms(lambda: model.decode(ids, pool.tensors, step), device)
         if graphs:
             captured = DecodeGraphs(
-                lambda i, b: model.decode(i, pool.tensors, b), batch, pool.scratch_slot, device, sizes=[batch]
+                lambda b: model.decode(ids, pool.tensors, b), batch, pool.scratch_slot, device, sizes=[batch]
             )
-            row["graph_ms"] = median_ms(lambda: captured.replay(ids, slots), device)
+            row["graph_ms"] = median_ms(lambda: captured.replay(slots), device)
     state_bytes = pool.bytes_per_session() * batch
     row["bytes"] = weight_bytes(model) + 2 * state_bytes
     if bandwidth:
@@ -98,8 +98,16 @@ def check_graph_tokens(model: HybridLM, batch: int, steps: int = 16) -> bool:
             return out
 
         eager = run(lambda ids: model.decode(ids, pool.tensors, StepBatch.decode(slots, device)))
-        captured = DecodeGraphs(lambda i, b: model.decode(i, pool.tensors, b), batch, pool.scratch_slot, device)
-        graphed = run(lambda ids: captured.replay(ids, slots))
+        tokens = first.clone()  # the graph's input: each replay reads the ids copied into it
+        captured = DecodeGraphs(
+            lambda b: model.decode(tokens[: len(b.state_indices)], pool.tensors, b), batch, pool.scratch_slot, device
+        )
+
+        def graphed_step(ids: torch.Tensor) -> torch.Tensor:
+            tokens.copy_(ids)
+            return captured.replay(slots)
+
+        graphed = run(graphed_step)
     return eager == graphed
 
 

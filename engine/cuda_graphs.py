@@ -4,8 +4,9 @@ A decode step of a 48-layer model is a few hundred small kernels; launched one b
 is most of the step. Captured once at start-up in a graph, a step is one launch (nano-vllm's `capture_cudagraph`,
 vLLM's cudagraph buckets). Each graph covers embedding to logits for a fixed batch size; a batch of B sessions
 replays the smallest bucket >= B, with the rows beyond B pointed at the pool's scratch slot, whose state is
-scratch by definition. Graphs share one memory pool and are captured largest first, so the smaller ones reuse
-the larger one's memory. Sampling stays outside the graph.
+scratch by definition. The only input is the slots: each row's token is looked up inside the graph (the runner
+keeps the last sampled token of every slot on the device). Graphs share one memory pool and are captured largest
+first, so the smaller ones reuse the larger one's memory. Sampling stays outside the graph.
 """
 
 from __future__ import annotations
@@ -24,7 +25,7 @@ log = logging.getLogger("kvfree.engine")
 # launch overhead is a small part of them (vLLM stops at 512 too).
 MAX_GRAPH_BATCH = 512
 
-Decode = Callable[[torch.Tensor, StepBatch], torch.Tensor]  # (input_ids [B], batch) -> logits [B, V]
+Decode = Callable[[StepBatch], torch.Tensor]  # batch of B slots -> logits [B, V]
 
 
 def graph_batch_sizes(max_batch: int) -> list[int]:
@@ -55,7 +56,7 @@ class DecodeGraphs:
     """Captured decode steps for the buckets of `graph_batch_sizes(max_batch)`, and their static inputs.
 
     Args:
-        decode: the eager decode step to capture, `(input_ids [B], StepBatch) -> logits [B, V]`.
+        decode: the eager decode step to capture, `StepBatch of B slots -> logits [B, V]`.
         max_batch: the largest batch to capture (at most `MAX_GRAPH_BATCH`).
         scratch_slot: a pool row no session owns; padding rows write their state there.
         device: a CUDA device.
@@ -68,8 +69,7 @@ class DecodeGraphs:
         self.sizes = sorted(sizes) if sizes else graph_batch_sizes(min(max_batch, MAX_GRAPH_BATCH))
         self.scratch_slot = scratch_slot
         largest = self.sizes[-1]
-        # Static inputs every graph reads: replay copies this step's values into them first.
-        self.input_ids = torch.zeros(largest, dtype=torch.long, device=device)
+        # The static input every graph reads: replay copies this step's slots into it first.
         self.state_indices = torch.full((largest,), scratch_slot, dtype=torch.int32, device=device)
         self.cu_seqlens = torch.arange(largest + 1, dtype=torch.int32, device=device)
         self.graphs: dict[int, torch.cuda.CUDAGraph] = {}
@@ -77,11 +77,11 @@ class DecodeGraphs:
         pool = torch.cuda.graph_pool_handle()
         for size in reversed(self.sizes):  # largest first, so smaller graphs fit in its memory
             batch = self._batch(size)
-            decode(self.input_ids[:size], batch)  # warm-up: compiles Triton kernels, sets up cuBLAS workspaces
+            decode(batch)  # warm-up: compiles Triton kernels, sets up cuBLAS workspaces
             torch.cuda.synchronize(device)
             graph = torch.cuda.CUDAGraph()
             with torch.cuda.graph(graph, pool=pool):
-                self.logits[size] = decode(self.input_ids[:size], batch)
+                self.logits[size] = decode(batch)
             self.graphs[size] = graph
         torch.cuda.synchronize(device)
 
@@ -97,13 +97,13 @@ class DecodeGraphs:
     def bucket(self, batch: int) -> int | None:
         return bucket_for(batch, self.sizes)
 
-    def replay(self, input_ids: torch.Tensor, slots: list[int]) -> torch.Tensor:
-        """Run the captured step for these sessions: input_ids `[B]` on the device -> logits `[B, V]` (a view)."""
+    def replay(self, slots: list[int]) -> torch.Tensor:
+        """Run the captured step for the sessions in `slots` -> logits `[B, V]` (a view, valid until the next
+        replay)."""
         n = len(slots)
         size = self.bucket(n)
         if size is None:
             raise ValueError(f"{n} sessions exceed the largest captured batch {self.sizes[-1]}")
-        self.input_ids[:n].copy_(input_ids, non_blocking=True)
         host = torch.tensor(padded_slots(slots, size, self.scratch_slot), dtype=torch.int32)
         self.state_indices[:size].copy_(host, non_blocking=True)
         self.graphs[size].replay()

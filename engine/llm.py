@@ -12,6 +12,7 @@ from typing import Any
 import torch
 
 from kvfree.checkpoints import default_checkpoint_path
+from kvfree.engine.llm_engine import LLMEngine
 from kvfree.engine.loader import load_model
 from kvfree.engine.model_runner import ModelRunner
 from kvfree.engine.sampling import SamplingParams
@@ -43,7 +44,8 @@ class LLM:
         device, dtype: where and how to run ("auto": CUDA + bf16 when available, else CPU + fp32).
         max_sessions: state-pool slots, i.e. sequences decoded at once.
         max_context: tokens of context per session for models with full attention (sizes the KV cache).
-        prefill_chunk: tokens per engine step, decode tokens included (bounds activation memory for long prompts).
+        prefill_chunk: tokens per engine step, decode tokens included (bounds activation memory for long prompts,
+            and how long a step, so every running sequence's next token, may take while prompts are fed).
         config_overrides: config values to replace at load, by dotted key, e.g. `{"gka.num_iter": 10}`.
         enforce_eager: on a GPU, decode without CUDA graphs (by default each decode batch size up to
             `max_sessions` replays a graph captured at start-up).
@@ -67,7 +69,7 @@ class LLM:
         self.pool = StatePool(self.model, max_sessions, max_context)
         self.runner = ModelRunner(self.model, self.pool, enforce_eager=enforce_eager)
         self.prefill_chunk = prefill_chunk
-        self._scheduler: Scheduler | None = None
+        self._engine: LLMEngine | None = None
         self._ids = itertools.count()
         self.last_sequence: Sequence | None = None
 
@@ -97,33 +99,37 @@ class LLM:
         return Request(f"llm-{next(self._ids)}", ids, params, emit=outputs.append)
 
     @property
-    def scheduler(self) -> Scheduler:
-        """The same continuous-batching scheduler the server uses, over this LLM's pool (created on first use, so
-        a server, which builds its own over the same pool, never makes this one)."""
-        if self._scheduler is None:
+    def engine(self) -> LLMEngine:
+        """The same engine step and continuous-batching scheduler the server uses, over this LLM's pool (created
+        on first use, so a server, which builds its own over the same pool, never makes this one)."""
+        if self._engine is None:
             # Offline requests hold slots only while they run: no session tiers, no snapshots.
             sessions = SessionManager(self.pool, fingerprint="offline", max_host_sessions=0)
-            self._scheduler = Scheduler(
-                self.runner, sessions, self.tokenizer, max_waiting=sys.maxsize, max_batch_tokens=self.prefill_chunk
+            scheduler = Scheduler(
+                sessions, self.tokenizer, max_waiting=sys.maxsize, max_batch_tokens=self.prefill_chunk
             )
-        return self._scheduler
+            self._engine = LLMEngine(scheduler, self.runner)
+        return self._engine
 
     def _drive(self, requests: list[Request]) -> Iterator[None]:
-        """Step the scheduler until `requests` are done, yielding after each step (so callers can stream). If the
+        """Step the engine until `requests` are done, yielding after each step (so callers can stream). If the
         caller stops early or a step fails, the requests are aborted and their slots freed."""
-        scheduler = self.scheduler
+        engine = self.engine
         for req in requests:
-            scheduler.add(req)
+            engine.scheduler.add(req)
         try:
-            while scheduler.has_work:
-                scheduler.step()
+            while engine.has_work:
+                engine.step()
                 yield
+        except Exception:
+            engine.discard_in_flight()  # a failed step's tokens are not coming
+            raise
         finally:
-            if scheduler.has_work:
+            if engine.has_work:
                 for req in requests:
-                    scheduler.abort(req.request_id)
-                while scheduler.has_work:  # aborted sequences only need their slots freed: no model calls
-                    scheduler.step()
+                    engine.scheduler.abort(req.request_id)
+                while engine.has_work:  # aborted sequences only need their slots freed
+                    engine.step()
 
     def generate(
         self, prompts: Prompt | list[Prompt], params: SamplingParams | list[SamplingParams] | None = None

@@ -1,27 +1,63 @@
-"""ModelRunner: feeds sequences through the model over the state pool and samples their next tokens.
+"""ModelRunner: runs a ScheduledStep over the state pool and samples its tokens on the device.
 
 Prefill runs eagerly (its shapes change every step); decode replays a captured CUDA graph on a GPU when every
-mixer of the model can be captured (engine/cuda_graphs.py), and runs eagerly otherwise.
+mixer of the model can be captured (engine/cuda_graphs.py), and runs eagerly otherwise. A decode row's input is
+the token sampled for its slot by the previous step, kept on the device in `next_tokens`, so a step can be
+launched before the previous one's tokens reach the host. `launch` only queues device work; the handle it returns
+waits for the one device-to-host copy of the step's sampled tokens.
 """
 
 from __future__ import annotations
 
 import logging
+from dataclasses import dataclass
 
 import torch
 
 from kvfree.engine.cuda_graphs import DecodeGraphs
 from kvfree.engine.model import HybridLM
-from kvfree.engine.sampling import SampleOutput, sample
-from kvfree.engine.sequence import Sequence, TokenLogprob
+from kvfree.engine.sampling import BatchFlags, SampleOutput, SamplingTable, sample
+from kvfree.engine.scheduler import SampledTokens, ScheduledStep
+from kvfree.engine.sequence import TokenLogprob
 from kvfree.engine.state_pool import StatePool
 from kvfree.engine.step_batch import StepBatch
 
 log = logging.getLogger("kvfree.engine")
 
 
+@dataclass
+class StepHandle:
+    """A launched step's sampled tokens, on their way to the host.
+
+    ids: `[B]` int64 on the host (pinned, filled asynchronously on a GPU).  extra: `[B, 1 + 2k]` float64 on the
+    host, the sampled token's logprob and the top-k (id, logprob) pairs, when some row asked for logprobs.
+    """
+
+    ids: torch.Tensor | None
+    extra: torch.Tensor | None
+    top_k: int
+    wants_logprobs: list[bool]
+    done: torch.cuda.Event | None
+
+    def result(self) -> SampledTokens:
+        """Wait for the copy (the step's one sync) and return the tokens as Python values."""
+        if self.done is not None:
+            self.done.synchronize()
+        ids = self.ids.tolist() if self.ids is not None else []
+        if self.extra is None:
+            return SampledTokens(ids, [None] * len(ids))
+        extra, k = self.extra.tolist(), self.top_k
+        logprobs = [
+            TokenLogprob(ids[row], values[0], [(int(values[1 + 2 * j]), values[2 + 2 * j]) for j in range(k)])
+            if wants
+            else None
+            for row, (values, wants) in enumerate(zip(extra, self.wants_logprobs, strict=True))
+        ]
+        return SampledTokens(ids, logprobs)
+
+
 class ModelRunner:
-    """Owns the model and its StatePool; every method runs under inference mode on the model's device.
+    """Owns the model, its StatePool and the per-slot sampling table; everything runs under inference mode.
 
     Args:
         enforce_eager: never capture CUDA graphs (debugging, or to compare against the graphs).
@@ -31,6 +67,9 @@ class ModelRunner:
         self.model = model
         self.pool = pool
         self.device = model.device
+        rows = pool.capacity + 1  # the scratch slot too: padded graph rows read and write it
+        self.next_tokens = torch.zeros(rows, dtype=torch.long, device=self.device)
+        self.sampling = SamplingTable(rows, model.config.vocab_size, self.device)
         self.graphs: DecodeGraphs | None = None
         if self.device.type == "cuda" and not enforce_eager:
             blockers = graph_blockers(model)
@@ -38,51 +77,75 @@ class ModelRunner:
                 log.warning("decode runs eagerly (no CUDA graphs): %s", "; ".join(blockers))
             else:
                 with torch.inference_mode():
-                    self.graphs = DecodeGraphs(self._eager_decode, pool.capacity, pool.scratch_slot, self.device)
+                    self.graphs = DecodeGraphs(self._decode_rows, pool.capacity, pool.scratch_slot, self.device)
                 log.info("captured CUDA graphs for decode batches of %s sessions", self.graphs.sizes)
 
-    def _eager_decode(self, input_ids: torch.Tensor, batch: StepBatch) -> torch.Tensor:
+    def _decode_rows(self, batch: StepBatch) -> torch.Tensor:
+        """Decode one token for each slot of `batch`, its input taken from `next_tokens` -> logits `[B, V]`."""
+        input_ids = self.next_tokens.index_select(0, batch.state_indices)
         return self.model.decode(input_ids, self.pool.tensors, batch)
 
     @torch.inference_mode()
-    def prefill(self, seqs: list[Sequence], chunks: list[list[int]], all_logits: bool = False) -> torch.Tensor:
-        """Feed `chunks[i]` into `seqs[i]`'s state (one packed call). Returns logits `[B, V]` of each chunk's last
+    def launch(self, step: ScheduledStep) -> StepHandle:
+        """Queue the step's device work: new rows' sampling setup, prefill, forks, decode, sampling, the copy of
+        the sampled tokens to the host. Returns without waiting for the device."""
+        self.pool.flush_resets()
+        if step.admitted:
+            seqs = step.admitted
+            self.sampling.admit(
+                [s.slot for s in seqs],
+                [s.params for s in seqs],
+                [s.seed for s in seqs],
+                [s.prompt_token_ids for s in seqs],
+            )
+        logits = []
+        if step.decode:
+            logits.append(self._decode([s.slot for s in step.decode]))
+        if step.prefill:
+            prefill_logits = self.prefill(step.prefill, step.chunks)
+            for src, dst in step.forks:
+                self.pool.copy(src, dst)
+            if step.sample_source:
+                rows = torch.tensor(step.sample_source, dtype=torch.long).to(self.device, non_blocking=True)
+                logits.append(prefill_logits.index_select(0, rows))
+        if not step.sample:
+            return StepHandle(None, None, 0, [], None)
+        slots = torch.tensor([s.slot for s in step.sample], dtype=torch.long).to(self.device, non_blocking=True)
+        params = [s.params for s in step.sample]
+        flags = BatchFlags.of(params, self.model.config.vocab_size)
+        out = sample(torch.cat(logits) if len(logits) > 1 else logits[0], self.sampling.rows(slots, flags))
+        self.sampling.advance(slots, out.token_ids, flags)
+        self.next_tokens.index_copy_(0, slots, out.token_ids)
+        return self._to_host(out, flags, [p.logprobs is not None for p in params])
+
+    def _to_host(self, out: SampleOutput, flags: BatchFlags, wants: list[bool]) -> StepHandle:
+        on_gpu = self.device.type == "cuda"
+        ids = out.token_ids.to("cpu", non_blocking=on_gpu)
+        extra, k = None, flags.logprobs or 0
+        if out.logprobs is not None:
+            parts = [out.logprobs[:, None].double()]
+            if k:
+                pairs = torch.stack([out.top_ids.double(), out.top_logprobs.double()], dim=-1)  # [B, k, 2]
+                parts.append(pairs.flatten(1))
+            extra = torch.cat(parts, dim=1).to("cpu", non_blocking=on_gpu)
+        done = None
+        if on_gpu:
+            done = torch.cuda.Event()
+            done.record()
+        return StepHandle(ids, extra, k, wants, done)
+
+    @torch.inference_mode()
+    def prefill(self, seqs: list, chunks: list[list[int]], all_logits: bool = False) -> torch.Tensor:
+        """Feed `chunks[i]` into `seqs[i]`'s slot (one packed call). Returns logits `[B, V]` of each chunk's last
         token (`[T, V]` for every token with `all_logits`)."""
-        ids = torch.tensor([t for chunk in chunks for t in chunk], dtype=torch.long, device=self.device)
+        ids = torch.tensor([t for chunk in chunks for t in chunk], dtype=torch.long).to(self.device, non_blocking=True)
         batch = StepBatch.prefill([s.slot for s in seqs], [len(c) for c in chunks], self.device)
         return self.model.prefill(ids, self.pool.tensors, batch, all_logits=all_logits)
 
-    @torch.inference_mode()
-    def decode(self, seqs: list[Sequence]) -> torch.Tensor:
-        """Feed each sequence's last sampled token. Returns logits `[B, V]`."""
-        ids = torch.tensor([s.output_token_ids[-1] for s in seqs], dtype=torch.long, device=self.device)
-        slots = [s.slot for s in seqs]
+    def _decode(self, slots: list[int]) -> torch.Tensor:
         if self.graphs is not None and self.graphs.bucket(len(slots)) is not None:
-            return self.graphs.replay(ids, slots)
-        return self._eager_decode(ids, StepBatch.decode(slots, self.device))
-
-    @torch.inference_mode()
-    def sample(self, seqs: list[Sequence], logits: torch.Tensor) -> None:
-        """Sample one token for each sequence from `logits` `[B, V]` and append it."""
-        params = [s.params for s in seqs]
-        counts = prompt_mask = None
-        if any(p.uses_penalties for p in params):
-            zeros = torch.zeros(logits.shape[-1], device=self.device)
-            counts = torch.stack([s.counts if s.counts is not None else zeros for s in seqs])
-            prompt_mask = torch.stack([s.prompt_mask if s.prompt_mask is not None else zeros.bool() for s in seqs])
-        out = sample(logits, params, [s.generator for s in seqs], counts, prompt_mask)
-        for row, (seq, token) in enumerate(zip(seqs, out.token_ids.tolist(), strict=True)):
-            seq.append(token, self._logprob(out, row, seq))
-
-    @staticmethod
-    def _logprob(out: SampleOutput, row: int, seq: Sequence) -> TokenLogprob | None:
-        k = seq.params.logprobs
-        if k is None or out.logprobs is None:
-            return None
-        top = []
-        if k > 0 and out.top_ids is not None:
-            top = list(zip(out.top_ids[row, :k].tolist(), out.top_logprobs[row, :k].tolist(), strict=True))
-        return TokenLogprob(int(out.token_ids[row]), float(out.logprobs[row]), top)
+            return self.graphs.replay(slots)
+        return self._decode_rows(StepBatch.decode(slots, self.device))
 
 
 def graph_blockers(model: HybridLM) -> list[str]:

@@ -1,9 +1,13 @@
 """Scheduler: continuous batching over the state pool (docs/design/architecture.md §5).
 
-Each `step()` decodes one token for every running sequence, then spends the rest of a token budget on prefill
-chunks of admitted ones, so a long prompt is fed over several steps and never stalls the others. Admission takes a
-slot for each sequence through the SessionManager, which evicts idle sessions to host memory or disk when the
-pool is full. Everything here runs on the engine thread.
+The scheduler decides and never calls the model. `schedule()` admits waiting requests (a slot per choice through
+the SessionManager, which evicts idle sessions to host memory or disk when the pool is full), picks every
+running sequence for one decode token, and spends the rest of the step's token budget on prefill chunks, so a
+long prompt is fed over several steps and never stalls the others. The runner runs that `ScheduledStep`;
+`postprocess()` appends the sampled tokens, checks stops and emits. Everything here runs on the engine thread.
+
+What is scheduled is counted when scheduled (prefilled, decoded, num_sampled): the device runs steps in order, so
+the next step can be scheduled before the previous one's tokens reach the host (engine/llm_engine.py).
 """
 
 from __future__ import annotations
@@ -13,9 +17,6 @@ from collections import deque
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
-import torch
-
-from kvfree.engine.model_runner import ModelRunner
 from kvfree.engine.sampling import SamplingParams
 from kvfree.engine.sequence import Sequence, TokenLogprob
 from kvfree.engine.sessions import PoolExhausted, Session, SessionManager
@@ -39,6 +40,7 @@ class Request:
     arrival: float = field(default_factory=time.monotonic)
     cached_tokens: int = 0
     sequences: list[Sequence] = field(default_factory=list)
+    ephemeral: list[Session] = field(default_factory=list)  # slot holders of choices 1..n-1 (or a sessionless 0)
     aborted: bool = False
 
 
@@ -57,26 +59,71 @@ class RequestOutput:
     completion_tokens: int
 
 
+@dataclass
+class ScheduledStep:
+    """One engine step, as decided by the scheduler.
+
+    decode: sequences that feed their last sampled token (on the device) and sample the next.
+    prefill, chunks: sequences that feed `chunks[i]` of their prompt.
+    forks: (from slot, to slot): after the prefill, a finished prompt's state is copied to its other choices.
+    sample: the rows to sample, in order: every decode sequence, then the choices of each prompt that is complete
+        after this step; `sample_source[i]` is the prefill row whose logits row `len(decode) + i` reads.
+    admitted: sequences new this step (their sampling rows are set up before anything runs).
+    prompt_done: prefill-only requests whose prompt is in after this step.
+    """
+
+    decode: list[Sequence] = field(default_factory=list)
+    prefill: list[Sequence] = field(default_factory=list)
+    chunks: list[list[int]] = field(default_factory=list)
+    forks: list[tuple[int, int]] = field(default_factory=list)
+    sample: list[Sequence] = field(default_factory=list)
+    sample_source: list[int] = field(default_factory=list)
+    admitted: list[Sequence] = field(default_factory=list)
+    prompt_done: list[Request] = field(default_factory=list)
+
+    @property
+    def runs_model(self) -> bool:
+        return bool(self.decode or self.prefill)
+
+
+@dataclass
+class SampledTokens:
+    """What the runner returns for a step's `sample` rows: a token each, and its logprob where asked."""
+
+    token_ids: list[int]
+    logprobs: list[TokenLogprob | None]
+
+
 class QueueFull(RuntimeError):
     """The waiting queue is at its limit: the client should retry later (HTTP 429)."""
 
 
 class Scheduler:
-    """Owns the waiting queue and the running sequences of one model."""
+    """Owns the waiting queue and the running requests of one model.
+
+    Args:
+        max_waiting: requests that may wait for a slot before `add` raises QueueFull.
+        max_batch_tokens: tokens per step while sequences decode: one per decoding sequence, the rest for prefill
+            chunks. It bounds how long a step (and so every decoding sequence's next token) can take: larger
+            values admit prompts faster (lower time to first token), smaller ones keep the inter-token latency
+            of running sequences low.
+        max_prefill_tokens: prefill tokens per step when nothing decodes (no one is waiting on a token, so a
+            larger chunk only speeds up prefill). Defaults to `max_batch_tokens`.
+    """
 
     def __init__(
         self,
-        runner: ModelRunner,
         sessions: SessionManager,
         tokenizer: Tokenizer,
         max_waiting: int = 256,
         max_batch_tokens: int = 2048,
+        max_prefill_tokens: int | None = None,
     ) -> None:
-        self.runner = runner
         self.sessions = sessions
         self.tokenizer = tokenizer
         self.max_waiting = max_waiting
         self.max_batch_tokens = max_batch_tokens
+        self.max_prefill_tokens = max(max_prefill_tokens or max_batch_tokens, max_batch_tokens)
         self.waiting: deque[Request] = deque()
         self.running: list[Request] = []
 
@@ -109,20 +156,25 @@ class Scheduler:
                 return True
         return False
 
-    # -- one step -----------------------------------------------------------------------------------------------
-    def step(self) -> None:
-        self._admit()
-        decoding = [s for r in self.running for s in r.sequences if s.prefill_done and not s.finished]
-        if decoding:
-            logits = self.runner.decode(decoding)
-            for seq in decoding:
-                seq.decoded += 1
-            self.runner.sample(decoding, logits)
-            self._emit(decoding)
-        self._prefill(budget=max(1, self.max_batch_tokens - len(decoding)))
-        self._retire()
+    # -- deciding a step ----------------------------------------------------------------------------------------
+    def schedule(self) -> ScheduledStep:
+        """Admit what fits, then one decode token for every running sequence and prefill chunks in the rest."""
+        step = ScheduledStep()
+        self._admit(step)
+        for req in self.running:
+            for seq in req.sequences:
+                # A token sampled by the step in flight may still finish the sequence (EOS, a stop string): it is
+                # decoded once more anyway, and postprocess drops the extra token. Length is known here.
+                if seq.prefill_done and not seq.finished and 0 < seq.num_sampled < seq.params.max_tokens:
+                    seq.decoded += 1
+                    seq.num_sampled += 1
+                    step.decode.append(seq)
+                    step.sample.append(seq)
+        budget = self.max_batch_tokens - len(step.decode) if step.decode else self.max_prefill_tokens
+        self._schedule_prefill(step, max(1, budget))
+        return step
 
-    def _admit(self) -> None:
+    def _admit(self, step: ScheduledStep) -> None:
         """Move waiting requests to running while slots can be found for all their choices."""
         while self.waiting:
             req = self.waiting[0]
@@ -132,6 +184,7 @@ class Scheduler:
                 return
             self.waiting.popleft()
             self._start(req, slots)
+            step.admitted.extend(req.sequences)
             self.running.append(req)
 
     def _take_slots(self, req: Request) -> list[int]:
@@ -153,7 +206,7 @@ class Scheduler:
                 self.sessions.release(req.session)
                 req.session.busy = True
             raise
-        req.ephemeral = taken  # type: ignore[attr-defined]
+        req.ephemeral = taken
         return slots
 
     def _start(self, req: Request, slots: list[int]) -> None:
@@ -170,13 +223,11 @@ class Scheduler:
             # Not a continuation of what the session holds: start it over from a new state.
             self.sessions.reset(session)
         to_feed = prompt[req.cached_tokens :]
-        device = self.runner.device
-        vocab = self.runner.model.config.vocab_size
         for index, slot in enumerate(slots):
-            params = req.params
-            if req.n > 1 and params.seed is not None:
-                params = _with_seed(params, params.seed + index)  # independent but reproducible choices
-            seq = Sequence.create(prompt, params, self.tokenizer, vocab, device)
+            seed = req.params.seed
+            if seed is not None and req.n > 1:
+                seed = (seed + index) % 2**63  # independent but reproducible choices
+            seq = Sequence.create(prompt, req.params, self.tokenizer, seed)
             seq.slot = slot
             seq.request_id = req.request_id
             seq.index = index
@@ -184,40 +235,46 @@ class Scheduler:
             seq.session = session if index == 0 else None
             req.sequences.append(seq)
 
-    def _prefill(self, budget: int) -> None:
-        batch, chunks = [], []
+    def _schedule_prefill(self, step: ScheduledStep, budget: int) -> None:
         for req in self.running:
-            seq = req.sequences[0]
-            if seq.prefill_done or seq.finished or budget <= 0:
+            first = req.sequences[0]
+            if first.prefill_done or first.finished or budget <= 0:
                 continue
-            n = min(len(seq.to_prefill) - seq.prefilled, budget)
-            batch.append(seq)
-            chunks.append(seq.to_prefill[seq.prefilled : seq.prefilled + n])
+            n = min(len(first.to_prefill) - first.prefilled, budget)
+            step.prefill.append(first)
+            step.chunks.append(first.to_prefill[first.prefilled : first.prefilled + n])
+            first.prefilled += n
             budget -= n
-        if not batch:
-            return
-        logits = self.runner.prefill(batch, chunks)
-        done_rows = []
-        for row, (seq, chunk) in enumerate(zip(batch, chunks, strict=True)):
-            seq.prefilled += len(chunk)
-            if seq.prefilled == len(seq.to_prefill):
-                done_rows.append(row)
-        for row in done_rows:
-            self._first_tokens(batch[row], logits[row])
+            if first.prefilled < len(first.to_prefill):
+                continue
+            # The prompt is in after this step: fork the state to the other choices and sample each one's first.
+            for seq in req.sequences:
+                seq.prefill_done = True
+                if seq is not first:
+                    step.forks.append((first.slot, seq.slot))
+            if req.prefill_only:
+                step.prompt_done.append(req)
+                continue
+            for seq in req.sequences:
+                seq.num_sampled += 1
+                step.sample.append(seq)
+                step.sample_source.append(len(step.prefill) - 1)
 
-    def _first_tokens(self, first: Sequence, logits: torch.Tensor) -> None:
-        """The prompt is in: fork the state to the other choices and sample each one's first token."""
-        req = next(r for r in self.running if r.sequences[0] is first)
-        for seq in req.sequences:
-            seq.prefill_done = True
-            if seq is not first:
-                self.runner.pool.copy(first.slot, seq.slot)
-        if req.prefill_only:
-            first.finish_reason = "prefill"
-            self._emit([first])
-            return
-        self.runner.sample(req.sequences, logits.expand(len(req.sequences), -1))
-        self._emit(req.sequences)
+    # -- after a step -------------------------------------------------------------------------------------------
+    def postprocess(self, step: ScheduledStep, sampled: SampledTokens) -> None:
+        """Append each sampled token (dropping those of sequences that finished meanwhile), emit, retire."""
+        touched: list[Sequence] = []
+        for seq, token, logprob in zip(step.sample, sampled.token_ids, sampled.logprobs, strict=True):
+            if not seq.finished:
+                seq.append(token, logprob)
+                touched.append(seq)
+        for req in step.prompt_done:
+            first = req.sequences[0]
+            if not first.finished:
+                first.finish_reason = "prefill"
+                touched.append(first)
+        self._emit(touched)
+        self.retire()
 
     def _emit(self, seqs: list[Sequence]) -> None:
         by_id = {r.request_id: r for r in self.running}
@@ -240,7 +297,7 @@ class Scheduler:
                 )
             )
 
-    def _retire(self) -> None:
+    def retire(self) -> None:
         """Free what finished requests hold; sessions keep their state (and what it consumed)."""
         still = []
         for req in self.running:
@@ -248,7 +305,7 @@ class Scheduler:
                 aborted = [s for s in req.sequences if s.finish_reason == "abort"]
                 if aborted:
                     self._emit(aborted)
-                for extra in getattr(req, "ephemeral", []):
+                for extra in req.ephemeral:
                     self.sessions.delete(extra)
                 self._release_session(req)
             else:
@@ -264,9 +321,3 @@ class Scheduler:
         req.session.busy = False
         if req.session.slot is not None:
             self.sessions.release(req.session)
-
-
-def _with_seed(params: SamplingParams, seed: int) -> SamplingParams:
-    from dataclasses import replace
-
-    return replace(params, seed=seed)

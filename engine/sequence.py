@@ -5,9 +5,7 @@ from __future__ import annotations
 import itertools
 from dataclasses import dataclass, field
 
-import torch
-
-from kvfree.engine.sampling import SamplingParams
+from kvfree.engine.sampling import SamplingParams, random_seed
 from kvfree.engine.tokenizer import IncrementalDetokenizer, Tokenizer
 
 _ids = itertools.count()
@@ -24,51 +22,53 @@ class TokenLogprob:
 
 @dataclass
 class Sequence:
-    """A prompt being continued. The state in `slot` has consumed the prompt and every output token but the last."""
+    """A prompt being continued. The state in `slot` has consumed the prompt and every output token but the last.
+
+    While a step is in flight its token is sampled on the device but not yet appended: `num_sampled` counts it,
+    `output_token_ids` does not (engine/llm_engine.py).
+    """
 
     prompt_token_ids: list[int]
     params: SamplingParams
     detokenizer: IncrementalDetokenizer
+    seed: int  # of the row's counter-based random stream (engine/sampling.py)
     eos_token_id: int | None = None
     seq_id: int = field(default_factory=lambda: next(_ids))
     slot: int | None = None
     output_token_ids: list[int] = field(default_factory=list)
     logprobs: list[TokenLogprob] = field(default_factory=list)
-    finish_reason: str | None = None  # "stop" or "length"
-    generator: torch.Generator | None = None
-    # Penalty bookkeeping, created only for requests that use penalties: [V] counts and prompt membership.
-    counts: torch.Tensor | None = None
-    prompt_mask: torch.Tensor | None = None
+    finish_reason: str | None = None  # "stop", "length", "abort" or "prefill"
     # Serving bookkeeping (engine/scheduler.py): which request and choice this is, the prompt part to feed (a
-    # session may already hold the rest), how much of it is in, and how many output tokens decode fed back.
+    # session may already hold the rest), how much of it is scheduled, and how many output tokens were sampled
+    # and fed back (both counted when scheduled: the step runs them in order on the device).
     request_id: str = ""
     index: int = 0
     to_prefill: list[int] = field(default_factory=list)
     prefilled: int = 0
     prefill_done: bool = False
+    num_sampled: int = 0
     decoded: int = 0
     emitted_tokens: int = 0
     session: object | None = None
-    _text: str = ""  # output text with any stop string cut off
-    _emitted: int = 0  # characters of _text already handed out by take_delta()
+    # The output text (with any stop string cut off) = the pieces handed out by take_delta() + the rest. Only the
+    # rest is touched per token, so a token costs O(its characters) however long the output grows.
+    _sent: list[str] = field(default_factory=list)
+    _unsent: str = ""
 
     @classmethod
     def create(
-        cls, prompt_token_ids: list[int], params: SamplingParams, tokenizer: Tokenizer, vocab_size: int, device
+        cls, prompt_token_ids: list[int], params: SamplingParams, tokenizer: Tokenizer, seed: int | None = None
     ) -> Sequence:
-        seq = cls(
+        """A new sequence; `seed` defaults to the request's, or a random one."""
+        if seed is None:
+            seed = params.seed if params.seed is not None else random_seed()
+        return cls(
             prompt_token_ids=list(prompt_token_ids),
             params=params,
             detokenizer=IncrementalDetokenizer(tokenizer, params.skip_special_tokens),
+            seed=seed,
             eos_token_id=tokenizer.eos_token_id,
         )
-        if params.seed is not None:
-            seq.generator = torch.Generator(device=device).manual_seed(params.seed)
-        if params.uses_penalties:
-            seq.counts = torch.zeros(vocab_size, dtype=torch.float32, device=device)
-            seq.prompt_mask = torch.zeros(vocab_size, dtype=torch.bool, device=device)
-            seq.prompt_mask[torch.tensor(seq.prompt_token_ids, device=device)] = True
-        return seq
 
     @property
     def finished(self) -> bool:
@@ -76,7 +76,7 @@ class Sequence:
 
     @property
     def text(self) -> str:
-        return self._text
+        return "".join(self._sent) + self._unsent
 
     @property
     def consumed(self) -> list[int]:
@@ -89,20 +89,19 @@ class Sequence:
         self.output_token_ids.append(token_id)
         if logprob is not None:
             self.logprobs.append(logprob)
-        if self.counts is not None:
-            self.counts[token_id] += 1
         is_eos = token_id == self.eos_token_id and not p.ignore_eos
         if is_eos or token_id in p.stop_token_ids:
             self.finish_reason = "stop"
             return
-        before = len(self._text)
-        self._text += self.detokenizer.add(token_id)
-        if p.stop:
-            # A stop string can only complete inside the new text plus the longest stop's length before it.
-            window_start = max(0, before - max(len(s) for s in p.stop) + 1)
-            hits = [i for s in p.stop if (i := self._text.find(s, window_start)) >= 0]
+        new = self.detokenizer.add(token_id)
+        self._unsent += new
+        if p.stop and new:
+            # A stop string can only complete inside the new text plus the longest stop's length before it, which
+            # take_delta() holds back, so the window lies inside the unsent text.
+            start = max(0, len(self._unsent) - len(new) - max(len(s) for s in p.stop) + 1)
+            hits = [i for s in p.stop if (i := self._unsent.find(s, start)) >= 0]
             if hits:
-                self._text = self._text[: min(hits)]
+                self._unsent = self._unsent[: min(hits)]
                 self.finish_reason = "stop"
                 return
         if len(self.output_token_ids) >= p.max_tokens:
@@ -110,9 +109,10 @@ class Sequence:
 
     def take_delta(self) -> str:
         """Text not yet handed out. While running, the tail that could still become a stop string is held back."""
-        end = len(self._text)
+        end = len(self._unsent)
         if not self.finished and self.params.stop:
-            end = max(self._emitted, end - (max(len(s) for s in self.params.stop) - 1))
-        delta = self._text[self._emitted : end]
-        self._emitted = end
+            end = max(0, end - (max(len(s) for s in self.params.stop) - 1))
+        delta, self._unsent = self._unsent[:end], self._unsent[end:]
+        if delta:
+            self._sent.append(delta)
         return delta

@@ -3,6 +3,10 @@
 For each layer and each state tensor the pool holds one `[capacity + 1, *shape]` tensor. A session owns one slot
 (row index); prefill and decode read and write rows in place. Nothing is allocated per request or per step. The
 last row, `scratch_slot`, belongs to no session: CUDA-graph decode pads its batches with it (engine/cuda_graphs.py).
+
+Resets are deferred: `alloc` and `reset` only note the slot, and the first use of the pool's rows afterwards
+resets every noted slot with one batched op per state tensor. Admitting 256 sessions in one step then costs a few
+hundred device ops instead of a few hundred per session.
 """
 
 from __future__ import annotations
@@ -38,7 +42,7 @@ class StatePool:
         self.max_context = max_context
         self.specs: list[dict[str, StateSpec]] = [layer.mixer.state_specs(max_context) for layer in model.layers]
         self.scratch_slot = capacity
-        self.tensors: State = [
+        self._tensors: State = [
             {
                 name: torch.zeros((capacity + 1, *spec.shape), dtype=spec.dtype or model.dtype, device=model.device)
                 for name, spec in specs.items()
@@ -48,8 +52,25 @@ class StatePool:
         self._free = list(range(capacity - 1, -1, -1))  # pop() hands out slot 0 first
         # Every row starts as a new session's state (not all mixers start from zeros: Lattice starts from S0).
         all_slots = torch.arange(capacity + 1, device=model.device)
-        for layer, state in zip(model.layers, self.tensors, strict=True):
+        for layer, state in zip(model.layers, self._tensors, strict=True):
             layer.mixer.reset_state(state, all_slots)
+        self._stale: set[int] = set()  # slots to reset before their rows are next read or written
+
+    @property
+    def tensors(self) -> State:
+        """Per layer, name -> `[capacity + 1, *shape]` tensor, with every pending reset applied."""
+        if self._stale:
+            self.flush_resets()
+        return self._tensors
+
+    def flush_resets(self) -> None:
+        """Give every slot noted by `alloc`/`reset` a new session's state now (one op per state tensor)."""
+        if not self._stale:
+            return
+        slots = torch.tensor(sorted(self._stale), dtype=torch.int64).to(self.model.device, non_blocking=True)
+        self._stale.clear()
+        for layer, state in zip(self.model.layers, self._tensors, strict=True):
+            layer.mixer.reset_state(state, slots)
 
     # -- slots --------------------------------------------------------------------------------------------------
     @property
@@ -75,9 +96,8 @@ class StatePool:
         self._free.append(slot)
 
     def reset(self, slot: int) -> None:
-        idx = torch.tensor([slot], device=self.model.device)
-        for layer, state in zip(self.model.layers, self.tensors, strict=True):
-            layer.mixer.reset_state(state, idx)
+        """Give `slot` a new session's state (applied before its rows are next used)."""
+        self._stale.add(slot)
 
     def copy(self, src: int, dst: int) -> None:
         """Make `dst` an exact copy of `src` (forking a session: one fixed-size copy, no re-prefill)."""
@@ -132,6 +152,7 @@ class StatePool:
     def import_(self, slot: int, tensors: dict[str, torch.Tensor]) -> None:
         """Load an `export()`ed state into `slot`, checking it first (all or nothing)."""
         self.check(tensors)
+        self._stale.discard(slot)  # every tensor of the slot is overwritten below
         for i, specs in enumerate(self.specs):
             for name, spec in specs.items():
                 t = tensors[f"layers.{i}.{name}"].to(self.model.device)

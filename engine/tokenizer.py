@@ -8,6 +8,7 @@ from typing import Any
 
 from jinja2.sandbox import ImmutableSandboxedEnvironment
 from tokenizers import Tokenizer as HFTokenizer
+from tokenizers.decoders import DecodeStream
 
 from kvfree.checkpoints import TOKENIZER_CONFIG_FILE, TOKENIZER_FILE, CheckpointError
 
@@ -69,29 +70,17 @@ class Tokenizer:
 
 
 class IncrementalDetokenizer:
-    """Turns a growing list of token ids into text deltas without re-decoding everything.
+    """Turns a growing list of token ids into text deltas at O(new characters) per token.
 
-    A byte-level token can end in the middle of a UTF-8 character; such a tail is held back (it decodes to
-    U+FFFD) until the token that completes it arrives.
+    A `tokenizers` DecodeStream keeps just enough of the previous tokens to decode the next one in context (merges,
+    byte fallback, a leading-space marker). A byte-level token can end in the middle of a UTF-8 character; such a
+    tail gives no text (None from the stream) until the token that completes it arrives.
     """
 
     def __init__(self, tokenizer: Tokenizer, skip_special_tokens: bool = True) -> None:
-        self.tokenizer = tokenizer
-        self.skip_special_tokens = skip_special_tokens
-        self.ids: list[int] = []
-        self._prefix = 0  # ids[_prefix:_read] decode to text already emitted; it gives merges context
-        self._read = 0
-        self.text = ""
+        self._tok = tokenizer._tok
+        self._stream = DecodeStream(skip_special_tokens=skip_special_tokens)
 
     def add(self, token_id: int) -> str:
         """Append one token; returns the newly completed text (possibly empty)."""
-        self.ids.append(token_id)
-        decode = self.tokenizer.decode
-        prefix_text = decode(self.ids[self._prefix : self._read], self.skip_special_tokens)
-        full_text = decode(self.ids[self._prefix :], self.skip_special_tokens)
-        if full_text.endswith("\ufffd") or len(full_text) <= len(prefix_text):
-            return ""
-        delta = full_text[len(prefix_text) :]
-        self._prefix, self._read = self._read, len(self.ids)
-        self.text += delta
-        return delta
+        return self._stream.step(self._tok, token_id) or ""

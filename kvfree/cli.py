@@ -111,6 +111,7 @@ def cmd_serve(args: argparse.Namespace) -> int:
         max_sessions=args.max_sessions,
         max_waiting=args.max_waiting,
         max_batch_tokens=args.max_batch_tokens,
+        max_prefill_tokens=args.max_prefill_tokens,
         max_prompt_tokens=args.max_prompt_tokens,
         max_output_tokens=args.max_output_tokens,
         max_context=args.max_context,
@@ -190,7 +191,18 @@ def build_parser() -> argparse.ArgumentParser:
         "--max-batch-tokens",
         type=int,
         default=2048,
-        help="tokens per engine step: one per decoding sequence, the rest for prompt chunks",
+        help="tokens per engine step while sequences decode: one per decoding sequence, the rest for prompt "
+        "chunks. This trades time to first token against inter-token latency: a step's time grows with its "
+        "tokens, and every running stream waits that step for its next token. Larger: new prompts are fed "
+        "faster (lower TTFT) but running streams stutter while they are (higher ITL p99); smaller: smooth "
+        "streams, slower admission. (default: %(default)s)",
+    )
+    p.add_argument(
+        "--max-prefill-tokens",
+        type=int,
+        default=None,
+        help="prompt tokens per step when nothing decodes, so no stream waits on the step "
+        "(default: --max-batch-tokens)",
     )
     p.add_argument("--max-prompt-tokens", type=int, default=32768)
     p.add_argument("--max-output-tokens", type=int, default=4096, help="upper bound for max_tokens")

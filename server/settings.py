@@ -18,7 +18,8 @@ class ServerSettings:
     dtype: str = "auto"
     max_sessions: int = 64  # GPU state-pool slots (sequences decoded at once)
     max_waiting: int = 256  # requests queued for a slot before 429
-    max_batch_tokens: int = 2048  # tokens per engine step (decode + prefill chunks)
+    max_batch_tokens: int = 2048  # tokens per engine step while sequences decode (decode + prefill chunks)
+    max_prefill_tokens: int | None = None  # prefill tokens per step when nothing decodes (None: max_batch_tokens)
     max_prompt_tokens: int = 32768
     max_output_tokens: int = 4096
     max_context: int = 8192  # KV-cache size for models with full attention

@@ -9,7 +9,7 @@ import pytest
 import torch
 
 from kvfree.engine import LLM, SamplingParams
-from kvfree.engine.sampling import MAX_TOP_LOGPROBS, apply_penalties, filter_logits, sample
+from kvfree.engine.sampling import MAX_TOP_LOGPROBS, SamplingRows, apply_penalties, filter_logits, sample
 from kvfree.engine.sequence import Sequence
 
 # -- helpers -------------------------------------------------------------------------------------------------------
@@ -23,6 +23,28 @@ def _randn(*shape: int, seed: int, scale: float = 1.0) -> torch.Tensor:
     return torch.randn(*shape, generator=_gen(seed)) * scale
 
 
+def _rows(
+    params: list[SamplingParams],
+    vocab: int,
+    seeds: list[int | None] | None = None,
+    counters: list[int] | None = None,
+    counts: torch.Tensor | None = None,
+    prompt_mask: torch.Tensor | None = None,
+) -> SamplingRows:
+    """Sampling rows from Python values; a row without a seed draws one from torch's global RNG."""
+    seeds = seeds or [p.seed for p in params]
+    seeds = [s if s is not None else int(torch.randint(0, 2**62, ())) for s in seeds]
+    return SamplingRows.build(
+        params, seeds, counters or [0] * len(params), vocab, counts=counts, prompt_mask=prompt_mask
+    )
+
+
+def _sample(
+    logits: torch.Tensor, params: list[SamplingParams], seeds=None, counters=None, counts=None, prompt_mask=None
+):
+    return sample(logits, _rows(params, logits.shape[-1], seeds, counters, counts, prompt_mask))
+
+
 def _logits_from_probs(probs: list[float], perm: torch.Tensor, shift: float) -> torch.Tensor:
     """A `[V]` logit row whose softmax puts probs[i] at position perm[i] (so the best token is not at index 0)."""
     row = torch.empty(len(probs))
@@ -33,7 +55,7 @@ def _logits_from_probs(probs: list[float], perm: torch.Tensor, shift: float) -> 
 def _draw(row: torch.Tensor, params: SamplingParams, n: int, seed: int) -> torch.Tensor:
     """n independent draws from one logit row (as a batch of n identical rows, seeded global RNG)."""
     torch.manual_seed(seed)
-    return sample(row.expand(n, -1).contiguous(), [params] * n, [None] * n).token_ids
+    return _sample(row.expand(n, -1).contiguous(), [params] * n).token_ids
 
 
 def _frequencies(tokens: torch.Tensor, vocab: int) -> torch.Tensor:
@@ -93,7 +115,7 @@ def test_params_accept_edges_and_wrap_single_stop_string():
 
 def test_greedy_picks_argmax():
     logits = _randn(6, 40, seed=1, scale=3.0)
-    out = sample(logits, [SamplingParams(temperature=0)] * 6, [None] * 6)
+    out = _sample(logits, [SamplingParams(temperature=0)] * 6)
     assert out.token_ids.shape == (6,)
     assert torch.equal(out.token_ids, logits.argmax(-1))
     assert out.logprobs is None and out.top_ids is None
@@ -109,8 +131,8 @@ def test_greedy_rows_unaffected_by_other_rows():
     ]
     params = [others[0], greedy, others[1], greedy, others[2]]
     torch.manual_seed(0)
-    for _ in range(10):
-        out = sample(logits, params, [_gen(3), None, None, None, None])
+    for step in range(10):
+        out = _sample(logits, params, [3, None, None, None, None], counters=[step] * 5)
         assert out.token_ids[1] == logits[1].argmax()
         assert out.token_ids[3] == logits[3].argmax()
 
@@ -130,10 +152,10 @@ def _seeded_run(seed: int, row: int = 0, batch: int = 1, other_seeds: dict[int, 
     """Sample STEPS tokens for a seeded row at `row` of a batch whose other rows are unseeded (or seeded from
     `other_seeds`) and use different filters and logits."""
     params = SamplingParams(temperature=0.9, seed=seed)
-    gens: list[torch.Generator | None] = [None] * batch
-    gens[row] = _gen(seed)
+    seeds: list[int | None] = [None] * batch
+    seeds[row] = seed
     for r, s in (other_seeds or {}).items():
-        gens[r] = _gen(s)
+        seeds[r] = s
     other_params = [SamplingParams(temperature=1.3, top_k=5), SamplingParams(temperature=0), SamplingParams(top_p=0.6)]
     batch_params = [params if r == row else other_params[r % 3] for r in range(batch)]
     tokens = []
@@ -141,7 +163,7 @@ def _seeded_run(seed: int, row: int = 0, batch: int = 1, other_seeds: dict[int, 
     for i, logits in enumerate(_step_logits()):
         rows = _randn(batch, V_SEED, seed=999 + i, scale=2.0)
         rows[row] = logits
-        tokens.append(int(sample(rows, batch_params, gens).token_ids[row]))
+        tokens.append(int(_sample(rows, batch_params, seeds, counters=[i] * batch).token_ids[row]))
     return tokens
 
 
@@ -167,7 +189,7 @@ def test_seeded_row_ignores_the_global_rng():
     picks = []
     for global_seed in (99, 12345, 7):
         torch.manual_seed(global_seed)
-        picks.append(sample(logits, params, [_gen(5), None, _gen(6)]).token_ids[[0, 2]].tolist())
+        picks.append(_sample(logits, params, [5, None, 6]).token_ids[[0, 2]].tolist())
     assert picks[0] == picks[1] == picks[2]
 
 
@@ -191,7 +213,7 @@ def test_top_k_only_top_tokens_appear_with_renormalised_frequencies():
 def test_top_k_at_least_vocab_is_a_no_op():
     row = _randn(V_FILTER, seed=12)
     for k in (V_FILTER, V_FILTER + 5, 0, -1):
-        out = filter_logits(row[None], [SamplingParams(top_k=k)])
+        out = filter_logits(row[None], _rows([SamplingParams(top_k=k)], row[None].shape[-1]))
         assert torch.equal(out[0], row)
 
 
@@ -232,7 +254,7 @@ def test_filter_logits_positions_per_row():
         SamplingParams(top_k=5, top_p=0.5),  # top-p over the top-5: 0.4/0.95 < 0.5 -> 2 tokens
         SamplingParams(temperature=0.5, top_k=2),
     ]
-    out = filter_logits(rows, params)
+    out = filter_logits(rows, _rows(params, rows.shape[-1]))
     kept_counts = [3, 3, 3, V_FILTER, 2, 2]
     for r, n in enumerate(kept_counts):
         keep = torch.zeros(V_FILTER, dtype=torch.bool)
@@ -246,14 +268,14 @@ def test_filter_logits_positions_per_row():
 def test_filter_logits_always_keeps_the_best_token():
     row = _logits_from_probs([0.9, 0.05, 0.03, 0.02], torch.tensor([2, 0, 3, 1]), shift=0.0)
     for p in (SamplingParams(top_p=0.01), SamplingParams(top_k=1), SamplingParams(min_p=1.0)):
-        out = filter_logits(row[None], [p])[0]
+        out = filter_logits(row[None], _rows([p], row.shape[-1]))[0]
         assert torch.isfinite(out).tolist() == [False, False, True, False]
 
 
 def test_top_p_boundary_is_inclusive_and_ties_are_cut():
     # Exact binary probabilities: 4 tied tokens of 0.25. The smallest prefix reaching 0.5 is two tokens.
     for top_p, kept in [(0.5, 2), (0.25, 1), (0.26, 2), (0.75, 3), (0.76, 4)]:
-        out = filter_logits(torch.full((1, 4), 0.7), [SamplingParams(top_p=top_p)])
+        out = filter_logits(torch.full((1, 4), 0.7), _rows([SamplingParams(top_p=top_p)], 4))
         assert int(torch.isfinite(out).sum()) == kept, top_p
 
 
@@ -261,9 +283,9 @@ def test_top_p_applies_to_the_renormalised_top_k():
     perm = torch.randperm(4, generator=_gen(8))
     row = _logits_from_probs(PROBS_P, perm, shift=0.2)
     # Over the top 2 (0.5, 0.3 -> 0.625, 0.375) top_p=0.6 is reached by the first token alone.
-    out = filter_logits(row[None], [SamplingParams(top_k=2, top_p=0.6)])[0]
+    out = filter_logits(row[None], _rows([SamplingParams(top_k=2, top_p=0.6)], row[None].shape[-1]))[0]
     assert torch.isfinite(out).nonzero()[:, 0].tolist() == [perm[0].item()]
-    out = filter_logits(row[None], [SamplingParams(top_k=3, top_p=0.6)])[0]
+    out = filter_logits(row[None], _rows([SamplingParams(top_k=3, top_p=0.6)], row[None].shape[-1]))[0]
     assert sorted(torch.isfinite(out).nonzero()[:, 0].tolist()) == sorted(perm[:2].tolist())
 
 
@@ -303,7 +325,7 @@ def test_apply_penalties_exact_values():
         SamplingParams(frequency_penalty=0.5),
         SamplingParams(presence_penalty=-0.75),
     ]
-    out = apply_penalties(logits, params, counts, prompt_mask)
+    out = apply_penalties(logits, _rows(params, V, counts=counts, prompt_mask=prompt_mask))
     expect = logits.clone()
     for v in range(V):
         x = logits[0, v].item()
@@ -325,7 +347,7 @@ def test_apply_penalties_combined_in_one_row():
     counts = torch.tensor([[1.0, 2.0, 0.0, 0.0]])
     prompt_mask = torch.tensor([[False, False, True, False]])
     p = SamplingParams(repetition_penalty=2.0, frequency_penalty=0.25, presence_penalty=0.5)
-    out = apply_penalties(logits, [p], counts, prompt_mask)
+    out = apply_penalties(logits, _rows([p], logits.shape[-1], counts=counts, prompt_mask=prompt_mask))
     # token 0: 2/2 - 0.25*1 - 0.5; token 1: -1*2 - 0.25*2 - 0.5; token 2 (prompt): 0.5/2; token 3 unseen
     torch.testing.assert_close(out, torch.tensor([[0.25, -3.0, 0.25, 3.0]]))
 
@@ -335,10 +357,10 @@ def test_sample_with_penalties_changes_greedy_choice_and_needs_counts():
     counts = torch.tensor([[1.0, 0.0, 0.0, 0.0], [1.0, 0.0, 0.0, 0.0]])
     prompt_mask = torch.zeros(2, 4, dtype=torch.bool)
     params = [SamplingParams(temperature=0, repetition_penalty=1.2), SamplingParams(temperature=0)]
-    out = sample(logits, params, [None, None], counts, prompt_mask)
+    out = _sample(logits, params, counts=counts, prompt_mask=prompt_mask)
     assert out.token_ids.tolist() == [1, 0]
     with pytest.raises(ValueError, match="counts"):
-        sample(logits, params, [None, None])
+        _sample(logits, params)
 
 
 # -- logprobs ------------------------------------------------------------------------------------------------------
@@ -359,7 +381,7 @@ def test_logprobs_of_sampled_token_and_top_alternatives():
         SamplingParams(temperature=1.0, top_p=0.5, logprobs=3),
     ]
     torch.manual_seed(0)
-    out = sample(raw.clone(), params, [_gen(1), None, None, _gen(2), None, None], counts, prompt_mask)
+    out = _sample(raw.clone(), params, [1, None, None, 2, None, None], counts=counts, prompt_mask=prompt_mask)
     ref = raw.log_softmax(-1)  # the model's distribution: before penalties, temperature and filters
     assert out.logprobs.shape == (B,)
     torch.testing.assert_close(out.logprobs, ref.gather(1, out.token_ids[:, None])[:, 0])
@@ -373,7 +395,7 @@ def test_logprobs_of_sampled_token_and_top_alternatives():
 
 def test_logprobs_zero_gives_no_top_alternatives():
     raw = _randn(2, 12, seed=42)
-    out = sample(raw, [SamplingParams(temperature=0, logprobs=0)] * 2, [None, None])
+    out = _sample(raw, [SamplingParams(temperature=0, logprobs=0)] * 2)
     torch.testing.assert_close(out.logprobs, raw.log_softmax(-1).max(-1).values)
     assert out.top_ids is None and out.top_logprobs is None
 
@@ -452,13 +474,13 @@ def test_llm_max_tokens_gives_length(llm, greedy, max_tokens):
 
 
 def _sequence(llm: LLM, params: SamplingParams) -> Sequence:
-    return Sequence.create(llm.encode("hi"), params, llm.tokenizer, llm.config.vocab_size, llm.model.device)
+    return Sequence.create(llm.encode("hi"), params, llm.tokenizer)
 
 
-def _feed(seq: Sequence, text: str) -> list[str]:
+def _feed(llm: LLM, seq: Sequence, text: str) -> list[str]:
     """Append the (byte-level) tokens of `text` one by one until finished; returns take_delta() after each."""
     deltas = []
-    for tok in seq.detokenizer.tokenizer.encode(text):
+    for tok in llm.tokenizer.encode(text):
         if seq.finished:
             break
         seq.append(tok)
@@ -470,11 +492,11 @@ def test_sequence_eos_stops_unless_ignored(llm):
     eos = llm.tokenizer.eos_token_id
     assert eos is not None
     seq = _sequence(llm, SamplingParams(max_tokens=10))
-    _feed(seq, "ab")
+    _feed(llm, seq, "ab")
     seq.append(eos)
     assert seq.finish_reason == "stop" and seq.text == "ab" and seq.output_token_ids[-1] == eos
     seq = _sequence(llm, SamplingParams(max_tokens=4, ignore_eos=True))
-    _feed(seq, "ab")
+    _feed(llm, seq, "ab")
     seq.append(eos)
     assert not seq.finished
     seq.append(llm.tokenizer.encode("c")[0])
@@ -483,7 +505,7 @@ def test_sequence_eos_stops_unless_ignored(llm):
 
 def test_sequence_stop_string_across_tokens_and_holdback(llm):
     seq = _sequence(llm, SamplingParams(max_tokens=50, stop=["o w", "zz"]))
-    deltas = _feed(seq, "hello world")
+    deltas = _feed(llm, seq, "hello world")
     assert seq.finish_reason == "stop"
     assert seq.text == "hell"
     assert len(seq.output_token_ids) == len("hello w")
@@ -494,15 +516,15 @@ def test_sequence_stop_string_across_tokens_and_holdback(llm):
 
 def test_sequence_earliest_stop_string_wins_and_multibyte_text(llm):
     seq = _sequence(llm, SamplingParams(max_tokens=50, stop=["d", "b c"]))
-    deltas = _feed(seq, "éa b cd")
+    deltas = _feed(llm, seq, "éa b cd")
     assert seq.finish_reason == "stop" and seq.text == "éa "
     assert "".join(deltas) == "éa "
     # Two stop strings completed by the same token: the text is cut at the earlier one.
     seq = _sequence(llm, SamplingParams(max_tokens=50, stop=["d", "cd"]))
-    _feed(seq, "abcde")
+    _feed(llm, seq, "abcde")
     assert seq.finish_reason == "stop" and seq.text == "ab"
     seq = _sequence(llm, SamplingParams(max_tokens=3))
-    deltas = _feed(seq, "é!x")  # é is two byte tokens: the first one alone gives no text
+    deltas = _feed(llm, seq, "é!x")  # é is two byte tokens: the first one alone gives no text
     assert deltas == ["", "é", "!"]
     assert seq.finish_reason == "length" and seq.text == "é!"
 

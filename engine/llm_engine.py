@@ -1,0 +1,62 @@
+"""LLMEngine: the one driver of the engine step, schedule -> run -> postprocess, used by `LLM` and the server.
+
+With `overlap` (the default on a GPU) the host work of a step overlaps the device work of the next: step k is
+scheduled and launched, and only then are step k-1's tokens waited for and postprocessed, while the device runs
+step k. The device thus never waits for detokenization, stop checks and emission. The price is one step of lag:
+a sequence that step k-1 finishes (EOS, a stop string) has already been decoded once more by step k; that token
+is dropped, and a session then holds one token more (its consumed tokens say so, so its next turn stays exact).
+"""
+
+from __future__ import annotations
+
+from kvfree.engine.model_runner import ModelRunner, StepHandle
+from kvfree.engine.scheduler import ScheduledStep, Scheduler
+
+
+class LLMEngine:
+    """Steps a Scheduler's requests through a ModelRunner.
+
+    Args:
+        overlap: postprocess each step while the device runs the next (None: on a GPU only, where it helps; on a
+            CPU the device work is the host's, so there is nothing to overlap).
+    """
+
+    def __init__(self, scheduler: Scheduler, runner: ModelRunner, overlap: bool | None = None) -> None:
+        self.scheduler = scheduler
+        self.runner = runner
+        self.overlap = runner.device.type == "cuda" if overlap is None else overlap
+        self._in_flight: tuple[ScheduledStep, StepHandle] | None = None
+        self.steps = 0
+
+    @property
+    def has_work(self) -> bool:
+        return self.scheduler.has_work or self._in_flight is not None
+
+    def step(self) -> None:
+        """Schedule and launch one step; postprocess it (or, overlapped, the one before it)."""
+        step = self.scheduler.schedule()
+        launched = (step, self.runner.launch(step)) if step.runs_model else None
+        previous, self._in_flight = self._in_flight, None
+        if previous is not None:
+            self._postprocess(*previous)
+        if launched is not None:
+            if self.overlap:
+                self._in_flight = launched
+            else:
+                self._postprocess(*launched)
+        if launched is None and previous is None:
+            self.scheduler.retire()  # only aborted requests left: free their slots
+        self.steps += 1
+
+    def _postprocess(self, step: ScheduledStep, handle: StepHandle) -> None:
+        self.scheduler.postprocess(step, handle.result())
+
+    def drain(self) -> None:
+        """Postprocess the step in flight, if any (before reading results or touching sessions from outside)."""
+        if self._in_flight is not None:
+            previous, self._in_flight = self._in_flight, None
+            self._postprocess(*previous)
+
+    def discard_in_flight(self) -> None:
+        """Forget the step in flight without reading it (its requests are being failed)."""
+        self._in_flight = None
