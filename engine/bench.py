@@ -2,12 +2,17 @@
 
     kvfree bench --preset mamba2-370m --batch 1 16 64 256 --prefill-tokens 8192      # GPU: bf16, CUDA graphs
     python -m kvfree.engine.bench --preset tiny --device cpu --batch 1 8             # CPU reference path
+    kvfree bench --offline --prompts 256 --prompt-tokens 512 --max-tokens 64         # LLM.generate end to end
 
 For each batch size B the decode step (embedding to logits, one token for B sessions in a B-slot pool) is timed
 through the CUDA graph the server replays and eagerly; one long prompt is timed through prefill. The floor of a
 decode step is the bytes it must move, every weight read once plus each session's state read and written once,
 over the HBM bandwidth measured in the same process. The graphs are also checked: greedy tokens with and without
 them must agree. Prints a table and writes JSON (device, versions, date, shapes, medians, floors) under docs/bench/.
+
+`--offline` times the whole engine instead (engine/throughput.py): `LLM.generate` of `--prompts` random prompts,
+prefill included, then one prompt alone; with `--profile`, a few decode steps' device busy time against their wall
+time and the host functions they spend it in.
 """
 
 from __future__ import annotations
@@ -196,7 +201,15 @@ def main(argv: list[str] | None = None) -> int:
         "and the prefill, kernel by kernel (torch profiler)",
     )
     parser.add_argument("--out", type=Path, default=None, help="JSON path (default: docs/bench/model-PRESET.json)")
+    g = parser.add_argument_group("offline throughput (--offline)")
+    g.add_argument("--offline", action="store_true", help="time LLM.generate end to end instead of the model step")
+    g.add_argument("--prompts", type=int, default=256, help="prompts generated at once (and state-pool slots)")
+    g.add_argument("--prompt-tokens", type=int, default=512, help="tokens per prompt")
+    g.add_argument("--max-tokens", type=int, default=64, help="greedy tokens generated per prompt (EOS ignored)")
+    g.add_argument("--max-batch-tokens", type=int, default=8192, help="tokens per engine step (LLM prefill_chunk)")
     args = parser.parse_args(argv)
+    if args.offline:
+        return offline_main(args)
 
     device = resolve_device(args.device)
     dtype = resolve_dtype(args.dtype, device)
@@ -255,6 +268,67 @@ def main(argv: list[str] | None = None) -> int:
         )
         for r in prof["top"][:10]:
             print(f"  {r['us_per_step']:>9.1f} us  {r['per_step']:>6.0f}x  {r['kernel']}")
+    print(f"wrote {out}")
+    return 0
+
+
+def offline_main(args: argparse.Namespace) -> int:
+    """`--offline`: LLM.generate throughput of a random-initialised preset (written to a temporary checkpoint)."""
+    import tempfile
+
+    from kvfree.engine.llm import LLM
+    from kvfree.engine.presets import init_checkpoint
+    from kvfree.engine.throughput import offline_run, profile_decode_steps
+
+    device = resolve_device(args.device)
+    dtype = resolve_dtype(args.dtype, device)
+    with tempfile.TemporaryDirectory() as tmp:
+        path = init_checkpoint(args.preset, Path(tmp) / args.preset, dtype=dtype)
+        llm = LLM(
+            path,
+            device=str(device),
+            dtype=dtype,
+            max_sessions=args.prompts,
+            prefill_chunk=args.max_batch_tokens,
+            enforce_eager=args.enforce_eager,
+        )
+    offline_run(llm, min(args.prompts, 8), args.prompt_tokens, 4)  # warm-up: Triton compiles, allocator grows
+    runs = [offline_run(llm, args.prompts, args.prompt_tokens, args.max_tokens)]
+    if args.prompts > 1:
+        runs.append(offline_run(llm, 1, args.prompt_tokens, args.max_tokens))
+    profile = None
+    if args.profile and device.type == "cuda":
+        profile = profile_decode_steps(llm, args.prompts, args.prompt_tokens)
+    payload = {
+        "what": "LLM.generate end to end (prefill included), greedy, EOS ignored, random weights and prompts",
+        "preset": args.preset,
+        "dtype": str(dtype).removeprefix("torch."),
+        "environment": environment(device),
+        "cuda_graphs": llm.runner.graphs is not None,
+        "overlap": llm.engine.overlap,
+        "max_batch_tokens": args.max_batch_tokens,
+        "runs": runs,
+        "profile": profile,
+    }
+    out = write_json(args.out or Path("docs/bench") / f"offline-{args.preset}.json", payload)
+    env = payload["environment"]
+    print(f"# {args.preset} ({payload['dtype']}) on {env['device']}, torch {env['torch']}: LLM.generate")
+    print(
+        f"{'prompts':>8} {'tokens/s':>10} {'decode tok/s':>13} {'wall s':>8} {'step ms':>8} {'host ms':>8} "
+        f"{'prefill s':>10}"
+    )
+    for r in runs:
+        print(
+            f"{r['prompts']:>8} {r['output_tokens_per_s']:>10,.0f} {r['decode_phase_tokens_per_s']:>13,.0f} "
+            f"{r['wall_s']:>8.2f} {r['decode_step_ms']:>8.2f} {r['decode_host_ms']:>8.2f} {r['prefill_s']:>10.2f}"
+        )
+    if profile:
+        print(
+            f"## {profile['batch']} sequences: a decode step takes {profile['step_ms']:.2f} ms, the device is busy "
+            f"{profile['device_busy_ms']:.2f} ms of it (idle {profile['device_idle_fraction']:.0%}); host functions:"
+        )
+        for f in profile["host_functions"][:8]:
+            print(f"  {f['ms_per_step']:>8.3f} ms {f['calls_per_step']:>8.0f}x  {f['function']}")
     print(f"wrote {out}")
     return 0
 

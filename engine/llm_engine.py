@@ -9,8 +9,30 @@ is dropped, and a session then holds one token more (its consumed tokens say so,
 
 from __future__ import annotations
 
+import time
+from collections import deque
+from dataclasses import dataclass
+
 from kvfree.engine.model_runner import ModelRunner, StepHandle
 from kvfree.engine.scheduler import ScheduledStep, Scheduler
+
+
+@dataclass
+class StepRecord:
+    """What one `LLMEngine.step` did and how long it took (perf_counter seconds).
+
+    wait: the part of the step spent blocked on the device (waiting for a step's tokens); the rest is host work.
+    """
+
+    start: float
+    end: float
+    decode_rows: int
+    prefill_tokens: int
+    wait: float
+
+    @property
+    def seconds(self) -> float:
+        return self.end - self.start
 
 
 class LLMEngine:
@@ -19,14 +41,19 @@ class LLMEngine:
     Args:
         overlap: postprocess each step while the device runs the next (None: on a GPU only, where it helps; on a
             CPU the device work is the host's, so there is nothing to overlap).
+        history: how many `StepRecord`s to keep.
     """
 
-    def __init__(self, scheduler: Scheduler, runner: ModelRunner, overlap: bool | None = None) -> None:
+    def __init__(
+        self, scheduler: Scheduler, runner: ModelRunner, overlap: bool | None = None, history: int = 4096
+    ) -> None:
         self.scheduler = scheduler
         self.runner = runner
         self.overlap = runner.device.type == "cuda" if overlap is None else overlap
         self._in_flight: tuple[ScheduledStep, StepHandle] | None = None
         self.steps = 0
+        self.history: deque[StepRecord] = deque(maxlen=history)  # the latest steps, for benchmarks and metrics
+        self._wait = 0.0
 
     @property
     def has_work(self) -> bool:
@@ -34,6 +61,7 @@ class LLMEngine:
 
     def step(self) -> None:
         """Schedule and launch one step; postprocess it (or, overlapped, the one before it)."""
+        start, self._wait = time.perf_counter(), 0.0
         step = self.scheduler.schedule()
         launched = (step, self.runner.launch(step)) if step.runs_model else None
         previous, self._in_flight = self._in_flight, None
@@ -47,9 +75,14 @@ class LLMEngine:
         if launched is None and previous is None:
             self.scheduler.retire()  # only aborted requests left: free their slots
         self.steps += 1
+        prefill_tokens = sum(map(len, step.chunks))
+        self.history.append(StepRecord(start, time.perf_counter(), len(step.decode), prefill_tokens, self._wait))
 
     def _postprocess(self, step: ScheduledStep, handle: StepHandle) -> None:
-        self.scheduler.postprocess(step, handle.result())
+        start = time.perf_counter()
+        sampled = handle.result()
+        self._wait += time.perf_counter() - start
+        self.scheduler.postprocess(step, sampled)
 
     def drain(self) -> None:
         """Postprocess the step in flight, if any (before reading results or touching sessions from outside)."""
