@@ -278,7 +278,7 @@ def offline_main(args: argparse.Namespace) -> int:
 
     from kvfree.engine.llm import LLM
     from kvfree.engine.presets import init_checkpoint
-    from kvfree.engine.throughput import offline_run, profile_decode_steps
+    from kvfree.engine.throughput import offline_run, profile_steps
 
     device = resolve_device(args.device)
     dtype = resolve_dtype(args.dtype, device)
@@ -298,7 +298,7 @@ def offline_main(args: argparse.Namespace) -> int:
         runs.append(offline_run(llm, 1, args.prompt_tokens, args.max_tokens))
     profile = None
     if args.profile and device.type == "cuda":
-        profile = profile_decode_steps(llm, args.prompts, args.prompt_tokens)
+        profile = profile_steps(llm, args.prompts, args.prompt_tokens)
     payload = {
         "what": "LLM.generate end to end (prefill included), greedy, EOS ignored, random weights and prompts",
         "preset": args.preset,
@@ -322,12 +322,13 @@ def offline_main(args: argparse.Namespace) -> int:
             f"{r['prompts']:>8} {r['output_tokens_per_s']:>10,.0f} {r['decode_phase_tokens_per_s']:>13,.0f} "
             f"{r['wall_s']:>8.2f} {r['decode_step_ms']:>8.2f} {r['decode_host_ms']:>8.2f} {r['prefill_s']:>10.2f}"
         )
-    if profile:
+    for phase in ("prefill", "decode") if profile else ():
+        p = profile[phase]
         print(
-            f"## {profile['batch']} sequences: a decode step takes {profile['step_ms']:.2f} ms, the device is busy "
-            f"{profile['device_busy_ms']:.2f} ms of it (idle {profile['device_idle_fraction']:.0%}); host functions:"
+            f"## {profile['batch']} prompts, a {phase} step: {p['step_ms']:.2f} ms, the device busy "
+            f"{p['device_busy_ms']:.2f} ms of it (idle {p['device_idle_fraction']:.0%}); host functions:"
         )
-        for f in profile["host_functions"][:8]:
+        for f in p["host_functions"][:10]:
             print(f"  {f['ms_per_step']:>8.3f} ms {f['calls_per_step']:>8.0f}x  {f['function']}")
     print(f"wrote {out}")
     return 0

@@ -71,6 +71,8 @@ class ModelRunner:
         self.next_tokens = torch.zeros(rows, dtype=torch.long, device=self.device)
         self.sampling = SamplingTable(rows, model.config.vocab_size, self.device)
         self.graphs: DecodeGraphs | None = None
+        if self.device.type == "cuda":
+            self.warm_up_prefill()
         if self.device.type == "cuda" and not enforce_eager:
             blockers = graph_blockers(model)
             if blockers:
@@ -79,6 +81,20 @@ class ModelRunner:
                 with torch.inference_mode():
                     self.graphs = DecodeGraphs(self._decode_rows, pool.capacity, pool.scratch_slot, self.device)
                 log.info("captured CUDA graphs for decode batches of %s sessions", self.graphs.sizes)
+
+    @torch.inference_mode()
+    def warm_up_prefill(self, tokens_per_sequence: int = 64) -> None:
+        """Prefill 1, 2, 4, ... 32 short sequences into the scratch slot, so that Triton compiles and autotunes
+        its prefill kernels for every batch shape they tune by (the number of sequences, in powers of two) at
+        start-up rather than in the middle of the first requests (kernels/autotune.py)."""
+        scratch = self.pool.scratch_slot
+        tokens = min(tokens_per_sequence, self.pool.max_context)  # a KV cache must hold them
+        for n in (1, 2, 4, 8, 16, 32):
+            self.pool.reset(scratch)  # each warm-up starts from a new state (and an empty KV cache)
+            ids = torch.zeros(n * tokens, dtype=torch.long, device=self.device)
+            self.model.prefill(ids, self.pool.tensors, StepBatch.prefill([scratch] * n, [tokens] * n, self.device))
+        self.pool.reset(scratch)
+        torch.cuda.synchronize(self.device)
 
     def _decode_rows(self, batch: StepBatch) -> torch.Tensor:
         """Decode one token for each slot of `batch`, its input taken from `next_tokens` -> logits `[B, V]`."""

@@ -64,22 +64,30 @@ def offline_run(llm: LLM, prompts: int, prompt_tokens: int, max_tokens: int, see
     }
 
 
-def profile_decode_steps(llm: LLM, prompts: int, prompt_tokens: int, steps: int = 3) -> dict[str, Any]:
-    """Profile `steps` engine steps of the decode phase at `prompts` sequences: device busy time (torch profiler,
-    CUDA kernels and copies) against the steps' wall time, then the host functions of the same number of steps
+def profile_steps(llm: LLM, prompts: int, prompt_tokens: int, steps: int = 2) -> dict[str, Any]:
+    """Profile engine steps of `prompts` prompts at two points: while prompts are fed (steps after the first, which
+    also admits) and in the decode phase (every sequence decoding). Each: the device's busy time (torch profiler,
+    CUDA kernels and copies) against the steps' wall time, then the host functions of as many more steps
     (cProfile, run separately as it slows the host)."""
-    from torch.profiler import ProfilerActivity, profile
-
     ids = random_prompts(prompts, prompt_tokens, llm.config.vocab_size, seed=1)
     params = SamplingParams(temperature=0, max_tokens=1_000_000, ignore_eos=True)
     requests = [llm._request(p, params, []) for p in ids]  # noqa: SLF001 (the bench steps the engine itself)
     engine = llm.engine
     driver = llm._drive(requests)  # noqa: SLF001
-    next(driver)
+    next(driver)  # admission and the first chunks
+    prefill = _profile(driver, steps)
     while engine.history[-1].prefill_tokens or engine.history[-1].decode_rows < prompts:
         next(driver)
     for _ in range(3):  # settle
         next(driver)
+    decode = _profile(driver, steps)
+    driver.close()  # aborts the requests and frees their slots
+    return {"batch": prompts, "prompt_tokens": prompt_tokens, "prefill": prefill, "decode": decode}
+
+
+def _profile(driver, steps: int) -> dict[str, Any]:
+    from torch.profiler import ProfilerActivity, profile
+
     torch.cuda.synchronize()
     with profile(activities=[ProfilerActivity.CUDA]) as prof:
         start = time.perf_counter()
@@ -93,21 +101,19 @@ def profile_decode_steps(llm: LLM, prompts: int, prompt_tokens: int, steps: int 
     for _ in range(steps):
         next(driver)
     profiler.disable()
-    driver.close()  # aborts the requests and frees their slots
-    stats = pstats.Stats(profiler)
-    top = sorted(stats.stats.items(), key=lambda kv: -kv[1][2])[:12]  # by own (total) time
+    stats = pstats.Stats(profiler).stats
+    top = sorted(stats.items(), key=lambda kv: -kv[1][2])[:15]  # by own time
     host = [
         {
             "function": f"{path.rsplit('/', 1)[-1]}:{line} {name}",
-            "calls_per_step": cc / steps,
-            "ms_per_step": tt / steps * 1e3,
+            "calls_per_step": calls / steps,
+            "ms_per_step": own / steps * 1e3,
         }
-        for (path, line, name), (cc, _nc, tt, _ct, _callers) in top
+        for (path, line, name), (calls, _primitive, own, _cumulative, _callers) in top
     ]
     step_ms = wall / steps * 1e3
     device_ms = busy_us / steps / 1e3
     return {
-        "batch": prompts,
         "step_ms": step_ms,
         "device_busy_ms": device_ms,
         "device_idle_fraction": max(0.0, 1 - device_ms / step_ms),

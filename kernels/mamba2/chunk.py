@@ -27,6 +27,7 @@ import triton
 import triton.language as tl
 
 from .. import common
+from ..autotune import AUTOTUNE_OPTIONS
 from ..dispatch import chunk_metadata, host_cu_seqlens
 from .fused_recurrent import softplus
 
@@ -124,6 +125,7 @@ def _prune_state(configs, nargs, **kwargs):
     configs=_state_configs(),
     key=["H", "HG", "P", "N", "L", "PAR"],
     prune_configs_by={"early_config_prune": _prune_state},
+    **AUTOTUNE_OPTIONS,
 )
 @triton.jit(do_not_specialize=["T", "PAR"])
 def _chunk_state_kernel(
@@ -236,6 +238,7 @@ def _prune_out(configs, nargs, **kwargs):
     configs=_out_configs(),
     key=["H", "HG", "P", "N", "L", "BM"],
     prune_configs_by={"early_config_prune": _prune_out},
+    **AUTOTUNE_OPTIONS,
 )
 @triton.jit(do_not_specialize=["T"])
 def _chunk_out_kernel(
