@@ -255,7 +255,9 @@ def filter_logits(logits: torch.Tensor, rows: SamplingRows) -> torch.Tensor:
         if flags.top_p:
             probs = sorted_logits.masked_fill(reject, float("-inf")).softmax(-1)
             # Keep the smallest prefix whose mass reaches top_p: a token goes if the mass before it already does.
-            reject |= probs.cumsum(-1) - probs >= rows.column("top_p")
+            # Rows with top_p = 1 keep everything: their fp32 running sum can round up to 1 before the tail.
+            top_p = rows.column("top_p")
+            reject |= (probs.cumsum(-1) - probs >= top_p) & (top_p < 1)
         reject &= rank > 0  # the best token always stays
         logits = logits.masked_fill(reject.scatter(1, order, reject), float("-inf"))
     return logits

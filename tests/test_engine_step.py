@@ -1,0 +1,173 @@
+"""The engine step on the CPU: what a GPU would pay per step (tensor ops, host syncs) does not grow with the batch,
+overlapped stepping gives the same tokens and exact sessions, and `n > 1` choices are reproducible by seed."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from torch.utils._python_dispatch import TorchDispatchMode
+
+from kvfree.engine import LLM, SamplingParams
+from kvfree.engine.llm_engine import LLMEngine
+from kvfree.engine.scheduler import Request, RequestOutput, Scheduler
+from kvfree.engine.sessions import SessionManager
+
+SCALAR_READS = {"aten._local_scalar_dense.default", "aten.item.default"}
+
+
+class OpCounter(TorchDispatchMode):
+    """Counts every tensor op dispatched (each a kernel launch on a GPU) and the scalar reads (device syncs)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.ops: dict[str, int] = {}
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        name = str(func)
+        self.ops[name] = self.ops.get(name, 0) + 1
+        return func(*args, **(kwargs or {}))
+
+    @property
+    def total(self) -> int:
+        return sum(self.ops.values())
+
+    @property
+    def scalar_reads(self) -> int:
+        return sum(n for name, n in self.ops.items() if name in SCALAR_READS)
+
+
+@pytest.fixture(scope="module")
+def llm() -> LLM:
+    return LLM(max_sessions=64)
+
+
+def _engine(llm: LLM, overlap: bool, sessions: SessionManager | None = None) -> LLMEngine:
+    if sessions is None:  # (not `or`: an empty manager is falsy)
+        sessions = SessionManager(llm.pool, fingerprint="test", max_host_sessions=0)
+    return LLMEngine(Scheduler(sessions, llm.tokenizer, max_waiting=1024, max_batch_tokens=4096), llm.runner, overlap)
+
+
+def _decode_step_ops(llm: LLM, sequences: int) -> tuple[OpCounter, OpCounter]:
+    """Ops of one engine decode step of `sequences` seeded top-p sequences (every prompt already in), and of the
+    model's decode call alone for as many sequences."""
+    engine = _engine(llm, overlap=False)
+    prompts = [llm.tokenizer.encode(f"prompt {i} " * (1 + i % 3)) for i in range(sequences)]
+    for i, ids in enumerate(prompts):
+        params = SamplingParams(temperature=0.8, top_p=0.9, seed=i, max_tokens=50, ignore_eos=True)
+        engine.scheduler.add(Request(f"r{i}", ids, params, emit=lambda out: None))
+    while any(not r.sequences or not r.sequences[0].prefill_done for r in engine.scheduler.running):
+        engine.step()
+    engine.step()  # one plain decode step first
+    counter = OpCounter()
+    with counter:
+        engine.step()
+    assert engine.history[-1].decode_rows == sequences and engine.history[-1].prefill_tokens == 0
+    slots = [seq.slot for req in engine.scheduler.running for seq in req.sequences]
+    model_only = OpCounter()
+    with model_only, torch.inference_mode():
+        llm.runner._decode(slots)  # noqa: SLF001
+    for req in engine.scheduler.running:
+        engine.scheduler.abort(req.request_id)
+    while engine.has_work:
+        engine.step()
+    return counter, model_only
+
+
+def test_decode_step_ops_do_not_grow_with_the_batch(llm):
+    (small, small_model), (large, _) = _decode_step_ops(llm, 8), _decode_step_ops(llm, 64)
+    # One op sequence for the whole batch (model, sampling, bookkeeping): nothing per sequence.
+    assert large.total == small.total, (small.total, large.total)
+    assert small.scalar_reads <= 2 and large.scalar_reads <= 2, (small.scalar_reads, large.scalar_reads)
+    # What the engine adds to the model's own call (slot copies, the sampler with top-p and its counter-based
+    # random numbers, the copy back) is a bounded constant.
+    assert small.total - small_model.total < 160, (small.total, small_model.total)
+
+
+def _collect(engine: LLMEngine, requests: list[Request]) -> None:
+    for req in requests:
+        engine.scheduler.add(req)
+    while engine.has_work:
+        engine.step()
+
+
+def _request(rid: str, ids: list[int], params: SamplingParams, outputs: list, **kw) -> Request:
+    return Request(rid, ids, params, emit=outputs.append, **kw)
+
+
+def _tokens(outputs: list[RequestOutput], index: int = 0) -> list[int]:
+    return [t for out in outputs if out.index == index for t in out.token_ids]
+
+
+def test_overlapped_steps_give_the_same_tokens(llm):
+    prompts = [llm.tokenizer.encode(p) for p in ["Hello", "The quick brown fox jumps", "a" * 40, "xyz"]]
+    params = [
+        SamplingParams(temperature=0, max_tokens=12, ignore_eos=True),
+        SamplingParams(temperature=1.0, top_k=20, seed=5, max_tokens=9, ignore_eos=True),
+        SamplingParams(temperature=0.7, min_p=0.1, seed=6, max_tokens=15, stop_token_ids=[97, 98, 99]),
+        SamplingParams(temperature=1.2, presence_penalty=1.0, seed=7, max_tokens=10, logprobs=2),
+    ]
+    results = []
+    for overlap in (False, True):
+        outputs = [[] for _ in prompts]
+        _collect(
+            _engine(llm, overlap),
+            [
+                _request(f"r{i}", p, sp, out)
+                for i, (p, sp, out) in enumerate(zip(prompts, params, outputs, strict=True))
+            ],
+        )
+        results.append([(_tokens(out), out[-1].finish_reason, out[-1].text) for out in outputs])
+    assert results[0] == results[1]
+    assert llm.pool.used_slots == 0
+
+
+def test_overlapped_session_turns_stay_exact(llm):
+    """A turn that ends on a stop token leaves one token more in the session when steps overlap (the next step
+    was already decoding it); the session records it, so the next turn is still exactly a full-history replay."""
+    sessions = SessionManager(llm.pool, fingerprint="test", max_host_sessions=4)
+    engine = _engine(llm, overlap=True, sessions=sessions)
+    session = sessions.create(owner=None)
+    greedy = SamplingParams(temperature=0, max_tokens=30, stop_token_ids=list(range(100, 140)))
+    history = llm.tokenizer.encode("Once upon a time")
+    reasons = []
+    for turn in range(3):
+        outputs: list[RequestOutput] = []
+        _collect(engine, [_request(f"t{turn}", history, greedy, outputs, session=session)])
+        reply = _tokens(outputs)
+        # The same history replayed from scratch, without a session.
+        replay: list[RequestOutput] = []
+        _collect(_engine(llm, overlap=False), [_request(f"f{turn}", history, greedy, replay)])
+        assert reply == _tokens(replay), turn
+        # A stop token was fed by the step already in flight; the last token of a "length" finish never is.
+        stopped = outputs[-1].finish_reason == "stop"
+        reasons.append(outputs[-1].finish_reason)
+        assert session.num_tokens == len(history) + len(reply) - (0 if stopped else 1)
+        history = history + reply + llm.tokenizer.encode(" and then")
+    sessions.delete(session)
+    assert "stop" in reasons
+
+
+def test_n_choices_are_seeded_independently_and_reproducibly(llm):
+    ids = llm.tokenizer.encode("Tell me a story")
+    params = SamplingParams(temperature=1.0, top_p=0.95, seed=1234, max_tokens=12, ignore_eos=True)
+    outputs: list[RequestOutput] = []
+    _collect(_engine(llm, overlap=True), [_request("n3", ids, params, outputs, n=3)])
+    choices = [_tokens(outputs, k) for k in range(3)]
+    assert len({tuple(c) for c in choices}) == 3  # independent draws
+    for k, choice in enumerate(choices):
+        alone: list[RequestOutput] = []
+        seeded = SamplingParams(temperature=1.0, top_p=0.95, seed=1234 + k, max_tokens=12, ignore_eos=True)
+        _collect(_engine(llm, overlap=False), [_request(f"c{k}", ids, seeded, alone)])
+        assert _tokens(alone) == choice, k
+    assert llm.pool.used_slots == 0
+
+
+def test_unseeded_requests_differ_and_the_global_rng_is_untouched(llm):
+    ids = llm.tokenizer.encode("Hi")
+    params = SamplingParams(temperature=1.0, max_tokens=16, ignore_eos=True)
+    torch.manual_seed(0)
+    before = torch.rand(4)
+    runs = [llm.generate([ids], params)[0].token_ids for _ in range(3)]
+    assert len({tuple(r) for r in runs}) == 3
+    torch.manual_seed(0)
+    assert torch.equal(torch.rand(4), before)
