@@ -230,14 +230,14 @@ class AsyncEngine:
         finished: set[int] = set()
         try:
             while len(finished) < n:
-                out = await outputs.get()
-                if isinstance(out, BaseException):
-                    raise out
-                if out.finish_reason is not None:
-                    finished.add(out.index)
-                yield out
-                if prefill_only and out.finish_reason is not None:
-                    return
+                for out in _coalesced(await outputs.get(), outputs):
+                    if isinstance(out, BaseException):
+                        raise out
+                    if out.finish_reason is not None:
+                        finished.add(out.index)
+                    yield out
+                    if prefill_only and out.finish_reason is not None:
+                        return
         finally:
             if len(finished) < n and not (prefill_only and finished):
                 self.abort(request_id)
@@ -301,6 +301,29 @@ class AsyncEngine:
             stats["gpu_memory_allocated"] = torch.cuda.memory_allocated(self.llm.model.device)
             stats["gpu_memory_reserved"] = torch.cuda.memory_reserved(self.llm.model.device)
         return stats
+
+
+def _coalesced(
+    first: RequestOutput | BaseException, queued: asyncio.Queue[RequestOutput | BaseException]
+) -> list[RequestOutput | BaseException]:
+    """`first` and whatever else is already queued, with consecutive outputs of one choice merged: when a client
+    reads slower than the engine steps, it gets one event per read instead of falling further behind."""
+    items = [first]
+    while not queued.empty():
+        items.append(queued.get_nowait())
+    merged: list[RequestOutput | BaseException] = []
+    for item in items:
+        last = merged[-1] if merged else None
+        if (
+            isinstance(item, RequestOutput)
+            and isinstance(last, RequestOutput)
+            and last.index == item.index
+            and last.finish_reason is None
+        ):
+            merged[-1] = last.then(item)
+        else:
+            merged.append(item)
+    return merged
 
 
 def _deliver(items: list[tuple[asyncio.Queue, RequestOutput | BaseException]]) -> None:

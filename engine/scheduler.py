@@ -15,7 +15,7 @@ from __future__ import annotations
 import time
 from collections import deque
 from collections.abc import Callable
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 from kvfree.engine.sampling import SamplingParams
 from kvfree.engine.sequence import Sequence, TokenLogprob
@@ -57,6 +57,16 @@ class RequestOutput:
     prompt_tokens: int
     cached_tokens: int
     completion_tokens: int
+
+    def then(self, later: RequestOutput) -> RequestOutput:
+        """This output and a `later` one of the same choice as one (a stream that fell behind catches up in one
+        event instead of one per step)."""
+        return replace(
+            later,
+            token_ids=self.token_ids + later.token_ids,
+            text=self.text + later.text,
+            logprobs=self.logprobs + later.logprobs,
+        )
 
 
 @dataclass

@@ -18,8 +18,8 @@ the checker, not of the server). The conversation always continues with the sess
 
 A mismatch can also come from a near tie in greedy decoding that the two prefill paths (cached prefix + suffix
 versus the whole history, in batches of other sizes) round differently, which bf16 on a GPU does. Both requests ask
-for the top-2 log-probabilities, so at the first token where the replies part the soak sees each path's margin
-between the two candidates: if both margins are under `NEAR_TIE_NATS`, the turn is a near-tie flip (counted, shown,
+for the top `SOAK_TOP_LOGPROBS` log-probabilities, so at the first token where the replies part the soak sees each
+path's margin between the two candidates: if both margins are under `NEAR_TIE_NATS`, the turn is a near-tie flip (counted, shown,
 not a failure); otherwise it is a hard mismatch, which fails the soak. A lost or corrupted state gives hard ones.
 """
 
@@ -43,6 +43,7 @@ _SHOWN_CHARS = 160  # of each reply kept in the report for a mismatch
 # Both paths' margin between the two tokens where the replies part, under which a mismatch is a rounding flip of
 # a near tie. bf16 logits of a random-weight 370M model move by a few hundredths of a nat between prefill paths.
 NEAR_TIE_NATS = 0.1
+SOAK_TOP_LOGPROBS = 10
 
 
 @dataclass
@@ -188,7 +189,9 @@ async def run_soak(
             if info.ok:
                 record.location_before = info.body.get("location")
             body = {**base, "messages": histories[i], "max_tokens": max_tokens, "temperature": 0}
-            body |= {"logprobs": True, "top_logprobs": 2}  # to tell a near-tie flip from a wrong state
+            # To tell a near-tie flip from a wrong state: where the replies part, each path must rank the other's
+            # token among its alternatives (with only the top 2, a three-way near tie looks like a wrong state).
+            body |= {"logprobs": True, "top_logprobs": SOAK_TOP_LOGPROBS}
             got = await client.stream("/v1/chat/completions", {**body, "session_id": ids[i]})
             ref = await client.stream("/v1/chat/completions", body)
             record.ttft, record.reference_ttft = got.ttft, ref.ttft

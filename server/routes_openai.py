@@ -50,6 +50,7 @@ from kvfree.server.protocol import (
     ModelCard,
     ModelList,
     SessionUsage,
+    TextEvents,
     new_id,
     sse_event,
     usage_of,
@@ -187,11 +188,22 @@ def _completion_stream(
     model = ctx.state.model_name
     tally = Tally()
 
+    texts = [
+        TextEvents(
+            lambda text, i=i: CompletionChunk(id=chunk_id, model=model, choices=[CompletionChoice(index=i, text=text)])
+        )
+        for i in range(ctx.n)
+    ]
+
     async def events() -> AsyncIterator[str]:
         offsets = [0] * ctx.n
         async for out in _tallied(outputs, tally, timer):
             finish = _finish(out.finish_reason)
             if not out.text and finish is None and not out.logprobs:
+                continue
+            if finish is None and ctx.params.logprobs is None:  # the common chunk: text only
+                offsets[out.index] += len(out.text)
+                yield texts[out.index].event(out.text)
                 continue
             logprobs = None
             if ctx.params.logprobs is not None:
@@ -225,6 +237,8 @@ def _chat_stream(
         choice = ChatCompletionChunkChoice(index=index, delta=delta, finish_reason=finish, logprobs=logprobs)
         return sse_event(ChatCompletionChunk(id=chunk_id, model=model, choices=[choice]))
 
+    texts = [TextEvents(lambda text, i=i: _text_chunk(chunk_id, model, i, text)) for i in range(ctx.n)]
+
     async def events() -> AsyncIterator[str]:
         for i in range(ctx.n):
             yield chunk(i, DeltaMessage(role="assistant", content=""))
@@ -241,6 +255,8 @@ def _chat_stream(
                         deltas.append(DeltaMessage(content=event.text))
                     elif isinstance(event, DeltaToolCall):
                         deltas.append(DeltaMessage(tool_calls=[event]))
+            elif out.text and logprobs is None:  # the common chunk: text only
+                yield texts[out.index].event(out.text)
             elif out.text:
                 deltas.append(DeltaMessage(content=out.text))
             if logprobs is not None and not deltas:
@@ -258,6 +274,11 @@ def _chat_stream(
         return sse_event(ChatCompletionChunk(id=chunk_id, model=model, choices=[], usage=usage, session=session))
 
     return _sse_stream(ctx, request, timer, tally, events(), usage_chunk if body.include_usage else None)
+
+
+def _text_chunk(chunk_id: str, model: str, index: int, text: str) -> ChatCompletionChunk:
+    choice = ChatCompletionChunkChoice(index=index, delta=DeltaMessage(content=text))
+    return ChatCompletionChunk(id=chunk_id, model=model, choices=[choice])
 
 
 @dataclass

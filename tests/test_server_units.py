@@ -821,3 +821,48 @@ def test_sse_event_is_one_line_whatever_the_text_holds():
     event = sse_event(chunk)
     assert event.endswith("\n\n") and len(event.removesuffix("\n\n").splitlines()) == 1
     assert json.loads(event.removeprefix("data: "))["choices"][0]["delta"]["content"] == text
+
+
+# -- the streaming hot path ------------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("text", ["hi", "", 'é\u2028\u2029\x85\x00"\\\n\x1e日本 </script>'])
+def test_text_events_are_byte_identical_to_serialised_chunks(text):
+    from kvfree.server.protocol import (
+        ChatCompletionChunk,
+        ChatCompletionChunkChoice,
+        DeltaMessage,
+        TextEvents,
+        sse_event,
+    )
+
+    def make(t: str) -> ChatCompletionChunk:
+        choice = ChatCompletionChunkChoice(index=2, delta=DeltaMessage(content=t))
+        return ChatCompletionChunk(id="chatcmpl-1", model="m", created=7, choices=[choice])
+
+    event = TextEvents(make).event(text)
+    assert event == sse_event(make(text))
+    assert event.count("\n") == 2  # one line of data, then the blank line
+
+
+def test_queued_outputs_of_one_choice_are_coalesced():
+    import asyncio
+
+    from kvfree.engine.async_engine import _coalesced
+    from kvfree.engine.scheduler import RequestOutput
+
+    def out(index: int, tokens: list[int], finish: str | None = None) -> RequestOutput:
+        text = "".join(chr(97 + t) for t in tokens)
+        return RequestOutput("r", index, tokens, text, [], finish, 3, 0, len(tokens))
+
+    queue: asyncio.Queue = asyncio.Queue()
+    error = RuntimeError("boom")
+    for item in [out(0, [1]), out(0, [2], "length"), out(0, [5]), out(1, [3]), out(1, [4]), error]:
+        queue.put_nowait(item)
+    merged = _coalesced(out(0, [0]), queue)
+    assert [(m.index, m.token_ids, m.text, m.finish_reason) for m in merged[:-1]] == [
+        (0, [0, 1, 2], "abc", "length"),  # merged up to and including the finish
+        (0, [5], "f", None),  # nothing is merged across a finished output
+        (1, [3, 4], "de", None),
+    ]
+    assert merged[-1] is error and queue.empty()
