@@ -12,6 +12,7 @@ import asyncio
 import dataclasses
 import logging
 import queue
+import sys
 import threading
 import time
 import uuid
@@ -29,6 +30,9 @@ from kvfree.engine.sessions import Session, SessionManager
 from kvfree.engine.snapshot import model_fingerprint
 
 log = logging.getLogger("kvfree.engine")
+
+
+GIL_SWITCH_INTERVAL_S = 0.0005
 
 
 class SessionBusy(RuntimeError):
@@ -88,6 +92,9 @@ class AsyncEngine:
         return self.engine.steps
 
     def start(self) -> None:
+        # The engine thread and the event loop share the GIL. Python hands it over every 5 ms by default, so each
+        # side could stall the other for that long; a step is a few milliseconds, so hand it over more often.
+        sys.setswitchinterval(GIL_SWITCH_INTERVAL_S)
         self._loop_ref = asyncio.get_running_loop()
         self.sessions.load_index()
         self.accepting = True

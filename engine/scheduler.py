@@ -104,6 +104,9 @@ class SampledTokens:
     logprobs: list[TokenLogprob | None]
 
 
+PREFILL_ALIGN = 256  # prefill token budgets are rounded down to a multiple of this
+
+
 class QueueFull(RuntimeError):
     """The waiting queue is at its limit: the client should retry later (HTTP 429)."""
 
@@ -181,6 +184,10 @@ class Scheduler:
                     step.decode.append(seq)
                     step.sample.append(seq)
         budget = self.max_batch_tokens - len(step.decode) if step.decode else self.max_prefill_tokens
+        if budget >= 2 * PREFILL_ALIGN:
+            # Whole multiples: the prefill's token count then stays the same from step to step while the decode
+            # batch grows, so the GEMMs and allocations of a step meet shapes already seen.
+            budget -= budget % PREFILL_ALIGN
         self._schedule_prefill(step, max(1, budget))
         return step
 
