@@ -53,6 +53,8 @@ class AsyncEngine:
             chunks. A step's time grows with its tokens, so this bounds the inter-token latency of running
             requests while new prompts are fed; larger values feed prompts faster (lower time to first token).
         max_prefill_tokens: prefill tokens per step when nothing decodes (default: `max_batch_tokens`).
+        prefill_batch_wait: seconds a new prompt may wait, while sequences decode, for others to share its
+            prefill step (engine/scheduler.py).
         max_host_sessions: idle sessions kept in host memory before the oldest go to `snapshot_dir`.
         snapshot_dir: where sessions spill to, persist on shutdown and are found again on start (None: no disk).
         hmac_key: if set, snapshots are signed and only signed snapshots are accepted.
@@ -65,6 +67,7 @@ class AsyncEngine:
         max_waiting: int = 256,
         max_batch_tokens: int = 2048,
         max_prefill_tokens: int | None = None,
+        prefill_batch_wait: float = 0.0,
         max_host_sessions: int = 1024,
         snapshot_dir: Path | None = None,
         hmac_key: bytes | None = None,
@@ -73,7 +76,9 @@ class AsyncEngine:
         self.tokenizer = llm.tokenizer
         self.fingerprint = model_fingerprint(llm.model)
         self.sessions = SessionManager(llm.pool, self.fingerprint, max_host_sessions, snapshot_dir, hmac_key)
-        self.scheduler = Scheduler(self.sessions, llm.tokenizer, max_waiting, max_batch_tokens, max_prefill_tokens)
+        self.scheduler = Scheduler(
+            self.sessions, llm.tokenizer, max_waiting, max_batch_tokens, max_prefill_tokens, prefill_batch_wait
+        )
         self.engine = LLMEngine(self.scheduler, llm.runner)
         self._loop_ref: asyncio.AbstractEventLoop | None = None
         self._pending: list[tuple[asyncio.Queue, RequestOutput | BaseException]] = []  # this step's emissions

@@ -12,6 +12,7 @@ the next step can be scheduled before the previous one's tokens reach the host (
 
 from __future__ import annotations
 
+import math
 import time
 from collections import deque
 from collections.abc import Callable
@@ -122,6 +123,10 @@ class Scheduler:
             of running sequences low.
         max_prefill_tokens: prefill tokens per step when nothing decodes (no one is waiting on a token, so a
             larger chunk only speeds up prefill). Defaults to `max_batch_tokens`.
+        prefill_batch_wait: seconds a new prompt may wait, while sequences decode, for others to share its
+            prefill step. On a GPU a prefill step has a fixed host cost of tens of milliseconds whatever its size,
+            and every decoding sequence waits for it; sharing one step among several prompts raises throughput
+            and makes fewer long steps, at the price of up to this much time to first token. 0: never wait.
     """
 
     def __init__(
@@ -131,12 +136,14 @@ class Scheduler:
         max_waiting: int = 256,
         max_batch_tokens: int = 2048,
         max_prefill_tokens: int | None = None,
+        prefill_batch_wait: float = 0.0,
     ) -> None:
         self.sessions = sessions
         self.tokenizer = tokenizer
         self.max_waiting = max_waiting
         self.max_batch_tokens = max_batch_tokens
         self.max_prefill_tokens = max(max_prefill_tokens or max_batch_tokens, max_batch_tokens)
+        self.prefill_batch_wait = prefill_batch_wait
         self.waiting: deque[Request] = deque()
         self.running: list[Request] = []
 
@@ -188,8 +195,22 @@ class Scheduler:
             # Whole multiples: the prefill's token count then stays the same from step to step while the decode
             # batch grows, so the GEMMs and allocations of a step meet shapes already seen.
             budget -= budget % PREFILL_ALIGN
-        self._schedule_prefill(step, max(1, budget))
+        if self._prefill_due(bool(step.decode), budget):
+            self._schedule_prefill(step, max(1, budget))
         return step
+
+    def _prefill_due(self, decoding: bool, budget: int) -> bool:
+        """Whether this step feeds prompts: always when nothing decodes; while sequences decode, once a full
+        budget of prompt tokens waits or the oldest waiting prompt has waited `prefill_batch_wait` seconds."""
+        if not decoding or self.prefill_batch_wait <= 0:
+            return True
+        pending, oldest = 0, math.inf
+        for req in self.running:
+            first = req.sequences[0]
+            if not (first.prefill_done or first.finished):
+                pending += len(first.to_prefill) - first.prefilled
+                oldest = min(oldest, req.arrival)
+        return pending >= budget or (pending > 0 and time.monotonic() - oldest >= self.prefill_batch_wait)
 
     def _admit(self, step: ScheduledStep) -> None:
         """Move waiting requests to running while slots can be found for all their choices."""

@@ -19,8 +19,9 @@ the checker, not of the server). The conversation always continues with the sess
 A mismatch can also come from a near tie in greedy decoding that the two prefill paths (cached prefix + suffix
 versus the whole history, in batches of other sizes) round differently, which bf16 on a GPU does. Both requests ask
 for the top `SOAK_TOP_LOGPROBS` log-probabilities, so at the first token where the replies part the soak sees each
-path's margin between the two candidates: if both margins are under `NEAR_TIE_NATS`, the turn is a near-tie flip (counted, shown,
-not a failure); otherwise it is a hard mismatch, which fails the soak. A lost or corrupted state gives hard ones.
+path's margin between the two candidates: if both margins are under `NEAR_TIE_NATS`, the turn is a near-tie flip
+(counted, shown, not a failure); otherwise it is a hard mismatch, which fails the soak. A lost or corrupted state
+gives hard ones.
 """
 
 from __future__ import annotations

@@ -38,6 +38,7 @@ def build_engine(settings: ServerSettings) -> AsyncEngine:
         max_waiting=settings.max_waiting,
         max_batch_tokens=settings.max_batch_tokens,
         max_prefill_tokens=settings.max_prefill_tokens,
+        prefill_batch_wait=settings.prefill_batch_wait_ms / 1e3,
         max_host_sessions=settings.max_host_sessions,
         snapshot_dir=settings.snapshot_dir,
         hmac_key=settings.snapshot_hmac_key,

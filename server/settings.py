@@ -20,6 +20,7 @@ class ServerSettings:
     max_waiting: int = 256  # requests queued for a slot before 429
     max_batch_tokens: int = 2048  # tokens per engine step while sequences decode (decode + prefill chunks)
     max_prefill_tokens: int | None = None  # prefill tokens per step when nothing decodes (None: max_batch_tokens)
+    prefill_batch_wait_ms: float = 50.0  # while sequences decode, how long a new prompt may wait to share a prefill
     max_prompt_tokens: int = 32768
     max_output_tokens: int = 4096
     max_context: int = 8192  # KV-cache size for models with full attention

@@ -171,3 +171,27 @@ def test_unseeded_requests_differ_and_the_global_rng_is_untouched(llm):
     assert len({tuple(r) for r in runs}) == 3
     torch.manual_seed(0)
     assert torch.equal(torch.rand(4), before)
+
+
+def test_new_prompts_wait_to_share_a_prefill_step_while_others_decode(llm):
+    engine = _engine(llm, overlap=False)
+    scheduler = engine.scheduler
+    scheduler.max_batch_tokens = 64
+    scheduler.prefill_batch_wait = 3600.0  # nothing waits that long here
+    params = SamplingParams(temperature=0, max_tokens=40, ignore_eos=True)
+    outputs: list[RequestOutput] = []
+    scheduler.add(_request("a", llm.tokenizer.encode("first prompt"), params, outputs))
+    engine.step()  # nothing decodes yet: prefilled at once
+    assert engine.history[-1].prefill_tokens > 0
+    scheduler.add(_request("b", llm.tokenizer.encode("a short one"), params, outputs))
+    for _ in range(3):
+        engine.step()  # "a" decodes; "b" waits for company
+        assert engine.history[-1].prefill_tokens == 0 and engine.history[-1].decode_rows == 1
+    scheduler.add(_request("c", llm.tokenizer.encode("x" * 60), params, outputs))
+    engine.step()  # together the waiting prompts fill the step's budget: both go in
+    assert engine.history[-1].prefill_tokens == 64 - 1
+    scheduler.prefill_batch_wait = 0.0
+    while engine.has_work:
+        engine.step()
+    assert sorted(len(_tokens([o for o in outputs if o.request_id == r])) for r in "abc") == [40, 40, 40]
+    assert llm.pool.used_slots == 0
