@@ -79,7 +79,7 @@ class AsyncEngine:
         self.scheduler = Scheduler(
             self.sessions, llm.tokenizer, max_waiting, max_batch_tokens, max_prefill_tokens, prefill_batch_wait
         )
-        self.engine = LLMEngine(self.scheduler, llm.runner)
+        self.engine = LLMEngine(self.scheduler, llm.runner, on_outputs=self._flush)
         self._loop_ref: asyncio.AbstractEventLoop | None = None
         self._pending: list[tuple[asyncio.Queue, RequestOutput | BaseException]] = []  # this step's emissions
         self._commands: queue.Queue[tuple[Callable[[], Any], Callable[[Any, BaseException | None], None]] | None]

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import time
 from collections import deque
+from collections.abc import Callable
 from dataclasses import dataclass
 
 from kvfree.engine.model_runner import ModelRunner, StepHandle
@@ -42,10 +43,17 @@ class LLMEngine:
         overlap: postprocess each step while the device runs the next (None: on a GPU only, where it helps; on a
             CPU the device work is the host's, so there is nothing to overlap).
         history: how many `StepRecord`s to keep.
+        on_outputs: called after each postprocess, when requests have been handed their new outputs (the server
+            sends them on from there, without waiting for the rest of the step).
     """
 
     def __init__(
-        self, scheduler: Scheduler, runner: ModelRunner, overlap: bool | None = None, history: int = 4096
+        self,
+        scheduler: Scheduler,
+        runner: ModelRunner,
+        overlap: bool | None = None,
+        history: int = 4096,
+        on_outputs: Callable[[], None] | None = None,
     ) -> None:
         self.scheduler = scheduler
         self.runner = runner
@@ -54,6 +62,7 @@ class LLMEngine:
         self.steps = 0
         self.history: deque[StepRecord] = deque(maxlen=history)  # the latest steps, for benchmarks and metrics
         self._wait = 0.0
+        self.on_outputs = on_outputs
 
     @property
     def has_work(self) -> bool:
@@ -63,8 +72,13 @@ class LLMEngine:
         """Schedule and launch one step; postprocess it (or, overlapped, the one before it)."""
         start, self._wait = time.perf_counter(), 0.0
         step = self.scheduler.schedule()
-        launched = (step, self.runner.launch(step)) if step.runs_model else None
         previous, self._in_flight = self._in_flight, None
+        if previous is not None and step.prefill:
+            # Launching a prefill takes the host tens of milliseconds (hundreds of kernel launches): the tokens of
+            # the step in flight go out first rather than wait for it.
+            self._postprocess(*previous)
+            previous = None
+        launched = (step, self.runner.launch(step)) if step.runs_model else None
         if previous is not None:
             self._postprocess(*previous)
         if launched is not None:
@@ -83,6 +97,8 @@ class LLMEngine:
         sampled = handle.result()
         self._wait += time.perf_counter() - start
         self.scheduler.postprocess(step, sampled)
+        if self.on_outputs is not None:
+            self.on_outputs()
 
     def drain(self) -> None:
         """Postprocess the step in flight, if any (before reading results or touching sessions from outside)."""
