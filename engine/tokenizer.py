@@ -11,6 +11,10 @@ from tokenizers import Tokenizer as HFTokenizer
 from tokenizers.decoders import DecodeStream
 
 from kvfree.checkpoints import TOKENIZER_CONFIG_FILE, TOKENIZER_FILE, CheckpointError
+from kvfree.checkpoints.byte_tokenizer import byte_symbols
+
+# GPT-2's byte-level alphabet, read backwards: the printable stand-in of each byte value -> the byte.
+_BYTE_OF_SYMBOL = {symbol: byte for byte, symbol in enumerate(byte_symbols())}
 
 
 def _token_text(value: Any) -> str | None:
@@ -36,6 +40,9 @@ class Tokenizer:
         self.eos_token = _token_text(self.config.get("eos_token"))
         self.eos_token_id = self._tok.token_to_id(self.eos_token) if self.eos_token else None
         self.bos_token_id = self._tok.token_to_id(self.bos_token) if self.bos_token else None
+        decoder = json.loads(self._tok.to_str()).get("decoder") or {}
+        self._byte_level = decoder.get("type") == "ByteLevel"
+        self._bytes_cache: dict[int, bytes] = {}
         self._env = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True)
         self._env.filters["tojson"] = lambda v, indent=None: json.dumps(v, indent=indent, ensure_ascii=False)
 
@@ -52,6 +59,27 @@ class Tokenizer:
 
     def token_to_id(self, token: str) -> int | None:
         return self._tok.token_to_id(token)
+
+    def token_bytes(self, token_id: int) -> bytes:
+        """The bytes one token stands for (OpenAI's logprob `bytes`), which its text may not show: a byte-level
+        token in the middle of a UTF-8 character decodes to U+FFFD, whatever the byte."""
+        cached = self._bytes_cache.get(token_id)
+        if cached is None:
+            cached = self._bytes_cache[token_id] = self._token_bytes(token_id)
+        return cached
+
+    def _token_bytes(self, token_id: int) -> bytes:
+        piece = self._tok.id_to_token(token_id)
+        if piece is None:
+            return b""
+        added = self._tok.get_added_tokens_decoder().get(token_id)
+        if added is not None:  # special and added tokens stand for their content
+            return added.content.encode("utf-8")
+        if self._byte_level and all(ch in _BYTE_OF_SYMBOL for ch in piece):
+            return bytes(_BYTE_OF_SYMBOL[ch] for ch in piece)
+        if len(piece) == 6 and piece.startswith("<0x") and piece.endswith(">"):  # SentencePiece byte fallback
+            return bytes([int(piece[3:5], 16)])
+        return piece.replace("\u2581", " ").encode("utf-8")  # SentencePiece's word-start marker is a space
 
     def apply_chat_template(
         self, messages: list[dict[str, Any]], add_generation_prompt: bool = True, tools: list[dict] | None = None

@@ -442,8 +442,7 @@ def _token_text(tok: Tokenizer, token_id: int) -> str:
 
 def _chat_logprobs(tok: Tokenizer, entries: list[TokenLogprob]) -> ChoiceLogprobs:
     def token(token_id: int) -> dict[str, Any]:
-        text = _token_text(tok, token_id)
-        return {"token": text, "bytes": list(text.encode("utf-8"))}
+        return {"token": _token_text(tok, token_id), "bytes": list(tok.token_bytes(token_id))}
 
     return ChoiceLogprobs(
         content=[

@@ -496,6 +496,29 @@ def test_streamed_equals_non_streamed(server):
     assert streamed == expected
 
 
+def test_chat_logprobs_bytes_are_each_tokens_own(server):
+    """`bytes` is what the token stands for: byte-level tokens that split a UTF-8 character all read as U+FFFD, yet
+    each keeps its own byte, so clients can tell alternatives apart and rebuild the exact text."""
+    client = server.openai()
+    reply = client.chat.completions.create(
+        model=_served(server),
+        messages=[{"role": "user", "content": "Say something"}],
+        max_tokens=24,
+        temperature=0,
+        logprobs=True,
+        top_logprobs=5,
+        extra_body={"ignore_eos": True},
+    )
+    content = reply.choices[0].logprobs.content
+    assert len(content) == 24
+    raw = b"".join(bytes(entry.bytes) for entry in content)
+    assert raw.decode("utf-8", errors="replace") == reply.choices[0].message.content
+    for entry in content:
+        alternatives = [bytes(top.bytes) for top in entry.top_logprobs]
+        assert len(set(alternatives)) == len(alternatives) == 5  # no two alternatives read alike
+        assert bytes(entry.bytes) in alternatives  # greedy: the pick is the top one
+
+
 def _request(i: int) -> tuple[str, dict[str, Any]]:
     """The i-th of a set of different requests: chat or completion, prompts and lengths of various sizes, most
     greedy, some seeded sampling (whose draws must not depend on the batch either)."""
