@@ -299,6 +299,14 @@ def offline_main(args: argparse.Namespace) -> int:
     profile = None
     if args.profile and device.type == "cuda":
         profile = profile_steps(llm, args.prompts, args.prompt_tokens)
+    # The floor of a full decode step: every weight read once, each session's state read and written once.
+    bandwidth = hbm_bandwidth(device)
+    floor_bytes = weight_bytes(llm.model) + 2 * args.prompts * llm.pool.bytes_per_session()
+    floor_ms = floor_bytes / bandwidth * 1e3 if bandwidth else None
+    for r in runs:
+        if floor_ms is not None and r["prompts"] == args.prompts:
+            r["decode_floor_ms"] = floor_ms
+            r["decode_x_floor"] = r["decode_step_ms"] / floor_ms
     payload = {
         "what": "LLM.generate end to end (prefill included), greedy, EOS ignored, random weights and prompts",
         "preset": args.preset,
@@ -307,12 +315,19 @@ def offline_main(args: argparse.Namespace) -> int:
         "cuda_graphs": llm.runner.graphs is not None,
         "overlap": llm.engine.overlap,
         "max_batch_tokens": args.max_batch_tokens,
+        "hbm_bytes_per_s": bandwidth,
+        "decode_floor_bytes": floor_bytes,
         "runs": runs,
         "profile": profile,
     }
     out = write_json(args.out or Path("docs/bench") / f"offline-{args.preset}.json", payload)
     env = payload["environment"]
     print(f"# {args.preset} ({payload['dtype']}) on {env['device']}, torch {env['torch']}: LLM.generate")
+    if floor_ms is not None:
+        print(
+            f"# decode floor at {args.prompts} sessions: {floor_ms:.2f} ms ({floor_bytes / 1e9:.1f} GB at "
+            f"{bandwidth / 1e12:.2f} TB/s measured here)"
+        )
     print(
         f"{'prompts':>8} {'tokens/s':>10} {'decode tok/s':>13} {'wall s':>8} {'step ms':>8} {'host ms':>8} "
         f"{'prefill s':>10}"
