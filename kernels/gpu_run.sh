@@ -4,7 +4,9 @@
 #   2. the Mamba-2 / conv ops checked at real sizes and timed, fla's kernels as anchors when fla-core imports;
 #   3. the norm kernels checked and timed;
 #   4. `kvfree bench` for a preset: decode at B = 1, 16, 64, 256 (CUDA graph and eager), one long prefill, and a
-#      kernel-by-kernel profile of a decode step and the prefill.
+#      kernel-by-kernel profile of a decode step and the prefill;
+#   5. `kvfree bench --offline`: LLM.generate of 256 prompts end to end and one alone, with a profile of an engine
+#      step (device busy time against wall time, host functions).
 # Run from the repository root:  kernels/gpu_run.sh [OUT_DIR] [PRESET]   (default: docs/bench mamba2-370m)
 set -uo pipefail
 OUT_DIR=${1:-docs/bench}
@@ -21,5 +23,8 @@ $PY -m kvfree.kernels.bench --out "$OUT_DIR" 2>&1 | tee "$OUT_DIR/kernels.log" |
 $PY -m kvfree.kernels.norm.check_device --out "$OUT_DIR" 2>&1 | tee "$OUT_DIR/norm.log" | tail -20
 [ "${PIPESTATUS[0]}" -eq 0 ] || status=1
 $PY -m kvfree.engine.bench --preset "$PRESET" --profile --out "$OUT_DIR/model-$PRESET.json" 2>&1 | tee "$OUT_DIR/model.log"
+[ "${PIPESTATUS[0]}" -eq 0 ] || status=1
+$PY -m kvfree.engine.bench --offline --preset "$PRESET" --profile --out "$OUT_DIR/offline-$PRESET.json" 2>&1 \
+    | tee "$OUT_DIR/offline.log" | grep -v -i warn
 [ "${PIPESTATUS[0]}" -eq 0 ] || status=1
 exit $status

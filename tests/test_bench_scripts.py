@@ -47,3 +47,17 @@ def test_model_bench_script_on_the_cpu(tmp_path):
     assert [row["batch"] for row in report["decode"]] == [1, 3]
     assert report["prefill"]["tokens"] == 64 and report["prefill"]["tokens_per_s"] > 0
     assert report["cuda_graphs"] is False and report["environment"]["torch"] == torch.__version__
+
+
+def test_offline_bench_on_the_cpu(tmp_path):
+    from kvfree.engine.bench import main
+
+    out = tmp_path / "offline.json"
+    args = ["--offline", "--preset", "tiny", "--device", "cpu", "--prompts", "3", "--prompt-tokens", "40"]
+    assert main([*args, "--max-tokens", "6", "--max-batch-tokens", "64", "--out", str(out)]) == 0
+    report = json.loads(out.read_text())
+    many, one = report["runs"]
+    assert (many["prompts"], one["prompts"]) == (3, 1)
+    assert many["output_tokens"] == 18 and one["output_tokens"] == 6
+    assert many["output_tokens_per_s"] > 0 and many["prefill_steps"] >= 2  # 120 prompt tokens in 64-token steps
+    assert report["overlap"] is False and report["profile"] is None  # nothing to overlap or profile on a CPU
