@@ -131,7 +131,7 @@ class StatePool:
                 f"state tensors do not match this model: missing {missing}, unexpected {unexpected}"
             )
         for key, (i, name, spec) in expected.items():
-            t, dtype = tensors[key], self.tensors[i][name].dtype
+            t, dtype = tensors[key], self._tensors[i][name].dtype  # (no flush: metadata only)
             if t.dtype != dtype:
                 raise SnapshotMismatchError(
                     f"{key}: dtype {t.dtype}, this model keeps it as {dtype} (a state from the same model run at "

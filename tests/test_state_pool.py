@@ -171,3 +171,34 @@ def test_bytes_per_session_grows_linearly_for_attention() -> None:
     assert sizes == [pool.bytes_per_session(n) for n in (100, 5_000, 10_000)]
     # Reserved memory is sized by max_context, whatever the sessions hold.
     assert pool.bytes_per_session() == pool.bytes_per_session(10_000)
+
+
+def test_resets_are_deferred_and_batched() -> None:
+    """Admitting many sessions resets their rows with one call per layer, before anything reads them."""
+    model = make_model(["lattice", "mamba2"])  # Lattice's new state is S_0, not zeros
+    pool = StatePool(model, capacity=6, max_context=64)
+    fresh = [{k: t[0].clone() for k, t in state.items()} for state in pool.tensors]
+    slots = [pool.alloc() for _ in range(6)]
+    for state in pool.tensors:  # sessions that ran
+        for t in state.values():
+            t[: len(slots)] = 7
+    for slot in slots:
+        pool.free(slot)
+    calls = []
+    for layer in model.layers:
+        original = layer.mixer.reset_state
+        layer.mixer.reset_state = lambda state, idx, original=original: (calls.append(len(idx)), original(state, idx))
+    again = [pool.alloc() for _ in range(4)]
+    assert calls == []  # nothing yet: the resets wait for the rows' next use
+    tensors = pool.tensors
+    assert calls == [4, 4]  # then one batched reset per layer
+    for state, expect in zip(tensors, fresh, strict=True):
+        for name, t in state.items():
+            for slot in again:
+                assert torch.equal(t[slot], expect[name]), (name, slot)
+    saved = pool.export(again[1])
+    pool.reset(again[0])
+    pool.reset(again[2])
+    pool.import_(again[0], saved)  # overwrites every row of again[0]: only again[2] still needs its reset
+    assert calls == [4, 4, 1, 1]
+    assert all(torch.equal(t, saved[k]) for k, t in pool.export(again[0]).items())
