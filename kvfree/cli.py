@@ -143,6 +143,13 @@ def cmd_bench(args: argparse.Namespace) -> int:
     return bench_main(args.forwarded)
 
 
+def cmd_chat(args: argparse.Namespace) -> int:
+    # Imported here: the terminal client speaks HTTP only and has its own parser (`kvfree chat --help`).
+    from kvfree.clients.chat import main as chat_main
+
+    return chat_main(args.forwarded)
+
+
 def _add_forwarding_parser(sub: argparse._SubParsersAction, name: str, help: str, func) -> None:
     """A subcommand whose arguments all go to another module's own parser (`kvfree NAME --help` prints that one).
 
@@ -276,8 +283,12 @@ def build_parser() -> argparse.ArgumentParser:
     _add_forwarding_parser(
         sub,
         "bench",
-        "time a preset's model step (decode at several batch sizes, one long prefill) against its floor",
+        "time a preset's model step (decode at several batch sizes, one long prefill) against its floor, "
+        "or LLM.generate end to end (--offline)",
         cmd_bench,
+    )
+    _add_forwarding_parser(
+        sub, "chat", "chat in the terminal on a server session (/fork, /save FILE, /load FILE)", cmd_chat
     )
     return parser
 
