@@ -26,6 +26,7 @@ from kvfree.engine.llm import LLM
 from kvfree.engine.llm_engine import LLMEngine
 from kvfree.engine.sampling import SamplingParams
 from kvfree.engine.scheduler import QueueFull, Request, RequestOutput, Scheduler
+from kvfree.engine.session_store import SessionStore
 from kvfree.engine.sessions import Session, SessionManager
 from kvfree.engine.snapshot import model_fingerprint
 
@@ -57,6 +58,9 @@ class AsyncEngine:
             prefill step (engine/scheduler.py).
         max_host_sessions: idle sessions kept in host memory before the oldest go to `snapshot_dir`.
         snapshot_dir: where sessions spill to, persist on shutdown and are found again on start (None: no disk).
+        store: instead of `snapshot_dir`, any session store (engine/session_store.py), e.g. Redis shared by
+            replicas; a turn on a session then holds the store's lease on it.
+        write_through: store each session's state after every turn (nothing completed is lost on a crash).
         hmac_key: if set, snapshots are signed and only signed snapshots are accepted.
     """
 
@@ -71,11 +75,16 @@ class AsyncEngine:
         max_host_sessions: int = 1024,
         snapshot_dir: Path | None = None,
         hmac_key: bytes | None = None,
+        store: SessionStore | None = None,
+        write_through: bool = False,
     ) -> None:
         self.llm = llm
         self.tokenizer = llm.tokenizer
         self.fingerprint = model_fingerprint(llm.model)
-        self.sessions = SessionManager(llm.pool, self.fingerprint, max_host_sessions, snapshot_dir, hmac_key)
+        self.sessions = SessionManager(
+            llm.pool, self.fingerprint, max_host_sessions, snapshot_dir, hmac_key, store=store,
+            write_through=write_through,
+        )  # fmt: skip
         self.scheduler = Scheduler(
             self.sessions, llm.tokenizer, max_waiting, max_batch_tokens, max_prefill_tokens, prefill_batch_wait
         )
@@ -180,6 +189,8 @@ class AsyncEngine:
                 if req.session.slot is not None:
                     self.llm.pool.reset(req.session.slot)
                 req.session.reset()
+                req.settled = True  # nothing of the failed turn is recorded or stored: the store keeps the last one
+                req.session.store_version = -1  # a shared store's copy (the last completed turn) wins next time
         self.scheduler.retire()
 
     async def call(self, fn: Callable[[], Any]) -> Any:
@@ -234,9 +245,16 @@ class AsyncEngine:
             session = self.sessions.get(session_id, owner) if session_id else None
             if session is not None and session.busy:
                 raise SessionBusy(f"session {session_id} is in use by another request")
-            self.scheduler.add(
-                Request(request_id, prompt_token_ids, params, emit, n=n, session=session, prefill_only=prefill_only)
-            )
+            if session is not None and not self.sessions.begin_turn(session):
+                raise SessionBusy(f"session {session_id} is running a turn on another replica; retry when it ends")
+            try:
+                self.scheduler.add(
+                    Request(request_id, prompt_token_ids, params, emit, n=n, session=session, prefill_only=prefill_only)
+                )
+            except QueueFull:
+                if session is not None:
+                    self.sessions.end_turn(session)
+                raise
 
         await self.call(submit)
         finished: set[int] = set()

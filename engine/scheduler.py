@@ -20,6 +20,7 @@ from dataclasses import dataclass, field, replace
 
 from kvfree.engine.sampling import SamplingParams
 from kvfree.engine.sequence import Sequence, TokenLogprob
+from kvfree.engine.session_store import SessionStoreError
 from kvfree.engine.sessions import PoolExhausted, Session, SessionManager
 from kvfree.engine.tokenizer import Tokenizer
 
@@ -43,6 +44,8 @@ class Request:
     sequences: list[Sequence] = field(default_factory=list)
     ephemeral: list[Session] = field(default_factory=list)  # slot holders of choices 1..n-1 (or a sessionless 0)
     aborted: bool = False
+    settled: bool = False  # the session has recorded (and stored) this turn
+    store_error: Exception | None = None  # the turn's state could not be stored: the request fails with it
 
 
 @dataclass
@@ -220,6 +223,12 @@ class Scheduler:
                 slots = self._take_slots(req)
             except PoolExhausted:
                 return
+            except Exception as exc:  # the session's stored state cannot be loaded: this request fails, not the step
+                self.waiting.popleft()
+                req.settled = True  # nothing ran: the session keeps what it had
+                self._release_session(req)
+                req.emit(exc)  # type: ignore[arg-type]
+                continue
             self.waiting.popleft()
             self._start(req, slots)
             step.admitted.extend(req.sequences)
@@ -311,6 +320,9 @@ class Scheduler:
             if not first.finished:
                 first.finish_reason = "prefill"
                 touched.append(first)
+        for req in self.running:  # a finished turn is stored before its last event goes out (write-through)
+            if req.session is not None and all(s.finished for s in req.sequences):
+                self._settle_session(req)
         self._emit(touched)
         self.retire()
 
@@ -318,6 +330,10 @@ class Scheduler:
         by_id = {r.request_id: r for r in self.running}
         for seq in seqs:
             req = by_id[seq.request_id]
+            if req.store_error is not None:
+                if seq.index == 0:
+                    req.emit(req.store_error)  # type: ignore[arg-type]
+                continue
             new_tokens = seq.output_token_ids[seq.emitted_tokens :]
             new_logprobs = seq.logprobs[seq.emitted_tokens :] if seq.params.logprobs is not None else []
             seq.emitted_tokens = len(seq.output_token_ids)
@@ -350,12 +366,24 @@ class Scheduler:
                 still.append(req)
         self.running = still
 
-    def _release_session(self, req: Request) -> None:
-        if req.session is None:
+    def _settle_session(self, req: Request) -> None:
+        """Record what the turn fed into the session and, under write-through, store its state."""
+        if req.settled:
             return
+        req.settled = True
         first = req.sequences[0] if req.sequences else None
         if first is not None:
             req.session.extend(first.consumed)
+        try:
+            self.sessions.persist_turn(req.session)
+        except SessionStoreError as exc:
+            req.store_error = exc
+
+    def _release_session(self, req: Request) -> None:
+        if req.session is None:
+            return
+        self._settle_session(req)
         req.session.busy = False
         if req.session.slot is not None:
             self.sessions.release(req.session)
+        self.sessions.end_turn(req.session)

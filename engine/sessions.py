@@ -10,7 +10,6 @@ make room: when nothing can move, the call raises (`PoolExhausted`, `SessionLimi
 from __future__ import annotations
 
 import logging
-import os
 import re
 import secrets
 import time
@@ -21,7 +20,14 @@ from typing import Literal
 
 import torch
 
-from kvfree.engine.snapshot import Snapshot, SnapshotError, decode_snapshot, encode_snapshot, peek_snapshot, token_hash
+from kvfree.engine.session_store import (
+    DirectoryStore,
+    SessionStore,
+    SessionStoreError,
+    StoredSession,
+    new_holder,
+)
+from kvfree.engine.snapshot import Snapshot, SnapshotError, decode_snapshot, encode_snapshot, token_hash
 from kvfree.engine.state_pool import SnapshotMismatchError, StatePool
 
 log = logging.getLogger(__name__)
@@ -72,6 +78,7 @@ class Session:
     ephemeral: bool = False
     # LRU order set by the manager: a counter, because monotonic clocks can tie on coarse platforms.
     lru_tick: int = field(default=0, repr=False)
+    store_version: int = field(default=0, repr=False)  # the store's version this copy matches (0: none)
 
     def extend(self, tokens: list[int]) -> None:
         """Record that the state has consumed `tokens` after the ones before."""
@@ -109,7 +116,12 @@ class SessionManager:
             it (LRU first). Without one, host memory is the last tier and this is a hard cap: the server then
             holds at most `pool.capacity + max_host_sessions` sessions and refuses new ones beyond that
             (`SessionLimitError`) rather than ever drop one.
-        snapshot_dir: where sessions spill and persist across restarts (one `{session_id}.safetensors` each).
+        snapshot_dir: where sessions spill and persist across restarts (one `{session_id}.safetensors` each); a
+            shorthand for `store=DirectoryStore(snapshot_dir, ...)`.
+        store: where sessions spill and persist beyond the process (engine/session_store.py); a shared store
+            (Redis) is also where other replicas find them, so `get` checks it for newer versions.
+        write_through: after every turn on a session, write its state to the store (`persist_turn`), so that a
+            crash loses no completed turn; a loaded session's stored copy is then kept, not removed.
         hmac_key: sign written snapshots and require valid signatures on every snapshot read or restored.
         reserved_slots: called on each slot request; the number of free slots to leave to others (e.g. requests
             without a session the scheduler has admitted). The manager evicts its own sessions instead.
@@ -125,15 +137,19 @@ class SessionManager:
         snapshot_dir: Path | None = None,
         hmac_key: bytes | None = None,
         reserved_slots: Callable[[], int] | None = None,
+        store: SessionStore | None = None,
+        write_through: bool = False,
     ) -> None:
         if max_host_sessions < 0:
             raise ValueError(f"max_host_sessions must be >= 0, got {max_host_sessions}")
         self.pool = pool
         self.fingerprint = fingerprint
         self.max_host_sessions = max_host_sessions
-        self.snapshot_dir = Path(snapshot_dir) if snapshot_dir is not None else None
-        if self.snapshot_dir is not None:
-            self.snapshot_dir.mkdir(parents=True, exist_ok=True)
+        if store is None and snapshot_dir is not None:
+            store = DirectoryStore(snapshot_dir, fingerprint, hmac_key)
+        self.store = store
+        self.write_through = write_through and store is not None
+        self.lease_holder = new_holder()
         self.hmac_key = hmac_key
         self._reserved = reserved_slots or (lambda: 0)
         self.counters = SessionCounters()
@@ -145,6 +161,11 @@ class SessionManager:
         self._tick = 0
         self._initial: dict[str, torch.Tensor] | None = None
 
+    @property
+    def snapshot_dir(self) -> Path | None:
+        """The directory sessions are written to, when the store is one."""
+        return self.store.path if isinstance(self.store, DirectoryStore) else None
+
     # -- registry -----------------------------------------------------------------------------------------------
     def __len__(self) -> int:
         """Sessions held, ephemeral ones excluded."""
@@ -153,7 +174,7 @@ class SessionManager:
     @property
     def max_sessions(self) -> int | None:
         """The most sessions this manager can hold (None: bounded only by the snapshot directory's disk)."""
-        return None if self.snapshot_dir is not None else self.pool.capacity + self.max_host_sessions
+        return None if self.store is not None else self.pool.capacity + self.max_host_sessions
 
     def counts(self) -> dict[str, int]:
         """Sessions by location (new, never-used sessions count as "host"; ephemeral ones are not counted)."""
@@ -177,13 +198,21 @@ class SessionManager:
         if not ephemeral:
             self._check_room()
         session = Session(session_id=self._new_id(), owner=owner, ephemeral=ephemeral)
+        if self.write_through and not ephemeral:  # stored at once, so every replica finds it
+            self._write(session, self._initial_state())
         self._sessions[session.session_id] = session
         self._ephemeral += ephemeral
         self._touch(session)
         return session
 
     def get(self, session_id: str, owner: str | None) -> Session:
-        """The session `session_id` of `owner`; SessionNotFound for other owners too, so ids do not leak."""
+        """The session `session_id` of `owner`; SessionNotFound for other owners too, so ids do not leak.
+
+        With a shared store the stored copy wins when it is newer than this replica's (another replica ran a turn
+        since), and sessions this replica never saw are found there.
+        """
+        if self.store is not None and self.store.shared and SESSION_ID.fullmatch(session_id):
+            self._sync_from_store(session_id)
         session = self._sessions.get(session_id)
         if session is None or session.owner != owner or session.ephemeral:
             raise SessionNotFound(f"session {session_id!r} not found")
@@ -212,7 +241,8 @@ class SessionManager:
                     raise
             self._detach(session)
             if source == "disk":
-                self._path(session.session_id).unlink(missing_ok=True)
+                if not self.write_through:  # the stored copy is the durable one under write-through
+                    self.store.delete(session.session_id)
                 self.counters.reloads_from_disk += 1
             elif state is not None:
                 self.counters.reloads_from_host += 1
@@ -268,6 +298,8 @@ class SessionManager:
         if session.slot is not None:
             self.pool.free(session.slot)
         self._drop_stored(session)
+        if self.write_through and not session.ephemeral:
+            self.store.delete(session.session_id)
         self._detach(session)
         del self._sessions[session.session_id]
         self._ephemeral -= session.ephemeral
@@ -310,7 +342,7 @@ class SessionManager:
         is mid-request, so it is skipped with a warning: stop the engine (releasing sessions) first. Without a
         snapshot directory there is nowhere to write: returns 0, warning how many sessions end with the process.
         """
-        if self.snapshot_dir is None:
+        if self.store is None:
             if len(self):
                 log.warning("%d sessions are not persisted: no snapshot directory is configured", len(self))
             return 0
@@ -336,36 +368,68 @@ class SessionManager:
         skipped with a warning and left in place. Returns how many sessions were registered (0 without a
         snapshot directory).
         """
-        directory = self.snapshot_dir
-        if directory is None:
+        if self.store is None:
             return 0
-        for tmp in directory.glob(f"sess_*{_SUFFIX}.tmp"):  # an interrupted write: the old file, if any, is intact
-            tmp.unlink(missing_ok=True)
         found = 0
-        for path in sorted(directory.glob(f"sess_*{_SUFFIX}")):
-            session_id = path.name.removesuffix(_SUFFIX)
+        for session_id in self.store.ids():
             if not SESSION_ID.fullmatch(session_id) or session_id in self._sessions:
                 continue
             try:
-                snap = peek_snapshot(path, self.fingerprint, self.hmac_key)
+                meta = self.store.meta(session_id)
             except (SnapshotError, OSError) as e:
-                log.warning("skipping snapshot file %s: %s", path, e)
+                log.warning("skipping stored session %s: %s", session_id, e)
                 continue
-            if snap.session_id != session_id:
-                log.warning("skipping snapshot file %s: it holds session %s", path, snap.session_id)
-                continue
-            session = Session(
-                session_id,
-                snap.owner,
-                num_tokens=snap.num_tokens,
-                token_hash=snap.token_hash,
-                created=snap.session_created if snap.session_created is not None else snap.created,
-            )
-            self._sessions[session_id] = session
-            self._place_disk(session)
-            self._touch(session)
-            found += 1
+            if meta is not None:
+                self._register_stored(meta)
+                found += 1
         return found
+
+    def begin_turn(self, session: Session) -> bool:
+        """Claim `session` for a turn across replicas (the store's lease); False when another replica runs one."""
+        return self.store is None or self.store.acquire_lease(session.session_id, self.lease_holder)
+
+    def end_turn(self, session: Session) -> None:
+        """Give the turn's claim back (a failure only delays the next turn until the lease expires)."""
+        if self.store is not None and not session.ephemeral:
+            try:
+                self.store.release_lease(session.session_id, self.lease_holder)
+            except SessionStoreError as e:
+                log.warning("could not release the lease of session %s: %s", session.session_id, e)
+
+    def persist_turn(self, session: Session) -> None:
+        """Write-through: store the session's state now (a turn on it just finished). Raises SessionStoreError
+        when the store fails; the state stays where it is."""
+        if self.write_through and not session.ephemeral:
+            self._write(session, self._state_copy(session) or self._initial_state())
+
+    def _register_stored(self, meta: StoredSession) -> Session:
+        session = Session(meta.session_id, meta.owner, num_tokens=meta.num_tokens, token_hash=meta.token_hash,
+                          created=meta.created)  # fmt: skip
+        session.store_version = meta.version
+        self._sessions[meta.session_id] = session
+        self._place_disk(session)
+        self._touch(session)
+        return session
+
+    def _sync_from_store(self, session_id: str) -> None:
+        """Make the registry agree with a shared store for one session (its copy here may be stale or gone)."""
+        meta = self.store.meta(session_id)
+        local = self._sessions.get(session_id)
+        if local is not None and (local.busy or local.ephemeral):
+            return  # a turn runs here now: this replica's copy is the newest
+        if meta is None:
+            if local is not None and local.store_version:  # stored once, gone now: deleted elsewhere or expired
+                self.delete(local)
+            return
+        if local is not None and local.store_version == meta.version:
+            return
+        if local is not None:  # another replica ran a turn since: drop the stale copy, load the stored one
+            if local.slot is not None:
+                self.pool.free(local.slot)
+            local.host_state = None
+            self._detach(local)
+            del self._sessions[session_id]
+        self._register_stored(meta)
 
     # -- tier moves ---------------------------------------------------------------------------------------------
     def _take_slot(self, frees_host: bool) -> int:
@@ -380,7 +444,7 @@ class SessionManager:
                 f"{self._reserved()} kept for other requests) and every resident session is busy; "
                 "retry when a request finishes"
             )
-        if self.snapshot_dir is None and len(self._host) + (0 if frees_host else 1) > self.max_host_sessions:
+        if self.store is None and len(self._host) + (0 if frees_host else 1) > self.max_host_sessions:
             raise PoolExhausted(
                 f"no slot free and host memory already holds max_host_sessions={self.max_host_sessions} sessions, "
                 "with no snapshot directory to spill to; retry later, delete idle sessions, or configure one"
@@ -395,16 +459,16 @@ class SessionManager:
 
     def _spill_over(self) -> None:
         """Write LRU host copies to the snapshot directory until at most `max_host_sessions` remain."""
-        if self.snapshot_dir is None:
+        if self.store is None:
             return
         while len(self._host) > self.max_host_sessions:
             # Sessions reserved by waiting requests go last: they are about to be loaded again.
             victim = min(self._host.values(), key=lambda s: (s.busy, s.lru_tick))
             try:
                 self._write(victim, victim.host_state)
-            except OSError as e:
+            except (OSError, SessionStoreError) as e:
                 # Keep it in memory (over the cap) rather than lose it; the next spill tries again.
-                log.error("could not write session %s to %s: %s", victim.session_id, self.snapshot_dir, e)
+                log.error("could not write session %s to the session store: %s", victim.session_id, e)
                 return
             self._detach(victim)
             self._place_disk(victim)
@@ -413,7 +477,7 @@ class SessionManager:
     def _admit(self, session: Session, state: dict[str, torch.Tensor] | None) -> None:
         """Register a new session holding `state` (None: initial) in host memory, or in a free slot when host
         memory is full and nothing can spill. Raises PoolExhausted before registering when neither fits."""
-        host_full = self.snapshot_dir is None and len(self._host) >= self.max_host_sessions
+        host_full = self.store is None and len(self._host) >= self.max_host_sessions
         if state is not None and host_full:
             if self.pool.free_slots <= self._reserved():
                 raise PoolExhausted(
@@ -454,8 +518,8 @@ class SessionManager:
 
     def _drop_stored(self, session: Session) -> None:
         session.host_state = None
-        if session.location == "disk":  # a file exists exactly while a session is on "disk"
-            self._path(session.session_id).unlink(missing_ok=True)
+        if session.location == "disk" and not self.write_through:  # then a stored copy exists only while "disk"
+            self.store.delete(session.session_id)
 
     # -- state copies and files ---------------------------------------------------------------------------------
     def _state_copy(self, session: Session) -> dict[str, torch.Tensor] | None:
@@ -485,20 +549,19 @@ class SessionManager:
             owner=session.owner,
         )
 
-    def _path(self, session_id: str) -> Path:
-        return self.snapshot_dir / f"{session_id}{_SUFFIX}"
-
     def _write(self, session: Session, tensors: dict[str, torch.Tensor]) -> None:
-        """Write atomically (temp file, then rename), so a crash never leaves a half-written snapshot."""
-        path = self._path(session.session_id)
-        tmp = path.with_name(path.name + ".tmp")
-        tmp.write_bytes(encode_snapshot(self._snapshot(session, tensors), self.hmac_key))
-        os.replace(tmp, path)
+        data = encode_snapshot(self._snapshot(session, tensors), self.hmac_key)
+        meta = StoredSession(session.session_id, session.owner, session.num_tokens, session.token_hash,
+                             session.created, session.store_version)  # fmt: skip
+        session.store_version = self.store.write(meta, data).version
 
     def _read(self, session: Session) -> Snapshot:
-        snap = decode_snapshot(self._path(session.session_id).read_bytes(), self.fingerprint, self.hmac_key)
+        data = self.store.read(session.session_id)
+        if data is None:
+            raise SessionNotFound(f"session {session.session_id!r} is no longer in the session store (expired?)")
+        snap = decode_snapshot(data, self.fingerprint, self.hmac_key)
         if snap.session_id != session.session_id:
-            raise SnapshotError(f"snapshot file of session {session.session_id} holds session {snap.session_id}")
+            raise SnapshotError(f"stored snapshot of session {session.session_id} holds session {snap.session_id}")
         self.check_state(snap.tensors)
         return snap
 

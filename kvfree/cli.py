@@ -118,6 +118,10 @@ def cmd_serve(args: argparse.Namespace) -> int:
         max_context=args.max_context,
         max_host_sessions=args.max_host_sessions,
         snapshot_dir=args.snapshot_dir,
+        session_store=args.session_store,
+        session_write=args.session_write,
+        session_ttl_seconds=args.session_ttl,
+        session_lease_seconds=args.session_lease,
         snapshot_hmac_key=hmac_key.encode() if hmac_key else None,
         api_keys_file=args.api_keys_file,
         max_body_bytes=args.max_body_bytes,
@@ -236,6 +240,30 @@ def build_parser() -> argparse.ArgumentParser:
         default=None,
         help="where sessions spill, and persist across restarts (sign them: KVFREE_SNAPSHOT_HMAC_KEY)",
     )
+    g = p.add_argument_group("sessions beyond one process")
+    g.add_argument(
+        "--session-store",
+        default=None,
+        metavar="URL_OR_DIR",
+        help="where sessions persist: redis://host:6379/0 (shared by replicas: any replica continues any session) "
+        "or a directory. Every turn's state is stored before its last event (see --session-write)",
+    )
+    g.add_argument(
+        "--session-write",
+        choices=["through", "spill"],
+        default="through",
+        help="through: store a session after every turn, so a crash (kill -9) loses no completed turn; "
+        "spill: only when it leaves host memory and at shutdown, like --snapshot-dir (default: %(default)s)",
+    )
+    g.add_argument("--session-ttl", type=float, default=None, metavar="S", help="expire stored sessions unused S s")
+    g.add_argument(
+        "--session-lease",
+        type=float,
+        default=60.0,
+        metavar="S",
+        help="a turn's claim on a session in a shared store; a crashed replica's claim lapses after S seconds "
+        "(default: %(default)s)",
+    )
     p.add_argument(
         "--api-keys-file",
         type=Path,
@@ -295,11 +323,12 @@ def build_parser() -> argparse.ArgumentParser:
 
 def main(argv: list[str] | None = None) -> int:
     from kvfree.checkpoints import CheckpointError
+    from kvfree.engine.session_store import SessionStoreError
 
     args = build_parser().parse_args(argv)
     try:
         return args.func(args)
-    except (CheckpointError, ValueError) as e:
+    except (CheckpointError, SessionStoreError, ValueError) as e:
         print(f"kvfree {args.command}: error: {e}", file=sys.stderr)
         return 2
 

@@ -11,6 +11,8 @@ from fastapi.middleware.cors import CORSMiddleware
 
 from kvfree.engine.async_engine import AsyncEngine
 from kvfree.engine.llm import LLM
+from kvfree.engine.session_store import open_store
+from kvfree.engine.snapshot import model_fingerprint
 from kvfree.server import routes_openai, routes_ops, routes_sessions
 from kvfree.server.auth import APIKeys
 from kvfree.server.errors import install_error_handlers
@@ -33,6 +35,15 @@ def build_engine(settings: ServerSettings) -> AsyncEngine:
         config_overrides=settings.config_overrides,
         enforce_eager=settings.enforce_eager,
     )
+    store = None
+    if settings.session_store:
+        store = open_store(
+            settings.session_store,
+            model_fingerprint(llm.model),
+            settings.snapshot_hmac_key,
+            ttl_seconds=settings.session_ttl_seconds,
+            lease_seconds=settings.session_lease_seconds,
+        )
     return AsyncEngine(
         llm,
         max_waiting=settings.max_waiting,
@@ -42,6 +53,8 @@ def build_engine(settings: ServerSettings) -> AsyncEngine:
         max_host_sessions=settings.max_host_sessions,
         snapshot_dir=settings.snapshot_dir,
         hmac_key=settings.snapshot_hmac_key,
+        store=store,
+        write_through=store is not None and settings.session_write == "through",
     )
 
 
@@ -82,7 +95,7 @@ def create_app(settings: ServerSettings, engine: AsyncEngine | None = None) -> F
         app.add_middleware(
             CORSMiddleware, allow_origins=settings.cors_origins, allow_methods=["*"], allow_headers=["*"]
         )
-    app.add_middleware(RequestContextMiddleware, metrics=metrics)
+    app.add_middleware(RequestContextMiddleware, metrics=metrics, replica=settings.replica_name)
     return app
 
 

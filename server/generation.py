@@ -16,6 +16,7 @@ from fastapi import Depends, Request
 from kvfree.engine.async_engine import AsyncEngine, EngineStopped, QueueFull, SessionBusy
 from kvfree.engine.sampling import SamplingParams
 from kvfree.engine.scheduler import RequestOutput
+from kvfree.engine.session_store import SessionStoreError
 from kvfree.engine.sessions import PoolExhausted, SessionLimitError, SessionNotFound
 from kvfree.engine.snapshot import SnapshotError
 from kvfree.engine.state_pool import SnapshotMismatchError
@@ -86,6 +87,8 @@ def engine_error(exc: Exception) -> APIError:
         return conflict(str(exc), "session_id")
     if isinstance(exc, EngineStopped):
         return service_unavailable(str(exc), retry_after=5)
+    if isinstance(exc, SessionStoreError):
+        return service_unavailable(f"{exc}; requests without a session still work", retry_after=5)
     if isinstance(exc, SnapshotError):
         return invalid_request(str(exc), "snapshot", code=exc.code)
     if isinstance(exc, SnapshotMismatchError):
@@ -100,6 +103,7 @@ ENGINE_ERRORS = (
     SessionNotFound,
     SessionBusy,
     EngineStopped,
+    SessionStoreError,
     SnapshotError,
     SnapshotMismatchError,
 )

@@ -16,12 +16,14 @@ log = logging.getLogger("kvfree.server")
 
 
 class RequestContextMiddleware:
-    """Gives each request an id (the client's `X-Request-ID` or a new one), returns it in the response headers,
-    counts the request in the metrics, and logs one line when the response is complete."""
+    """Gives each request an id (the client's `X-Request-ID` or a new one), returns it in the response headers
+    with the replica's name (`X-Kvfree-Replica`, for load balancers and for debugging session affinity), counts
+    the request in the metrics, and logs one line when the response is complete."""
 
-    def __init__(self, app: ASGIApp, metrics: Metrics) -> None:
+    def __init__(self, app: ASGIApp, metrics: Metrics, replica: str = "") -> None:
         self.app = app
         self.metrics = metrics
+        self.replica = replica.encode("latin-1", "replace")
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         if scope["type"] != "http":
@@ -39,7 +41,11 @@ class RequestContextMiddleware:
             if message["type"] == "http.response.start":
                 status = message["status"]
                 message.setdefault("headers", [])
-                message["headers"] = [*message["headers"], (b"x-request-id", request_id.encode("latin-1"))]
+                message["headers"] = [
+                    *message["headers"],
+                    (b"x-request-id", request_id.encode("latin-1")),
+                    (b"x-kvfree-replica", self.replica),
+                ]
             await send(message)
 
         try:

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import socket
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -26,6 +27,11 @@ class ServerSettings:
     max_context: int = 8192  # KV-cache size for models with full attention
     max_host_sessions: int = 1024  # idle sessions kept in host memory before spilling to snapshot_dir
     snapshot_dir: Path | None = None
+    session_store: str | None = None  # redis://host:port/db, or a directory; replaces snapshot_dir
+    session_write: str = "through"  # with session_store: "through" (store every turn) or "spill" (on eviction only)
+    session_ttl_seconds: float | None = None  # stored sessions unused this long expire (Redis)
+    session_lease_seconds: float = 60.0  # a turn's claim on a session in a shared store lapses after this
+    replica_name: str = field(default_factory=socket.gethostname)  # the X-Kvfree-Replica response header
     snapshot_hmac_key: bytes | None = None
     api_keys_file: Path | None = None
     max_body_bytes: int = 64 * 1024 * 1024  # snapshots are uploaded whole

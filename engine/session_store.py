@@ -1,0 +1,210 @@
+"""SessionStore: where sessions' snapshots live beyond one process (docs/design/architecture.md §6).
+
+Two implementations of one interface: `DirectoryStore`, a directory of `{session_id}.safetensors` files (one
+server, or replicas sharing a volume), and `RedisStore`, a Redis database that several replicas share. A store
+holds each session's snapshot bytes (checksummed, fingerprinted, optionally signed: engine/snapshot.py) and its
+metadata, and hands out short leases so that two replicas never run turns on one session at once. Stores are
+called from the engine thread only; failures raise `SessionStoreError` (the server answers 503).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import time
+import uuid
+from abc import ABC, abstractmethod
+from dataclasses import asdict, dataclass
+from pathlib import Path
+
+from kvfree.engine.snapshot import SnapshotError, peek_snapshot
+
+SUFFIX = ".safetensors"
+
+
+class SessionStoreError(RuntimeError):
+    """The store cannot be reached or written now (HTTP 503); what it held is not lost."""
+
+
+@dataclass(frozen=True)
+class StoredSession:
+    """A stored session's metadata. version: rises with every write, so a replica can tell its copy is stale."""
+
+    session_id: str
+    owner: str | None
+    num_tokens: int
+    token_hash: int
+    created: float
+    version: int
+
+
+class SessionStore(ABC):
+    """Snapshots and metadata of sessions, by session id, for one model (the fingerprint is in every snapshot)."""
+
+    shared = False  # other replicas may write it (check versions and take leases)
+
+    @abstractmethod
+    def write(self, meta: StoredSession, data: bytes) -> StoredSession:
+        """Store a session's snapshot (atomically: readers see the old one or the new one); returns its metadata
+        with the new version."""
+
+    @abstractmethod
+    def read(self, session_id: str) -> bytes | None:
+        """The snapshot bytes, or None when the store does not hold the session."""
+
+    @abstractmethod
+    def meta(self, session_id: str) -> StoredSession | None: ...
+
+    @abstractmethod
+    def delete(self, session_id: str) -> None: ...
+
+    @abstractmethod
+    def ids(self) -> list[str]:
+        """Every stored session id."""
+
+    def acquire_lease(self, session_id: str, holder: str) -> bool:
+        """Claim the session for one turn; False when another holder has it (one process: always True)."""
+        return True
+
+    def release_lease(self, session_id: str, holder: str) -> None:  # noqa: B027 (one process: nothing to release)
+        """Give the claim back (only the holder's own)."""
+
+    def close(self) -> None:  # noqa: B027 (files hold no connection)
+        """Release connections."""
+
+
+class DirectoryStore(SessionStore):
+    """One `{session_id}.safetensors` file per session in `path`; metadata is read from the file's header."""
+
+    def __init__(self, path: str | Path, fingerprint: str, hmac_key: bytes | None = None) -> None:
+        self.path = Path(path)
+        self.path.mkdir(parents=True, exist_ok=True)
+        self.fingerprint, self.hmac_key = fingerprint, hmac_key
+        for tmp in self.path.glob(f"sess_*{SUFFIX}.tmp"):  # an interrupted write: the old file, if any, is intact
+            tmp.unlink(missing_ok=True)
+
+    def _file(self, session_id: str) -> Path:
+        return self.path / f"{session_id}{SUFFIX}"
+
+    def write(self, meta: StoredSession, data: bytes) -> StoredSession:
+        path = self._file(meta.session_id)
+        tmp = path.with_name(path.name + ".tmp")
+        try:
+            tmp.write_bytes(data)
+            os.replace(tmp, path)  # atomic: a crash never leaves a half-written snapshot
+            version = path.stat().st_mtime_ns
+        except OSError as e:
+            raise SessionStoreError(f"cannot write session {meta.session_id} to {self.path}: {e}") from e
+        return StoredSession(**{**asdict(meta), "version": version})
+
+    def read(self, session_id: str) -> bytes | None:
+        try:
+            return self._file(session_id).read_bytes()
+        except FileNotFoundError:
+            return None
+        except OSError as e:
+            raise SessionStoreError(f"cannot read session {session_id} from {self.path}: {e}") from e
+
+    def meta(self, session_id: str) -> StoredSession | None:
+        path = self._file(session_id)
+        try:
+            snap = peek_snapshot(path, self.fingerprint, self.hmac_key)
+            version = path.stat().st_mtime_ns
+        except FileNotFoundError:
+            return None
+        except OSError as e:
+            raise SessionStoreError(f"cannot read session {session_id} from {self.path}: {e}") from e
+        if snap.session_id != session_id:
+            raise SnapshotError(f"snapshot file {path} holds session {snap.session_id}")
+        created = snap.session_created if snap.session_created is not None else snap.created
+        return StoredSession(session_id, snap.owner, snap.num_tokens, snap.token_hash, created, version)
+
+    def delete(self, session_id: str) -> None:
+        self._file(session_id).unlink(missing_ok=True)
+
+    def ids(self) -> list[str]:
+        return sorted(p.name.removesuffix(SUFFIX) for p in self.path.glob(f"sess_*{SUFFIX}"))
+
+
+class RedisStore(SessionStore):
+    """Sessions in Redis, shared by replicas: `{prefix}:snap:{id}` (snapshot bytes), `{prefix}:meta:{id}` (JSON
+    metadata with its version), `{prefix}:lease:{id}` (the holder of the running turn, expiring after
+    `lease_seconds` so a crashed replica's claim lapses). The prefix holds the model fingerprint, so models never
+    share sessions. `ttl_seconds` (None: none) expires sessions not used for that long.
+    """
+
+    shared = True
+
+    def __init__(self, url: str, fingerprint: str, ttl_seconds: float | None = None, lease_seconds: float = 60.0,
+                 timeout: float = 5.0) -> None:  # fmt: skip
+        import redis
+
+        self._redis_errors = (redis.RedisError, OSError)
+        self.url = url
+        self.prefix = f"kvfree:{fingerprint}"
+        self.ttl_ms = int(ttl_seconds * 1000) if ttl_seconds else None
+        self.lease_ms = int(lease_seconds * 1000)
+        self.client = redis.Redis.from_url(url, socket_timeout=timeout, socket_connect_timeout=timeout)
+        self._call(self.client.ping)  # fail at start-up, with the URL in the message, rather than on a request
+
+    def _call(self, fn, *args, **kwargs):
+        try:
+            return fn(*args, **kwargs)
+        except self._redis_errors as e:
+            raise SessionStoreError(f"the session store at {self.url} is unavailable: {e}") from e
+
+    def _key(self, kind: str, session_id: str) -> str:
+        return f"{self.prefix}:{kind}:{session_id}"
+
+    def write(self, meta: StoredSession, data: bytes) -> StoredSession:
+        version = int(self._call(self.client.incr, f"{self.prefix}:version"))
+        stored = StoredSession(**{**asdict(meta), "version": version})
+        pipe = self.client.pipeline(transaction=True)  # snapshot and metadata change together
+        pipe.set(self._key("snap", meta.session_id), data, px=self.ttl_ms)
+        pipe.set(self._key("meta", meta.session_id), json.dumps(asdict(stored)), px=self.ttl_ms)
+        self._call(pipe.execute)
+        return stored
+
+    def read(self, session_id: str) -> bytes | None:
+        data = self._call(self.client.get, self._key("snap", session_id))
+        if data is not None and self.ttl_ms:
+            self._call(self.client.pexpire, self._key("snap", session_id), self.ttl_ms)
+            self._call(self.client.pexpire, self._key("meta", session_id), self.ttl_ms)
+        return data
+
+    def meta(self, session_id: str) -> StoredSession | None:
+        raw = self._call(self.client.get, self._key("meta", session_id))
+        return StoredSession(**json.loads(raw)) if raw is not None else None
+
+    def delete(self, session_id: str) -> None:
+        self._call(self.client.delete, self._key("snap", session_id), self._key("meta", session_id))
+
+    def ids(self) -> list[str]:
+        start = len(self._key("meta", ""))
+        keys = self._call(lambda: list(self.client.scan_iter(match=self._key("meta", "sess_*"), count=1000)))
+        return sorted(k.decode()[start:] for k in keys)
+
+    def acquire_lease(self, session_id: str, holder: str) -> bool:
+        return bool(self._call(self.client.set, self._key("lease", session_id), holder, nx=True, px=self.lease_ms))
+
+    def release_lease(self, session_id: str, holder: str) -> None:
+        # Delete only our own lease (compare and delete in one step): an expired one may be another holder's now.
+        script = "if redis.call('get', KEYS[1]) == ARGV[1] then return redis.call('del', KEYS[1]) end return 0"
+        self._call(self.client.eval, script, 1, self._key("lease", session_id), holder)
+
+    def close(self) -> None:
+        self.client.close()
+
+
+def open_store(spec: str | Path, fingerprint: str, hmac_key: bytes | None = None, ttl_seconds: float | None = None,
+               lease_seconds: float = 60.0) -> SessionStore:  # fmt: skip
+    """A store from `--session-store`: `redis://host:port/db` (or rediss://) for Redis, else a directory path."""
+    text = str(spec)
+    if text.startswith(("redis://", "rediss://", "unix://")):
+        return RedisStore(text, fingerprint, ttl_seconds, lease_seconds)
+    return DirectoryStore(text, fingerprint, hmac_key)
+
+
+def new_holder() -> str:
+    """A lease holder id for this process (unique across replicas and restarts)."""
+    return f"{os.uname().nodename}:{os.getpid()}:{uuid.uuid4().hex[:8]}:{time.time():.0f}"

@@ -1,0 +1,226 @@
+"""Sessions beyond one process: the store contract (a directory and a real `redis-server`), and two real
+`kvfree serve` replicas sharing Redis: continuing each other's sessions, a `kill -9` mid-turn, concurrent turns,
+a Redis restart with AOF, and Redis lost and back."""
+
+from __future__ import annotations
+
+import contextlib
+import shutil
+import socket
+import subprocess
+import time
+from pathlib import Path
+
+import httpx
+import pytest
+
+from kvfree.clients import KvfreeAPIError, KvfreeClient, RetryPolicy
+from kvfree.engine.session_store import DirectoryStore, RedisStore, SessionStoreError, StoredSession
+from tests.server_fixtures import ProcServer, free_port, make_checkpoint, wait_for
+
+REDIS = shutil.which("redis-server")
+needs_redis = pytest.mark.skipif(
+    REDIS is None, reason="redis-server is not installed (Debian: apt-get install redis-server); .ci/run installs it"
+)
+GREEDY = {"max_tokens": 10, "temperature": 0}
+SYSTEM = [{"role": "system", "content": "You are terse."}]
+
+
+class RedisServer:
+    """A real `redis-server` on a free loopback port, with append-only persistence in `directory`."""
+
+    def __init__(self, directory: Path) -> None:
+        self.directory = directory
+        self.port = free_port()
+        self.proc: subprocess.Popen | None = None
+
+    @property
+    def url(self) -> str:
+        return f"redis://127.0.0.1:{self.port}/0"
+
+    def start(self) -> RedisServer:
+        args = [REDIS, "--port", str(self.port), "--bind", "127.0.0.1", "--dir", str(self.directory)]
+        args += ["--appendonly", "yes", "--appendfsync", "always", "--save", ""]
+        self.proc = subprocess.Popen(args, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+        deadline = time.monotonic() + 20
+        while time.monotonic() < deadline:
+            with contextlib.suppress(OSError), socket.create_connection(("127.0.0.1", self.port), timeout=0.5):
+                return self
+            time.sleep(0.05)
+        raise RuntimeError("redis-server did not start")
+
+    def stop(self) -> None:
+        if self.proc is not None and self.proc.poll() is None:
+            self.proc.terminate()
+            self.proc.wait(20)
+
+
+@pytest.fixture
+def redis_server(tmp_path):
+    if REDIS is None:
+        pytest.skip("redis-server is not installed (Debian: apt-get install redis-server)")
+    server = RedisServer(tmp_path).start()
+    yield server
+    server.stop()
+
+
+def _meta(session_id: str, tokens: int = 3) -> StoredSession:
+    return StoredSession(session_id, "owner-1", tokens, 12345, 1.5, 0)
+
+
+@pytest.mark.parametrize("kind", ["directory", "redis"])
+def test_store_contract(kind, tmp_path, request):
+    if kind == "redis":
+        store = RedisStore(request.getfixturevalue("redis_server").url, "fp", ttl_seconds=None, lease_seconds=0.3)
+    else:
+        store = DirectoryStore(tmp_path / "sessions", "fp")
+    sid = "sess_" + "a" * 24
+    assert store.read(sid) is None and store.meta(sid) is None and store.ids() == []
+    if kind == "redis":  # the directory store reads metadata from real snapshot headers (tests/test_sessions.py)
+        first = store.write(_meta(sid), b"snapshot-1")
+        second = store.write(_meta(sid, 9), b"snapshot-2")
+        assert second.version > first.version and store.meta(sid) == second
+        assert store.read(sid) == b"snapshot-2" and store.ids() == [sid]
+        assert store.acquire_lease(sid, "a") and not store.acquire_lease(sid, "b")
+        store.release_lease(sid, "b")  # not b's: nothing happens
+        assert not store.acquire_lease(sid, "b")
+        time.sleep(0.4)  # a crashed holder's lease lapses
+        assert store.acquire_lease(sid, "b")
+        store.release_lease(sid, "b")
+        assert store.acquire_lease(sid, "a")
+        store.delete(sid)
+        assert store.read(sid) is None and store.ids() == []
+    else:
+        assert store.acquire_lease(sid, "a") and store.acquire_lease(sid, "b")  # one process: no cross-replica claims
+    store.close()
+
+
+@needs_redis
+def test_stored_sessions_expire_after_their_ttl(redis_server):
+    store = RedisStore(redis_server.url, "fp", ttl_seconds=0.3)
+    sid = "sess_" + "b" * 24
+    store.write(_meta(sid), b"x")
+    assert store.read(sid) == b"x"  # reading renews the TTL
+    time.sleep(0.5)
+    assert store.read(sid) is None and store.meta(sid) is None
+
+
+def test_unreachable_redis_is_a_clear_error():
+    with pytest.raises(SessionStoreError, match="redis://127.0.0.1:1/0 is unavailable"):
+        RedisStore("redis://127.0.0.1:1/0", "fp", timeout=1)
+
+
+# -- two replicas ----------------------------------------------------------------------------------------------
+
+
+@pytest.fixture(scope="module")
+def checkpoint(tmp_path_factory):
+    return make_checkpoint("tiny", tmp_path_factory.mktemp("ckpt") / "tiny")
+
+
+def _replica(checkpoint: Path, redis_url: str, log: Path) -> ProcServer:
+    args = ["--session-store", redis_url, "--session-lease", "3", "--max-sessions", "4", "--max-waiting", "16"]
+    return ProcServer(checkpoint, args, log).start()
+
+
+def _turn(history: list[dict], text: str) -> list[dict]:
+    return [*history, {"role": "user", "content": text}]
+
+
+def _reference(server: ProcServer, history: list[dict]) -> str:
+    with KvfreeClient(server.url) as c:
+        return c.chat(history, **GREEDY).text  # the same conversation without a session
+
+
+@needs_redis
+def test_two_replicas_share_sessions_and_survive_kill_9(checkpoint, redis_server, tmp_path):
+    a = _replica(checkpoint, redis_server.url, tmp_path / "a.log")
+    b = _replica(checkpoint, redis_server.url, tmp_path / "b.log")
+    try:
+        ca, cb = KvfreeClient(a.url, retry=RetryPolicy(max_retries=0)), KvfreeClient(b.url)
+        bystander = ca.create_session(messages=SYSTEM)  # an idle session of A's: the crash must not lose it
+        ca.chat(_turn(SYSTEM, "Hi"), session_id=bystander.id, **GREEDY)
+        bystander_tokens = ca.get_session(bystander.id).num_tokens
+        session = ca.create_session(messages=SYSTEM)
+        history = _turn(SYSTEM, "Hello")
+        first = ca.chat(history, session_id=session.id, **GREEDY)
+        # The next turn on B: B loads the stored state and continues exactly as A would have.
+        history = _turn([*history, {"role": "assistant", "content": first.text}], "More")
+        on_b = cb.chat(history, session_id=session.id, **GREEDY)
+        assert on_b.cached_tokens > 0 and on_b.text == _reference(b, history)
+        history = [*history, {"role": "assistant", "content": on_b.text}]
+        completed = cb.get_session(session.id).num_tokens
+        assert ca.get_session(session.id).num_tokens == completed  # A sees B's turn (its own copy was stale)
+
+        # Two turns at once on one session, one per replica: one is refused with 409, never interleaved.
+        long_turn = ca.chat_stream(_turn(history, "Go on"), session_id=session.id, max_tokens=400, temperature=0)
+        next(long_turn)  # A holds the session now
+        with pytest.raises(KvfreeAPIError) as err:
+            cb.chat(_turn(history, "Go on"), session_id=session.id, **GREEDY)
+        assert err.value.status == 409 and "another replica" in err.value.message
+
+        # kill -9 A in the middle of that turn: the session resumes on B from its last completed turn.
+        a.proc.kill()
+        a.proc.wait(10)
+        with contextlib.suppress(httpx.HTTPError):
+            for _ in long_turn:
+                pass
+        assert cb.get_session(session.id).num_tokens == completed  # the store holds the last completed turn
+        history = _turn(history, "Again")
+        replies: list[str] = []
+        wait_for(lambda: _turn_once(cb, session.id, history, replies), timeout=15, message="A's lease to lapse")
+        assert replies == [_reference(b, history)]
+        assert cb.get_session(bystander.id).num_tokens == bystander_tokens
+
+        # A tampered snapshot in the store is refused like a tampered upload.
+        store = RedisStore(redis_server.url, "unused")
+        key = next(k for k in store.client.scan_iter(match=f"*:snap:{bystander.id}"))
+        data = bytearray(store.client.get(key))
+        data[-1] ^= 0x55
+        store.client.set(key, bytes(data))
+        meta_key = key.replace(b":snap:", b":meta:")
+        store.client.set(meta_key, store.client.get(meta_key).replace(b'"version": ', b'"version": 1'))  # newer
+        with pytest.raises(KvfreeAPIError) as err:
+            cb.chat(_turn(SYSTEM, "Hi"), session_id=bystander.id, **GREEDY)
+        assert err.value.status == 400 and err.value.code == "checksum_mismatch"
+        ca.close()
+        cb.close()
+    finally:
+        a.kill()
+        b.kill()
+
+
+def _turn_once(client: KvfreeClient, session_id: str, history: list[dict], replies: list[str]) -> bool:
+    """Run the turn unless the session is still claimed elsewhere (409: try again later)."""
+    try:
+        replies.append(client.chat(history, session_id=session_id, **GREEDY).text)
+    except KvfreeAPIError as e:
+        if e.status == 409:
+            return False
+        raise
+    return True
+
+
+@needs_redis
+def test_redis_restart_keeps_sessions_and_an_outage_fails_only_session_requests(checkpoint, redis_server, tmp_path):
+    server = _replica(checkpoint, redis_server.url, tmp_path / "s.log")
+    try:
+        client = KvfreeClient(server.url, retry=RetryPolicy(max_retries=0))
+        session = client.create_session(messages=SYSTEM)
+        history = _turn(SYSTEM, "Hi")
+        reply = client.chat(history, session_id=session.id, **GREEDY)
+        tokens = client.get_session(session.id).num_tokens
+
+        redis_server.stop()  # lost mid-run: requests on sessions fail with 503, others keep working
+        with pytest.raises(KvfreeAPIError) as err:
+            client.chat(_turn(history, "x"), session_id=session.id, **GREEDY)
+        assert err.value.status == 503 and "session store" in err.value.message
+        assert client.chat(_turn(SYSTEM, "no session"), **GREEDY).finish_reason == "length"
+
+        redis_server.start()  # back, from its append-only file: nothing was lost
+        assert client.get_session(session.id).num_tokens == tokens
+        history = _turn([*history, {"role": "assistant", "content": reply.text}], "Then?")
+        assert client.chat(history, session_id=session.id, **GREEDY).text == _reference(server, history)
+        client.close()
+    finally:
+        server.kill()
