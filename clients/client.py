@@ -40,6 +40,7 @@ class Call:
     path: str
     json: Any = None
     content: bytes | None = None
+    headers: dict[str, str] | None = None
     parse: Callable[[httpx.Response], Any] = field(default=lambda r: r.json())
 
 
@@ -98,12 +99,14 @@ class _Calls:
             "POST",
             "/v1/chat/completions",
             json=_chat_body(messages, session_id, model, False, **params),
+            headers=_affinity(session_id),
             parse=_chat_result,
         )
 
     @staticmethod
     def chat_stream(messages: Messages, session_id: str | None, model: str | None, params: dict[str, Any]) -> Call:
-        return Call("POST", "/v1/chat/completions", json=_chat_body(messages, session_id, model, True, **params))
+        body = _chat_body(messages, session_id, model, True, **params)
+        return Call("POST", "/v1/chat/completions", json=body, headers=_affinity(session_id))
 
 
 def _chat_result(r: httpx.Response) -> ChatResult:
@@ -148,7 +151,14 @@ def _wait_after_refusal(retry: RetryPolicy, attempt: int, exc: httpx.ConnectErro
 
 
 def _content_headers(call: Call) -> dict[str, str] | None:
-    return {"Content-Type": "application/octet-stream"} if call.content is not None else None
+    if call.content is not None:
+        return {"Content-Type": "application/octet-stream", **(call.headers or {})}
+    return call.headers
+
+
+def _affinity(session_id: str | None) -> dict[str, str] | None:
+    """`X-Session-Id`: a load balancer may route a session's turns to one replica on it (deploy/nginx.conf)."""
+    return {"X-Session-Id": session_id} if session_id else None
 
 
 def _headers(api_key: str | None) -> dict[str, str]:
@@ -235,7 +245,7 @@ class KvfreeClient:
         attempt = 0
         while True:
             try:
-                with self._http.stream(call.method, call.path, json=call.json) as r:
+                with self._http.stream(call.method, call.path, json=call.json, headers=call.headers) as r:
                     if r.status_code == 200:
                         for line in r.iter_lines():
                             if line.startswith("data:"):
@@ -325,7 +335,7 @@ class AsyncKvfreeClient:
         attempt = 0
         while True:
             try:
-                async with self._http.stream(call.method, call.path, json=call.json) as r:
+                async with self._http.stream(call.method, call.path, json=call.json, headers=call.headers) as r:
                     if r.status_code == 200:
                         async for line in r.aiter_lines():
                             if line.startswith("data:"):

@@ -181,3 +181,18 @@ def test_kvfree_chat_in_a_terminal(server, tmp_path):
     assert child.exitstatus == 0
     history = json.loads((tmp_path / "saved.safetensors.messages.json").read_text())
     assert [m["role"] for m in history] == ["system", "user", "assistant"] and history[1]["content"] == "hello"
+
+
+def test_session_turns_carry_an_affinity_header():
+    sent: list[httpx.Request] = []
+    reply = {"choices": [{"message": {"content": "ok"}, "finish_reason": "stop"}], "usage": {}}
+
+    def handler(request: httpx.Request) -> httpx.Response:
+        sent.append(request)
+        return httpx.Response(200, json=reply)
+
+    with KvfreeClient("http://kvfree.test", transport=httpx.MockTransport(handler)) as client:
+        assert client.chat(_turn([], "hi"), session_id="sess_1").text == "ok"
+        client.chat(_turn([], "hi"))
+    assert sent[0].headers["x-session-id"] == "sess_1" and "x-session-id" not in sent[1].headers
+    assert json.loads(sent[0].content)["session_id"] == "sess_1"
