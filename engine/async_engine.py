@@ -61,6 +61,7 @@ class AsyncEngine:
         store: instead of `snapshot_dir`, any session store (engine/session_store.py), e.g. Redis shared by
             replicas; a turn on a session then holds the store's lease on it.
         write_through: store each session's state after every turn (nothing completed is lost on a crash).
+        async_writes: with write_through, store from a background thread (the turn's last event does not wait).
         hmac_key: if set, snapshots are signed and only signed snapshots are accepted.
     """
 
@@ -77,6 +78,7 @@ class AsyncEngine:
         hmac_key: bytes | None = None,
         store: SessionStore | None = None,
         write_through: bool = False,
+        async_writes: bool = False,
     ) -> None:
         self.llm = llm
         self.tokenizer = llm.tokenizer
@@ -84,6 +86,7 @@ class AsyncEngine:
         self.sessions = SessionManager(
             llm.pool, self.fingerprint, max_host_sessions, snapshot_dir, hmac_key, store=store,
             write_through=write_through,
+            async_writes=async_writes,
         )  # fmt: skip
         self.scheduler = Scheduler(
             self.sessions, llm.tokenizer, max_waiting, max_batch_tokens, max_prefill_tokens, prefill_batch_wait
@@ -137,7 +140,9 @@ class AsyncEngine:
         torch.set_grad_enabled(False)
         while True:
             # Sleep on the command queue when idle; otherwise take what has arrived and go on stepping.
-            for command in self._drain(block=not self.engine.has_work):
+            # Idle, sleep until a command comes (or, while background writes are landing, briefly, to apply them).
+            writing = self.sessions.writer is not None and self.sessions.writer.pending > 0
+            for command in self._drain(block=not self.engine.has_work, timeout=0.05 if writing else None):
                 if command is None:
                     return
                 self._run_command(*command)
@@ -149,6 +154,7 @@ class AsyncEngine:
                     log.exception("engine step failed; failing the requests in flight")
                     self._fail_in_flight(exc)
                 self._flush()
+            self.sessions.poll_writes()
 
     def _flush(self) -> None:
         """Hand this step's outputs to the event loop in one call."""
@@ -156,10 +162,10 @@ class AsyncEngine:
             items, self._pending = self._pending, []
             self._loop_ref.call_soon_threadsafe(_deliver, items)
 
-    def _drain(self, block: bool) -> list:
+    def _drain(self, block: bool, timeout: float | None = None) -> list:
         items = []
         try:
-            items.append(self._commands.get(block=block))
+            items.append(self._commands.get(block=block, timeout=timeout if block else None))
             while True:
                 items.append(self._commands.get_nowait())
         except queue.Empty:
@@ -326,6 +332,8 @@ class AsyncEngine:
             "pool_reserved_bytes": pool.reserved_bytes(),
             "host_state_bytes": self.sessions.host_bytes(),
             "session_moves": dataclasses.asdict(self.sessions.counters),
+            "session_writes_pending": self.sessions.writer.pending if self.sessions.writer is not None else 0,
+            "session_write_lag_seconds": self.sessions.write_lag_seconds,
         }
         if torch.cuda.is_available() and self.llm.model.device.type == "cuda":
             stats["gpu_memory_allocated"] = torch.cuda.memory_allocated(self.llm.model.device)

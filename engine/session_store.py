@@ -208,3 +208,60 @@ def open_store(spec: str | Path, fingerprint: str, hmac_key: bytes | None = None
 def new_holder() -> str:
     """A lease holder id for this process (unique across replicas and restarts)."""
     return f"{os.uname().nodename}:{os.getpid()}:{uuid.uuid4().hex[:8]}:{time.time():.0f}"
+
+
+@dataclass
+class WriteDone:
+    """A finished background write: the stored version (or the error), and how long after its turn it landed."""
+
+    session_id: str
+    version: int | None
+    error: Exception | None
+    lag_seconds: float
+
+
+class BackgroundWriter:
+    """`--session-write async`: encodes and stores snapshots on a thread of its own, off the engine's step.
+
+    The engine thread copies a finished turn's state to the host (a consistent copy) and `submit`s it; the last
+    event of the turn goes out at once, and the write lands within the queue's drain time. At most `max_pending`
+    writes wait: beyond that `submit` blocks the engine thread, which bounds the delay, and so what a crash can
+    lose, to that many writes. Results come back through `done()`, read by the engine thread.
+    """
+
+    def __init__(self, store: SessionStore, encode, max_pending: int = 16) -> None:
+        import queue
+        import threading
+
+        self.store, self.encode = store, encode
+        self._todo: queue.Queue = queue.Queue(maxsize=max_pending)
+        self._done: queue.Queue = queue.Queue()
+        self._thread = threading.Thread(target=self._run, name="kvfree-session-writer", daemon=True)
+        self._thread.start()
+
+    @property
+    def pending(self) -> int:
+        return self._todo.unfinished_tasks
+
+    def submit(self, meta: StoredSession, snapshot) -> None:
+        self._todo.put((meta, snapshot, time.monotonic()))
+
+    def done(self) -> list[WriteDone]:
+        out = []
+        while not self._done.empty():
+            out.append(self._done.get_nowait())
+        return out
+
+    def flush(self) -> None:
+        """Wait until every submitted write has landed (shutdown)."""
+        self._todo.join()
+
+    def _run(self) -> None:
+        while True:
+            meta, snapshot, submitted = self._todo.get()
+            try:
+                version, error = self.store.write(meta, self.encode(snapshot)).version, None
+            except Exception as exc:  # reported to the engine thread, which keeps the session in memory
+                version, error = None, exc
+            self._done.put(WriteDone(meta.session_id, version, error, time.monotonic() - submitted))
+            self._todo.task_done()

@@ -21,6 +21,7 @@ from typing import Literal
 import torch
 
 from kvfree.engine.session_store import (
+    BackgroundWriter,
     DirectoryStore,
     SessionStore,
     SessionStoreError,
@@ -104,6 +105,8 @@ class SessionCounters:
     spills: int = 0  # host memory -> snapshot file
     reloads_from_host: int = 0
     reloads_from_disk: int = 0
+    stored_turns: int = 0  # write-through (or async) writes that landed
+    failed_writes: int = 0
 
 
 class SessionManager:
@@ -122,6 +125,8 @@ class SessionManager:
             (Redis) is also where other replicas find them, so `get` checks it for newer versions.
         write_through: after every turn on a session, write its state to the store (`persist_turn`), so that a
             crash loses no completed turn; a loaded session's stored copy is then kept, not removed.
+        async_writes: store those turns from a background thread (`BackgroundWriter`) instead of on the
+            engine's step: the turn's last event does not wait, and a crash can lose the writes still queued.
         hmac_key: sign written snapshots and require valid signatures on every snapshot read or restored.
         reserved_slots: called on each slot request; the number of free slots to leave to others (e.g. requests
             without a session the scheduler has admitted). The manager evicts its own sessions instead.
@@ -139,6 +144,7 @@ class SessionManager:
         reserved_slots: Callable[[], int] | None = None,
         store: SessionStore | None = None,
         write_through: bool = False,
+        async_writes: bool = False,
     ) -> None:
         if max_host_sessions < 0:
             raise ValueError(f"max_host_sessions must be >= 0, got {max_host_sessions}")
@@ -150,6 +156,9 @@ class SessionManager:
         self.store = store
         self.write_through = write_through and store is not None
         self.lease_holder = new_holder()
+        self.writer = BackgroundWriter(store, self._encode) if self.write_through and async_writes else None
+        self._writing: dict[str, int] = {}  # session id -> background writes not landed yet
+        self.write_lag_seconds = 0.0  # how long the last background write took to land after its turn
         self.hmac_key = hmac_key
         self._reserved = reserved_slots or (lambda: 0)
         self.counters = SessionCounters()
@@ -346,6 +355,9 @@ class SessionManager:
             if len(self):
                 log.warning("%d sessions are not persisted: no snapshot directory is configured", len(self))
             return 0
+        if self.writer is not None:  # the turns' own writes land first
+            self.writer.flush()
+            self.poll_writes()
         written = 0
         for session in list(self._sessions.values()):
             if session.location == "disk" or session.ephemeral:
@@ -389,8 +401,9 @@ class SessionManager:
         return self.store is None or self.store.acquire_lease(session.session_id, self.lease_holder)
 
     def end_turn(self, session: Session) -> None:
-        """Give the turn's claim back (a failure only delays the next turn until the lease expires)."""
-        if self.store is not None and not session.ephemeral:
+        """Give the turn's claim back (a failure only delays the next turn until the lease expires); with
+        background writes, once the turn's write has landed (`poll_writes`)."""
+        if self.store is not None and not session.ephemeral and not self._writing.get(session.session_id):
             try:
                 self.store.release_lease(session.session_id, self.lease_holder)
             except SessionStoreError as e:
@@ -399,8 +412,41 @@ class SessionManager:
     def persist_turn(self, session: Session) -> None:
         """Write-through: store the session's state now (a turn on it just finished). Raises SessionStoreError
         when the store fails; the state stays where it is."""
-        if self.write_through and not session.ephemeral:
-            self._write(session, self._state_copy(session) or self._initial_state())
+        if not self.write_through or session.ephemeral:
+            return
+        tensors = self._state_copy(session) or self._initial_state()
+        if self.writer is None:
+            self._write(session, tensors)
+            self.counters.stored_turns += 1
+            return
+        self.poll_writes()
+        self._writing[session.session_id] = self._writing.get(session.session_id, 0) + 1
+        self.writer.submit(self._stored_meta(session), self._snapshot(session, tensors))
+
+    def poll_writes(self) -> None:
+        """Apply the background writes that landed: versions, counters, the leases they were holding."""
+        if self.writer is None:
+            return
+        for done in self.writer.done():
+            left = self._writing.get(done.session_id, 1) - 1
+            if left:
+                self._writing[done.session_id] = left
+            else:
+                self._writing.pop(done.session_id, None)
+            self.write_lag_seconds = done.lag_seconds
+            session = self._sessions.get(done.session_id)
+            if done.error is not None:
+                self.counters.failed_writes += 1
+                log.error("could not store session %s: %s", done.session_id, done.error)
+            else:
+                self.counters.stored_turns += 1
+                if session is not None:
+                    session.store_version = max(session.store_version, done.version)
+            if session is not None and not left and not session.busy:
+                self.end_turn(session)
+
+    def _encode(self, snap: Snapshot) -> bytes:
+        return encode_snapshot(snap, self.hmac_key)
 
     def _register_stored(self, meta: StoredSession) -> Session:
         session = Session(meta.session_id, meta.owner, num_tokens=meta.num_tokens, token_hash=meta.token_hash,
@@ -415,8 +461,8 @@ class SessionManager:
         """Make the registry agree with a shared store for one session (its copy here may be stale or gone)."""
         meta = self.store.meta(session_id)
         local = self._sessions.get(session_id)
-        if local is not None and (local.busy or local.ephemeral):
-            return  # a turn runs here now: this replica's copy is the newest
+        if local is not None and (local.busy or local.ephemeral or self._writing.get(session_id)):
+            return  # a turn runs here now, or its write is on its way: this replica's copy is the newest
         if meta is None:
             if local is not None and local.store_version:  # stored once, gone now: deleted elsewhere or expired
                 self.delete(local)
@@ -551,9 +597,11 @@ class SessionManager:
 
     def _write(self, session: Session, tensors: dict[str, torch.Tensor]) -> None:
         data = encode_snapshot(self._snapshot(session, tensors), self.hmac_key)
-        meta = StoredSession(session.session_id, session.owner, session.num_tokens, session.token_hash,
+        session.store_version = self.store.write(self._stored_meta(session), data).version
+
+    def _stored_meta(self, session: Session) -> StoredSession:
+        return StoredSession(session.session_id, session.owner, session.num_tokens, session.token_hash,
                              session.created, session.store_version)  # fmt: skip
-        session.store_version = self.store.write(meta, data).version
 
     def _read(self, session: Session) -> Snapshot:
         data = self.store.read(session.session_id)

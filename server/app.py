@@ -54,7 +54,8 @@ def build_engine(settings: ServerSettings) -> AsyncEngine:
         snapshot_dir=settings.snapshot_dir,
         hmac_key=settings.snapshot_hmac_key,
         store=store,
-        write_through=store is not None and settings.session_write == "through",
+        write_through=store is not None and settings.session_write in ("through", "async"),
+        async_writes=settings.session_write == "async",
     )
 
 

@@ -94,6 +94,16 @@ class Metrics:
             ["kind"],
             registry=r,
         )
+        self.session_writes_pending = Gauge(
+            "kvfree_session_writes_pending",
+            "Finished turns whose state is still on its way to the session store (--session-write async).",
+            registry=r,
+        )
+        self.session_write_lag = Gauge(
+            "kvfree_session_write_lag_seconds",
+            "How long the last background session write took to land after its turn ended.",
+            registry=r,
+        )
         for location in SESSION_LOCATIONS:
             self.sessions.labels(location=location).set(0)
 
@@ -127,6 +137,8 @@ class Metrics:
             "state_bytes_per_session": self.state_bytes_per_session,
             "pool_reserved_bytes": self.pool_reserved_bytes,
             "host_state_bytes": self.host_state_bytes,
+            "session_writes_pending": self.session_writes_pending,
+            "session_write_lag_seconds": self.session_write_lag,
         }
         for key, gauge in gauges.items():
             if key in stats:

@@ -28,7 +28,7 @@ class ServerSettings:
     max_host_sessions: int = 1024  # idle sessions kept in host memory before spilling to snapshot_dir
     snapshot_dir: Path | None = None
     session_store: str | None = None  # redis://host:port/db, or a directory; replaces snapshot_dir
-    session_write: str = "through"  # with session_store: "through" (store every turn) or "spill" (on eviction only)
+    session_write: str = "through"  # with session_store: "through", "async" (every turn) or "spill" (on eviction)
     session_ttl_seconds: float | None = None  # stored sessions unused this long expire (Redis)
     session_lease_seconds: float = 60.0  # a turn's claim on a session in a shared store lapses after this
     replica_name: str = field(default_factory=socket.gethostname)  # the X-Kvfree-Replica response header

@@ -224,3 +224,44 @@ def test_redis_restart_keeps_sessions_and_an_outage_fails_only_session_requests(
         client.close()
     finally:
         server.kill()
+
+
+def test_async_writes_land_in_the_background_and_survive_kill_9(checkpoint, tmp_path):
+    from tests.server_fixtures import metric_value
+
+    store = tmp_path / "sessions"
+    args = ["--session-store", str(store), "--session-write", "async", "--max-sessions", "2"]
+    first = ProcServer(checkpoint, args, tmp_path / "first.log").start()
+    try:
+        with KvfreeClient(first.url) as client:
+            session = client.create_session(messages=SYSTEM)
+            history = _turn(SYSTEM, "Hello")
+            reply = client.chat(history, session_id=session.id, **GREEDY)
+            tokens = client.get_session(session.id).num_tokens
+            wait_for(
+                lambda: metric_value(httpx.get(first.url + "/metrics").text, "kvfree_session_writes_pending") == 0,
+                timeout=20,
+                message="the background write to land",
+            )
+            assert metric_value(httpx.get(first.url + "/metrics").text, "kvfree_session_write_lag_seconds") > 0
+        first.proc.kill()  # no graceful shutdown: only what was stored survives
+        first.proc.wait(10)
+        second = ProcServer(checkpoint, args, tmp_path / "second.log").start()
+        try:
+            with KvfreeClient(second.url) as client:
+                assert client.get_session(session.id).num_tokens == tokens
+                history = _turn([*history, {"role": "assistant", "content": reply.text}], "And?")
+                turn = client.chat(history, session_id=session.id, **GREEDY)
+                assert turn.cached_tokens == tokens and turn.text == client.chat(history, **GREEDY).text
+        finally:
+            second.kill()
+    finally:
+        first.kill()
+
+
+def test_serve_refuses_to_start_without_its_redis(capsys):
+    from kvfree.cli import main
+
+    argv = ["serve", "--device", "cpu", "--port", str(free_port()), "--session-store", "redis://127.0.0.1:1/0"]
+    assert main(argv) == 2
+    assert "the session store at redis://127.0.0.1:1/0 is unavailable" in capsys.readouterr().err
