@@ -567,6 +567,12 @@ class SessionUsage(ResponseModel):
     cached_tokens: int = Field(description="Prompt tokens the session already held (not prefilled again).")
     reset: bool = Field(description="True when the session's tokens were not a prefix of the prompt: prefilled anew.")
     num_tokens: int = Field(description="Tokens the session has consumed after this request.")
+    resumed_from: Literal["gpu", "host", "store"] | None = Field(
+        default=None,
+        description="Where the session's state was when the request came: resident in this replica's GPU pool, "
+        "in its host memory, or loaded from the session store (a directory or Redis, e.g. after another replica's "
+        "turn).",
+    )
 
 
 # -- completions responses ----------------------------------------------------------------------------------------

@@ -351,6 +351,7 @@ class Context:
     owner: str | None
     request_id: str
     session_tokens_before: int = 0
+    session_location_before: str | None = None
 
 
 def _request_id(request: Request) -> str:
@@ -380,6 +381,7 @@ async def _prepare(
         except ENGINE_ERRORS as exc:
             raise engine_error(exc) from None
         ctx.session_tokens_before = session.num_tokens
+        ctx.session_location_before = session.location
     return ctx
 
 
@@ -426,7 +428,11 @@ async def _session_usage(ctx: Context, cached: int) -> SessionUsage | None:
         return None
     session = await ctx.state.engine.get_session(ctx.session_id, ctx.owner)
     reset = ctx.session_tokens_before > 0 and cached == 0
-    return SessionUsage(id=ctx.session_id, cached_tokens=cached, reset=reset, num_tokens=session.num_tokens)
+    # "disk" is the session store (a directory or Redis): the state was loaded, not found resident.
+    resumed_from = "store" if ctx.session_location_before == "disk" else ctx.session_location_before
+    return SessionUsage(
+        id=ctx.session_id, cached_tokens=cached, reset=reset, num_tokens=session.num_tokens, resumed_from=resumed_from
+    )
 
 
 # -- response pieces ----------------------------------------------------------------------------------------------

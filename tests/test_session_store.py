@@ -148,6 +148,7 @@ def test_two_replicas_share_sessions_and_survive_kill_9(checkpoint, redis_server
         history = _turn([*history, {"role": "assistant", "content": first.text}], "More")
         on_b = cb.chat(history, session_id=session.id, **GREEDY)
         assert on_b.cached_tokens > 0 and on_b.text == _reference(b, history)
+        assert on_b.session["resumed_from"] == "store" and first.session["resumed_from"] in ("gpu", "host")
         history = [*history, {"role": "assistant", "content": on_b.text}]
         completed = cb.get_session(session.id).num_tokens
         assert ca.get_session(session.id).num_tokens == completed  # A sees B's turn (its own copy was stale)
