@@ -320,8 +320,9 @@ class Scheduler:
             if not first.finished:
                 first.finish_reason = "prefill"
                 touched.append(first)
-        for req in self.running:  # a finished turn is stored before its last event goes out (write-through)
-            if req.session is not None and all(s.finished for s in req.sequences):
+        ended = {seq.request_id for seq in touched if seq.finished}
+        for req in self.running if ended else ():  # a finished turn is stored before its last event goes out
+            if req.request_id in ended and req.session is not None and all(s.finished for s in req.sequences):
                 self._settle_session(req)
         self._emit(touched)
         self.retire()
