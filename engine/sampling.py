@@ -17,6 +17,8 @@ from dataclasses import dataclass, field
 import torch
 
 MAX_TOP_LOGPROBS = 20
+# Temperatures below this are greedy (as vLLM's _SAMPLING_EPS): dividing logits by 1e-300 would overflow them.
+GREEDY_BELOW = 1e-5
 
 
 @dataclass
@@ -72,7 +74,7 @@ class SamplingParams:
 
     @property
     def greedy(self) -> bool:
-        return self.temperature == 0
+        return self.temperature < GREEDY_BELOW
 
     @property
     def uses_penalties(self) -> bool:
@@ -108,7 +110,7 @@ class BatchFlags:
     logprobs: the largest `logprobs` asked (0: only the sampled token's), None when no row asks.
     """
 
-    sampled: bool = False  # some row has temperature > 0
+    sampled: bool = False  # some row samples (temperature >= GREEDY_BELOW)
     min_p: bool = False
     top_k: bool = False
     top_p: bool = False
@@ -120,7 +122,7 @@ class BatchFlags:
         sampled = min_p = top_k = top_p = penalties = False
         logprobs = None
         for p in params:
-            if p.temperature > 0:
+            if not p.greedy:
                 sampled = True
                 min_p |= p.min_p > 0
                 top_k |= 0 < p.top_k < vocab_size
@@ -239,7 +241,7 @@ def filter_logits(logits: torch.Tensor, rows: SamplingRows) -> torch.Tensor:
     Greedy rows (temperature 0) are filtered as temperature 1; the sampler takes their argmax anyway.
     """
     temperature = rows.column("temperature")
-    logits = logits / torch.where(temperature > 0, temperature, 1.0)
+    logits = logits / torch.where(temperature >= GREEDY_BELOW, temperature, 1.0)
     flags, V = rows.flags, logits.shape[-1]
     if flags.min_p:
         probs = logits.softmax(-1)
@@ -267,13 +269,16 @@ def draw(probs: torch.Tensor, seeds: torch.Tensor, counters: torch.Tensor) -> to
     """One token per row by inverse CDF: probs `[B, V]` (rows need not sum to 1) -> ids `[B]` int64.
 
     The pick is the first token whose cumulative mass exceeds u * total; a token of zero mass never is, since the
-    cumulative sum does not rise there.
+    cumulative sum does not rise there. A row without positive finite mass (NaN from extreme penalties) gets its
+    most probable entry instead of an index past the vocabulary.
     """
     cdf = probs.cumsum(-1)
     total = cdf[:, -1:]
     u = (uniform(seeds, counters)[:, None] * total.double()).to(cdf.dtype)
     u = torch.minimum(u, torch.nextafter(total, torch.zeros_like(total)))  # rounding must not reach the total
-    return torch.searchsorted(cdf, u, right=True)[:, 0]
+    picks = torch.searchsorted(cdf, u, right=True)[:, 0].clamp_(max=probs.shape[-1] - 1)
+    valid = (total[:, 0] > 0) & torch.isfinite(total[:, 0])
+    return torch.where(valid, picks, probs.nan_to_num(nan=-1.0).argmax(-1))
 
 
 def sample(logits: torch.Tensor, rows: SamplingRows) -> SampleOutput:
@@ -289,7 +294,7 @@ def sample(logits: torch.Tensor, rows: SamplingRows) -> SampleOutput:
     if flags.sampled:
         probs = filter_logits(logits, rows).softmax(-1)
         sampled = draw(probs, rows.seeds, rows.counters)
-        token_ids = torch.where(rows.column("temperature")[:, 0] > 0, sampled, token_ids)
+        token_ids = torch.where(rows.column("temperature")[:, 0] >= GREEDY_BELOW, sampled, token_ids)
     out = SampleOutput(token_ids=token_ids)
     if flags.logprobs is not None:
         logprobs = raw.log_softmax(-1)

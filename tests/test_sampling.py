@@ -689,3 +689,17 @@ def test_counter_based_uniforms_are_uniform_and_independent():
     for a, b in ((grid[:, :-1], grid[:, 1:]), (grid[:-1], grid[1:])):
         corr = torch.corrcoef(torch.stack([a.flatten(), b.flatten()]))[0, 1]
         assert abs(float(corr)) < 0.02
+
+
+def test_degenerate_rows_never_pick_outside_the_vocabulary():
+    """Found by fuzzing the server: a temperature of 1e-300 overflowed the logits to NaN, and the draw returned an
+    index one past the vocabulary. Temperatures below 1e-5 are greedy; a row without positive mass gets its argmax."""
+    from kvfree.engine.sampling import draw
+
+    logits = _randn(3, 30, seed=71, scale=2.0)
+    out = _sample(logits[:2], [SamplingParams(temperature=1e-300, seed=1), SamplingParams(temperature=5e-6, seed=2)])
+    assert torch.equal(out.token_ids, logits[:2].argmax(-1))
+    probs = torch.full((2, 30), float("nan"))
+    probs[1] = 0.0
+    picks = draw(probs, torch.tensor([1, 2]), torch.tensor([0, 0]))
+    assert ((picks >= 0) & (picks < 30)).all()
