@@ -120,6 +120,9 @@ class AsyncEngine:
     async def shutdown(self, grace_seconds: float = 10.0) -> None:
         """Stop admitting, let running requests finish for up to `grace_seconds`, abort the rest, persist sessions."""
         self.accepting = False
+        if not self.alive:
+            log.error("the engine thread had stopped: nothing to finish, sessions in memory are not persisted")
+            return
         deadline = time.monotonic() + grace_seconds
         while time.monotonic() < deadline and await self.call(lambda: self.engine.has_work):
             await asyncio.sleep(0.05)
@@ -201,6 +204,8 @@ class AsyncEngine:
 
     async def call(self, fn: Callable[[], Any]) -> Any:
         """Run `fn()` on the engine thread (between steps) and return its result, or raise its exception."""
+        if not self.alive:
+            raise EngineStopped("the engine thread has stopped; restart the server")
         loop = asyncio.get_running_loop()
         future: asyncio.Future[Any] = loop.create_future()
 

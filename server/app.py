@@ -90,6 +90,7 @@ def create_app(settings: ServerSettings, engine: AsyncEngine | None = None) -> F
     app.include_router(routes_openai.router)
     app.include_router(routes_sessions.router)
     app.include_router(routes_ops.router)
+    app.include_router(routes_ops.tokens_router)
     install_error_handlers(app)
     app.add_middleware(BodySizeLimitMiddleware, max_bytes=settings.max_body_bytes)
     if settings.cors_origins:

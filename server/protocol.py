@@ -528,6 +528,40 @@ class SessionCreateRequest(RequestModel):
         return tools
 
 
+class TokenizeRequest(RequestModel):
+    """`POST /tokenize` (vLLM's shape): a prompt, or a conversation rendered with the chat template."""
+
+    model: str | None = Field(default=None, description="A model id from `GET /v1/models`; omitted: the only one.")
+    prompt: str | None = Field(default=None, description="Text to tokenize.")
+    messages: Annotated[list[ChatMessage], Field(min_length=1)] | None = Field(
+        default=None, description="A conversation, rendered as a chat request would render it."
+    )
+    add_generation_prompt: bool = Field(default=True, description="With `messages`: end with the assistant's turn.")
+
+    @model_validator(mode="after")
+    def _prompt_or_messages(self) -> TokenizeRequest:
+        if (self.messages is None) == (self.prompt is None):
+            raise ValueError("give `prompt` or `messages` (one of them)")
+        return self
+
+
+class TokenizeResponse(ResponseModel):
+    count: int
+    max_model_len: int = Field(description="The longest prompt this server accepts (tokens).")
+    tokens: list[int]
+
+
+class DetokenizeRequest(RequestModel):
+    """`POST /detokenize` (vLLM's shape)."""
+
+    model: str | None = Field(default=None, description="A model id from `GET /v1/models`; omitted: the only one.")
+    tokens: list[TokenId] = Field(description="Token ids of the served model's vocabulary.")
+
+
+class DetokenizeResponse(ResponseModel):
+    prompt: str
+
+
 # -- responses ----------------------------------------------------------------------------------------------------
 
 

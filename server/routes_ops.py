@@ -1,19 +1,42 @@
-"""Operations routes: liveness, readiness, Prometheus metrics (no API key needed)."""
+"""Operations routes: liveness, readiness, Prometheus metrics, version (no API key needed), and the small
+endpoints tools written for vLLM call: `/ping`, `/tokenize`, `/detokenize` (the last two with the API key)."""
 
 from __future__ import annotations
 
-from fastapi import APIRouter
+import jinja2
+from fastapi import APIRouter, Depends
 from fastapi.responses import JSONResponse, Response
 
-from kvfree.server.generation import StateDep
+from kvfree import __version__
+from kvfree.checkpoints import CheckpointError
+from kvfree.server.auth import api_key_owner
+from kvfree.server.errors import error_responses, invalid_request
+from kvfree.server.generation import StateDep, check_model
+from kvfree.server.protocol import DetokenizeRequest, DetokenizeResponse, TokenizeRequest, TokenizeResponse
+from kvfree.server.tools import template_messages
 
 router = APIRouter(tags=["Operations"])
+tokens_router = APIRouter(tags=["Tokens"], dependencies=[Depends(api_key_owner)])
 
 
 @router.get("/health")
-async def health() -> dict[str, str]:
-    """The process is up."""
-    return {"status": "ok"}
+async def health(state: StateDep) -> JSONResponse:
+    """200 while the process and its engine thread are up; 503 when the engine thread has died (restart it)."""
+    if state.engine.alive or not state.engine.accepting:  # not started yet or shutting down: the process is fine
+        return JSONResponse({"status": "ok"})
+    return JSONResponse({"status": "engine thread stopped"}, status_code=503)
+
+
+@router.get("/ping")
+async def ping(state: StateDep) -> JSONResponse:
+    """Liveness under the name some load balancers and tools use (as `/health`)."""
+    return await health(state)
+
+
+@router.get("/version")
+async def version() -> dict[str, str]:
+    """kvfree's version."""
+    return {"version": __version__}
 
 
 @router.get("/ready")
@@ -31,3 +54,31 @@ async def metrics(state: StateDep) -> Response:
     state.metrics.update_engine(state.engine.stats())
     body, content_type = state.metrics.render()
     return Response(content=body, media_type=content_type)
+
+
+@tokens_router.post("/tokenize", response_model=TokenizeResponse, responses=error_responses(400, 401, 404))
+async def tokenize(body: TokenizeRequest, state: StateDep) -> TokenizeResponse:
+    """Token ids of a prompt, or of a conversation as a chat request renders it."""
+    check_model(state, body.model)
+    tok = state.engine.tokenizer
+    text = body.prompt
+    if body.messages is not None:
+        try:
+            text = tok.apply_chat_template(
+                template_messages(body.messages), add_generation_prompt=body.add_generation_prompt
+            )
+        except (CheckpointError, jinja2.TemplateError) as exc:
+            raise invalid_request(f"the chat template could not render these messages: {exc}", "messages") from None
+    ids = tok.encode(text)
+    return TokenizeResponse(count=len(ids), max_model_len=state.settings.max_prompt_tokens, tokens=ids)
+
+
+@tokens_router.post("/detokenize", response_model=DetokenizeResponse, responses=error_responses(400, 401, 404))
+async def detokenize(body: DetokenizeRequest, state: StateDep) -> DetokenizeResponse:
+    """The text of token ids (special tokens included, as vLLM)."""
+    check_model(state, body.model)
+    vocab = state.engine.llm.config.vocab_size
+    bad = next((t for t in body.tokens if t >= vocab), None)
+    if bad is not None:
+        raise invalid_request(f"token id {bad} is outside the vocabulary [0, {vocab})", "tokens")
+    return DetokenizeResponse(prompt=state.engine.tokenizer.decode(body.tokens, skip_special_tokens=False))

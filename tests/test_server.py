@@ -1230,6 +1230,37 @@ def test_sigterm_finishes_requests_persists_sessions_and_a_restart_continues_the
 # == 11. operations ================================================================================================
 
 
+def test_tokenize_detokenize_ping_version(tiny_server):
+    with tiny_server.http() as http:
+        assert http.get("/ping").status_code == 200
+        assert http.get("/version").json()["version"]
+        r = http.post("/tokenize", json={"prompt": "Hello, world"})
+        assert r.status_code == 200, r.text
+        body = r.json()
+        assert body["count"] == len(body["tokens"]) == len("Hello, world") and body["max_model_len"] > 0
+        assert http.post("/detokenize", json={"tokens": body["tokens"]}).json() == {"prompt": "Hello, world"}
+        chat = http.post("/tokenize", json={"messages": [{"role": "user", "content": "Hi"}]}).json()
+        assert http.post("/detokenize", json={"tokens": chat["tokens"]}).json()["prompt"].endswith("assistant\n")
+        for wrong in ({}, {"prompt": "a", "messages": [{"role": "user", "content": "b"}]}):
+            error = assert_openai_error(http.post("/tokenize", json=wrong), 400, None)
+            assert "give `prompt` or `messages`" in error["message"]
+        assert_openai_error(http.post("/detokenize", json={"tokens": [10**6]}), 400, "tokens")
+        assert_openai_error(http.post("/tokenize", json={"prompt": "a", "model": "other"}), 404, "model")
+
+
+def test_health_is_503_when_the_engine_thread_died(ckpts):
+    server = _thread_server(ckpts["tiny"], "kvfree-dying", max_sessions=2)
+    try:
+        with server.http() as http:
+            assert http.get("/health").status_code == 200
+            server.app.state.kvfree.engine._commands.put(None)  # the engine loop's stop signal, as if it had died
+            wait_for(lambda: not server.app.state.kvfree.engine.alive, timeout=10, message="the engine thread")
+            assert http.get("/health").status_code == 503 and http.get("/ping").status_code == 503
+            assert http.get("/ready").status_code == 503
+    finally:
+        server.stop()
+
+
 def test_health_ready_metrics_request_ids_and_request_log(tiny_server, caplog):
     caplog.set_level(logging.INFO, logger="kvfree.server")
     with tiny_server.http() as http:
@@ -1325,7 +1356,7 @@ def test_fuzz_from_openapi_schema_no_server_errors(limits_server):
     schema = schemathesis.openapi.from_url(limits_server.url + "/openapi.json")
     operations = [result.ok() for result in schema.get_all_operations()]
     labels = sorted(op.label for op in operations)
-    assert len(labels) == 12, labels  # every route is fuzzed; none is excluded
+    assert len(labels) == 16, labels  # every route is fuzzed; none is excluded
     deadline = time.monotonic() + 60
     seen: dict[str, set[int]] = {}
     unsatisfiable: list[str] = []
@@ -1359,7 +1390,8 @@ def test_fuzz_from_openapi_schema_no_server_errors(limits_server):
                     assert mode == GenerationMode.NEGATIVE, op.label
                     unsatisfiable.append(op.label)
     assert set(seen) == set(labels)
-    assert set(unsatisfiable) <= {"GET /health", "GET /ready", "GET /metrics", "GET /v1/models"}, unsatisfiable
+    parameterless = {"GET /health", "GET /ping", "GET /version", "GET /ready", "GET /metrics", "GET /v1/models"}
+    assert set(unsatisfiable) <= parameterless, unsatisfiable
     # After the fuzzing the server still serves.
     r = limits_server.openai().completions.create(model="kvfree-tiny", prompt="hi", max_tokens=2)
     assert r.choices[0].text is not None
