@@ -3,11 +3,12 @@ endpoints tools written for vLLM call: `/ping`, `/tokenize`, `/detokenize` (the 
 
 from __future__ import annotations
 
+from importlib import metadata
+
 import jinja2
 from fastapi import APIRouter, Depends
 from fastapi.responses import JSONResponse, Response
 
-from kvfree import __version__
 from kvfree.checkpoints import CheckpointError
 from kvfree.server.auth import api_key_owner
 from kvfree.server.errors import error_responses, invalid_request
@@ -35,8 +36,11 @@ async def ping(state: StateDep) -> JSONResponse:
 
 @router.get("/version")
 async def version() -> dict[str, str]:
-    """kvfree's version."""
-    return {"version": __version__}
+    """kvfree's version (of the installed distribution)."""
+    try:
+        return {"version": metadata.version("kvfree")}
+    except metadata.PackageNotFoundError:  # run from a source tree that was never installed
+        return {"version": "0.0.0+unknown"}
 
 
 @router.get("/ready")
