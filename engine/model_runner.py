@@ -30,13 +30,13 @@ class StepHandle:
     """A launched step's sampled tokens, on their way to the host.
 
     ids: `[B]` int64 on the host (pinned, filled asynchronously on a GPU).  extra: `[B, 1 + 2k]` float64 on the
-    host, the sampled token's logprob and the top-k (id, logprob) pairs, when some row asked for logprobs.
+    host, the sampled token's logprob and the top-k (id, logprob) pairs for the batch's largest k, when some row
+    asked for logprobs.  logprobs: each row's own `SamplingParams.logprobs` (None: none; k: its k alternatives).
     """
 
     ids: torch.Tensor | None
     extra: torch.Tensor | None
-    top_k: int
-    wants_logprobs: list[bool]
+    logprobs: list[int | None]
     done: torch.cuda.Event | None
 
     def result(self) -> SampledTokens:
@@ -46,14 +46,14 @@ class StepHandle:
         ids = self.ids.tolist() if self.ids is not None else []
         if self.extra is None:
             return SampledTokens(ids, [None] * len(ids))
-        extra, k = self.extra.tolist(), self.top_k
-        logprobs = [
-            TokenLogprob(ids[row], values[0], [(int(values[1 + 2 * j]), values[2 + 2 * j]) for j in range(k)])
-            if wants
-            else None
-            for row, (values, wants) in enumerate(zip(extra, self.wants_logprobs, strict=True))
-        ]
+        rows = zip(ids, self.extra.tolist(), self.logprobs, strict=True)
+        logprobs = [None if k is None else _token_logprob(token, values, k) for token, values, k in rows]
         return SampledTokens(ids, logprobs)
+
+
+def _token_logprob(token_id: int, values: list[float], k: int) -> TokenLogprob:
+    """One row of `StepHandle.extra` ([logprob, id_1, logprob_1, id_2, ...]) with its own k alternatives."""
+    return TokenLogprob(token_id, values[0], [(int(values[1 + 2 * j]), values[2 + 2 * j]) for j in range(k)])
 
 
 class ModelRunner:
@@ -105,7 +105,7 @@ class ModelRunner:
     def launch(self, step: ScheduledStep) -> StepHandle:
         """Queue the step's device work: new rows' sampling setup, prefill, forks, decode, sampling, the copy of
         the sampled tokens to the host. Returns without waiting for the device."""
-        self.pool.flush_resets()
+        self.pool.flush_resets()  # (a graph replay reads the pool's rows without going through `pool.tensors`)
         if step.admitted:
             seqs = step.admitted
             self.sampling.admit(
@@ -125,22 +125,22 @@ class ModelRunner:
                 rows = torch.tensor(step.sample_source, dtype=torch.long).to(self.device, non_blocking=True)
                 logits.append(prefill_logits.index_select(0, rows))
         if not step.sample:
-            return StepHandle(None, None, 0, [], None)
+            return StepHandle(None, None, [], None)
         slots = torch.tensor([s.slot for s in step.sample], dtype=torch.long).to(self.device, non_blocking=True)
         params = [s.params for s in step.sample]
         flags = BatchFlags.of(params, self.model.config.vocab_size)
         out = sample(torch.cat(logits) if len(logits) > 1 else logits[0], self.sampling.rows(slots, flags))
         self.sampling.advance(slots, out.token_ids, flags)
         self.next_tokens.index_copy_(0, slots, out.token_ids)
-        return self._to_host(out, flags, [p.logprobs is not None for p in params])
+        return self._to_host(out, [p.logprobs for p in params])
 
-    def _to_host(self, out: SampleOutput, flags: BatchFlags, wants: list[bool]) -> StepHandle:
+    def _to_host(self, out: SampleOutput, logprobs: list[int | None]) -> StepHandle:
         on_gpu = self.device.type == "cuda"
         ids = out.token_ids.to("cpu", non_blocking=on_gpu)
-        extra, k = None, flags.logprobs or 0
+        extra = None
         if out.logprobs is not None:
             parts = [out.logprobs[:, None].double()]
-            if k:
+            if out.top_ids is not None:
                 pairs = torch.stack([out.top_ids.double(), out.top_logprobs.double()], dim=-1)  # [B, k, 2]
                 parts.append(pairs.flatten(1))
             extra = torch.cat(parts, dim=1).to("cpu", non_blocking=on_gpu)
@@ -148,7 +148,7 @@ class ModelRunner:
         if on_gpu:
             done = torch.cuda.Event()
             done.record()
-        return StepHandle(ids, extra, k, wants, done)
+        return StepHandle(ids, extra, logprobs, done)
 
     @torch.inference_mode()
     def prefill(self, seqs: list, chunks: list[list[int]], all_logits: bool = False) -> torch.Tensor:

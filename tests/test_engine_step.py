@@ -195,3 +195,21 @@ def test_new_prompts_wait_to_share_a_prefill_step_while_others_decode(llm):
         engine.step()
     assert sorted(len(_tokens([o for o in outputs if o.request_id == r])) for r in "abc") == [40, 40, 40]
     assert llm.pool.used_slots == 0
+
+
+def test_each_request_gets_its_own_number_of_top_logprobs_in_a_mixed_batch(llm):
+    """The step copies the batch's largest k back; each row keeps only the alternatives its request asked for."""
+    ids = llm.tokenizer.encode("Logprobs, please")
+    asks = [None, 0, 2, 5]
+    outputs = [[] for _ in asks]
+    requests = [
+        _request(f"lp{i}", ids, SamplingParams(temperature=0, max_tokens=4, ignore_eos=True, logprobs=k), out)
+        for i, (k, out) in enumerate(zip(asks, outputs, strict=True))
+    ]
+    _collect(_engine(llm, overlap=False), requests)
+    for k, out in zip(asks, outputs, strict=True):
+        entries = [lp for o in out for lp in o.logprobs]
+        if k is None:
+            assert entries == []
+        else:
+            assert len(entries) == 4 and all(len(e.top) == k for e in entries), (k, [len(e.top) for e in entries])
