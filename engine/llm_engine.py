@@ -100,12 +100,6 @@ class LLMEngine:
         if self.on_outputs is not None:
             self.on_outputs()
 
-    def drain(self) -> None:
-        """Postprocess the step in flight, if any (before reading results or touching sessions from outside)."""
-        if self._in_flight is not None:
-            previous, self._in_flight = self._in_flight, None
-            self._postprocess(*previous)
-
     def discard_in_flight(self) -> None:
         """Forget the step in flight without reading it (its requests are being failed)."""
         self._in_flight = None

@@ -167,7 +167,7 @@ class Scheduler:
         for req in list(self.waiting):
             if req.request_id == request_id:
                 self.waiting.remove(req)
-                req.aborted = True
+                req.aborted = req.settled = True  # nothing ran: nothing to record or store
                 self._release_session(req)
                 return True
         for req in self.running:
@@ -246,7 +246,7 @@ class Scheduler:
                 extra = self.sessions.create(owner=None, ephemeral=True)
                 taken.append(extra)
                 slots.append(self.sessions.acquire_slot(extra))
-        except PoolExhausted:
+        except Exception:  # no slot now, or the session's stored state cannot be loaded: take nothing
             for s in taken:
                 self.sessions.delete(s)
             if req.session is not None and req.session.slot is not None:

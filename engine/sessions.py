@@ -208,7 +208,7 @@ class SessionManager:
             self._check_room()
         session = Session(session_id=self._new_id(), owner=owner, ephemeral=ephemeral)
         if self.write_through and not ephemeral:  # stored at once, so every replica finds it
-            self._write(session, self._initial_state())
+            self._store(session, self._initial_state())
         self._sessions[session.session_id] = session
         self._ephemeral += ephemeral
         self._touch(session)
@@ -412,9 +412,11 @@ class SessionManager:
     def persist_turn(self, session: Session) -> None:
         """Write-through: store the session's state now (a turn on it just finished). Raises SessionStoreError
         when the store fails; the state stays where it is."""
-        if not self.write_through or session.ephemeral:
-            return
-        tensors = self._state_copy(session) or self._initial_state()
+        if self.write_through and not session.ephemeral:
+            self._store(session, self._state_copy(session) or self._initial_state())
+
+    def _store(self, session: Session, tensors: dict[str, torch.Tensor]) -> None:
+        """Write `tensors` as the session's stored state: now, or through the background writer."""
         if self.writer is None:
             self._write(session, tensors)
             self.counters.stored_turns += 1

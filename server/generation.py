@@ -9,10 +9,12 @@ from __future__ import annotations
 import contextlib
 from collections.abc import AsyncIterator
 from dataclasses import dataclass
-from typing import Annotated
+from typing import Annotated, Any
 
+import jinja2
 from fastapi import Depends, Request
 
+from kvfree.checkpoints import CheckpointError
 from kvfree.engine.async_engine import AsyncEngine, EngineStopped, QueueFull, SessionBusy
 from kvfree.engine.sampling import SamplingParams
 from kvfree.engine.scheduler import RequestOutput
@@ -30,7 +32,9 @@ from kvfree.server.errors import (
     too_many_requests,
 )
 from kvfree.server.metrics import Metrics
+from kvfree.server.protocol import ChatMessage
 from kvfree.server.settings import ServerSettings
+from kvfree.server.tools import template_messages
 
 
 @dataclass
@@ -54,6 +58,21 @@ StateDep = Annotated[ServerState, Depends(state_of)]
 def check_model(state: ServerState, model: str | None) -> None:
     if model is not None and model != state.model_name:
         raise not_found(f"model {model!r} is not served here; this server serves {state.model_name!r}", "model")
+
+
+def render_chat(
+    state: ServerState, messages: list[ChatMessage], tools: list[dict[str, Any]] | None, add_generation_prompt: bool
+) -> str:
+    """A conversation as prompt text, through the checkpoint's chat template; a 400 naming `messages` when the
+    checkpoint has no template or it cannot render these messages."""
+    try:
+        return state.engine.tokenizer.apply_chat_template(
+            template_messages(messages), add_generation_prompt=add_generation_prompt, tools=tools
+        )
+    except CheckpointError as exc:
+        raise invalid_request(str(exc), "messages") from None
+    except jinja2.TemplateError as exc:
+        raise invalid_request(f"the chat template could not render these messages: {exc}", "messages") from None
 
 
 def check_prompt(state: ServerState, ids: list[int], params: SamplingParams | None, param: str) -> None:

@@ -7,7 +7,6 @@ from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass, field, replace
 from typing import Any
 
-import jinja2
 from fastapi import APIRouter, Depends, Request
 from fastapi.responses import StreamingResponse
 from openai.types.chat import ChatCompletionTokenLogprob
@@ -15,7 +14,6 @@ from openai.types.chat.chat_completion import ChoiceLogprobs
 from openai.types.chat.chat_completion_token_logprob import TopLogprob
 from openai.types.completion_usage import CompletionUsage
 
-from kvfree.checkpoints import CheckpointError
 from kvfree.engine.sampling import SamplingParams
 from kvfree.engine.scheduler import RequestOutput
 from kvfree.engine.sequence import TokenLogprob
@@ -29,6 +27,7 @@ from kvfree.server.generation import (
     check_model,
     check_prompt,
     engine_error,
+    render_chat,
     start_generation,
 )
 from kvfree.server.metrics import RequestTimer
@@ -61,7 +60,6 @@ from kvfree.server.tools import (
     ToolCallStreamParser,
     accepted_tool_names,
     parse_tool_calls,
-    template_messages,
     template_tools,
 )
 
@@ -133,14 +131,7 @@ async def chat_completions(body: ChatCompletionRequest, request: Request, state:
     check_model(state, body.model)
     tok = state.engine.tokenizer
     choice = body.effective_tool_choice
-    try:
-        text = tok.apply_chat_template(
-            template_messages(body.messages), add_generation_prompt=True, tools=template_tools(body.tools, choice)
-        )
-    except CheckpointError as exc:
-        raise invalid_request(str(exc), "messages") from None
-    except jinja2.TemplateError as exc:
-        raise invalid_request(f"the chat template could not render these messages: {exc}", "messages") from None
+    text = render_chat(state, body.messages, template_tools(body.tools, choice), add_generation_prompt=True)
     params = _stop_at_turn_end(body.to_sampling_params(state.settings.max_output_tokens), tok)
     ctx = await _prepare(state, request, body, tok.encode(text), params, owner, "messages")
     fmt = ToolCallFormat.from_tokenizer_config(tok.config) if body.uses_tools else None

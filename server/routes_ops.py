@@ -5,16 +5,13 @@ from __future__ import annotations
 
 from importlib import metadata
 
-import jinja2
 from fastapi import APIRouter, Depends
 from fastapi.responses import JSONResponse, Response
 
-from kvfree.checkpoints import CheckpointError
 from kvfree.server.auth import api_key_owner
 from kvfree.server.errors import error_responses, invalid_request
-from kvfree.server.generation import StateDep, check_model
+from kvfree.server.generation import StateDep, check_model, render_chat
 from kvfree.server.protocol import DetokenizeRequest, DetokenizeResponse, TokenizeRequest, TokenizeResponse
-from kvfree.server.tools import template_messages
 
 router = APIRouter(tags=["Operations"])
 tokens_router = APIRouter(tags=["Tokens"], dependencies=[Depends(api_key_owner)])
@@ -67,12 +64,7 @@ async def tokenize(body: TokenizeRequest, state: StateDep) -> TokenizeResponse:
     tok = state.engine.tokenizer
     text = body.prompt
     if body.messages is not None:
-        try:
-            text = tok.apply_chat_template(
-                template_messages(body.messages), add_generation_prompt=body.add_generation_prompt
-            )
-        except (CheckpointError, jinja2.TemplateError) as exc:
-            raise invalid_request(f"the chat template could not render these messages: {exc}", "messages") from None
+        text = render_chat(state, body.messages, None, add_generation_prompt=body.add_generation_prompt)
     ids = tok.encode(text)
     return TokenizeResponse(count=len(ids), max_model_len=state.settings.max_prompt_tokens, tokens=ids)
 

@@ -5,18 +5,24 @@ from __future__ import annotations
 import time
 from typing import Annotated
 
-import jinja2
 from fastapi import APIRouter, Body, Depends, Request
 from fastapi.responses import Response
 
-from kvfree.checkpoints import CheckpointError
 from kvfree.engine.sampling import SamplingParams
 from kvfree.engine.sessions import Session
 from kvfree.server.auth import OwnerDep, api_key_owner
 from kvfree.server.errors import error_responses, invalid_request
-from kvfree.server.generation import ENGINE_ERRORS, ServerState, StateDep, check_model, check_prompt, engine_error
+from kvfree.server.generation import (
+    ENGINE_ERRORS,
+    ServerState,
+    StateDep,
+    check_model,
+    check_prompt,
+    engine_error,
+    render_chat,
+)
 from kvfree.server.protocol import SessionCreateRequest, SessionDeleted, SessionInfo
-from kvfree.server.tools import template_messages, template_tools
+from kvfree.server.tools import template_tools
 
 router = APIRouter(tags=["Sessions"], dependencies=[Depends(api_key_owner)])
 
@@ -34,14 +40,7 @@ async def create_session(
     tok = state.engine.tokenizer
     ids: list[int] = []
     if body.messages is not None:
-        try:
-            text = tok.apply_chat_template(
-                template_messages(body.messages),
-                add_generation_prompt=False,
-                tools=template_tools(body.tools, None),
-            )
-        except (CheckpointError, jinja2.TemplateError) as exc:
-            raise invalid_request(f"the chat template could not render these messages: {exc}", "messages") from None
+        text = render_chat(state, body.messages, template_tools(body.tools, None), add_generation_prompt=False)
         ids = tok.encode(text)
     elif body.prompt is not None:
         ids = tok.encode(body.prompt) if isinstance(body.prompt, str) else list(body.prompt)
