@@ -115,8 +115,13 @@ class GKAMixer(Mixer):
         self, conv_out: torch.Tensor, v: torch.Tensor | None, x: torch.Tensor
     ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
         """The activated conv output `[..., conv_dim]`, the raw v (without the v conv) and x `[..., d]` -> the op's
-        q, k `[..., He, D]`, v `[..., He, Dv]` (q, k L2-normalised; k, v scaled by the write gate), g, alpha
-        `[..., He]`, all fp32 (fp64 for fp64 reference runs)."""
+        q, k `[..., He, D]`, v `[..., He, Dv]` (q, k L2-normalised; k, v scaled by the write gate) in x's dtype,
+        and g, alpha `[..., He]` in fp32 (fp64 for fp64 reference runs).
+
+        q, k, v are computed in fp32 and handed over in the activation dtype, as every other mixer's op inputs: a
+        bf16 model's prefill then runs its dots on tensor cores in tf32, an fp32 model's at fp32 accuracy (the op
+        does its state math in fp32 either way). The gates stay fp32: a decay is exponentiated, and bf16's three
+        digits there would bend the memory of a long context."""
         c = self.cfg
         He, D, Dv = c.num_heads, c.head_dim, c.v_head_dim
         if v is None:
@@ -135,7 +140,7 @@ class GKAMixer(Mixer):
         g = -torch.exp(self.A_log.to(f)) * F.softplus(self.a_proj(x).to(f) + self.dt_bias.to(f))
         # Without the alpha-connection alpha = 1: the pure ridge solution.
         alpha = torch.sigmoid(self.alpha_proj(x).to(f)) if self.alpha_proj is not None else torch.ones_like(g)
-        return q, k, v, g, alpha
+        return q.to(x.dtype), k.to(x.dtype), v.to(x.dtype), g, alpha
 
     def _op_params(self) -> dict:
         """The op's parameters: ridge strength a, Chebyshev steps r and the output scale."""
