@@ -2,8 +2,10 @@
 
     python -m kvfree.kernels.bench [--out docs/bench]        # writes docs/bench/kernels.json
     python -m kvfree.kernels.bench --smoke                  # the script itself, tiny sizes, CPU interpreter
+    python -m kvfree.kernels.bench --op gka [--out DIR]     # Gated KalmaNet instead (kvfree.kernels.gka.check_device)
 
-The ops with Triton kernels so far: Mamba-2 (SSD) and the short causal conv.
+The ops with Triton kernels so far: Mamba-2 (SSD) and the short causal conv (below), and Gated KalmaNet (`--op gka`:
+its checks, timings against fla's MesaNet kernels and a profile, in DIR/gka.json).
 
 (a) Correctness at real sizes against the float64 reference: H=16 P=128 N=128 (G=1 and G=H) and the mamba2-370m
     layer (H=32 P=64 N=128 G=1, conv width 2304); bf16 inputs (and one fp32 case), fp32 states in a 512-row pool at
@@ -403,6 +405,17 @@ def table(res: dict) -> str:
 
 
 def main() -> int:
+    if "--op" in sys.argv:  # another op's script, with the remaining arguments
+        at = sys.argv.index("--op")
+        op = sys.argv[at + 1] if at + 1 < len(sys.argv) else ""
+        if op == "gka":
+            from .gka.check_device import main as gka_main
+
+            return gka_main(sys.argv[1:at] + sys.argv[at + 2 :])
+        if op != "mamba2":
+            print(f"--op {op!r}: expected mamba2 (the default) or gka", file=sys.stderr)
+            return 2
+        del sys.argv[at : at + 2]
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--out", default="docs/bench", help="folder for kernels.json")
     ap.add_argument("--budget-s", type=float, default=140.0,

@@ -17,7 +17,11 @@ pytest.importorskip("triton")
 @pytest.mark.skipif(torch.cuda.is_available(), reason="--smoke is the CPU mode; on a GPU run the real scripts")
 @pytest.mark.parametrize(
     ("module", "out_file"),
-    [("kvfree.kernels.bench", "kernels.json"), ("kvfree.kernels.norm.check_device", "norm.json")],
+    [
+        ("kvfree.kernels.bench", "kernels.json"),
+        ("kvfree.kernels.norm.check_device", "norm.json"),
+        ("kvfree.kernels.gka.check_device", "gka.json"),
+    ],
 )
 def test_kernel_bench_script_smoke(tmp_path, module, out_file):
     env = {**os.environ, "TRITON_INTERPRET": "1"}
