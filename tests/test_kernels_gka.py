@@ -100,14 +100,15 @@ def cu_of(lens: list[int]) -> torch.Tensor:
 
 # -- prefill ---------------------------------------------------------------------------------------------------------
 @pytest.mark.parametrize(
-    "dtype, He, D, Dv, chunk",
+    "dtype, He, D, Dv, chunk, block_r",
     [
-        (torch.float32, 2, 16, 16, 64),
-        (torch.float32, 2, 8, 6, 16),  # D, Dv below a block (masked), Dv != D catches transposes
-        (torch.bfloat16, 2, 16, 32, 32),  # Dv > D: S has more column blocks than H
+        (torch.float32, 2, 16, 16, 64, None),
+        (torch.float32, 2, 8, 6, 16, None),  # D, Dv below a block (masked), Dv != D catches transposes
+        (torch.float32, 1, 32, 16, 32, 16),  # two row tiles of the states in the chunk-state pass
+        (torch.bfloat16, 2, 16, 32, 32, None),  # Dv > D: S has more column blocks than H
     ],
 )
-def test_chunk_gka_matches_reference(poison, dtype, He, D, Dv, chunk):
+def test_chunk_gka_matches_reference(poison, dtype, He, D, Dv, chunk, block_r):
     g = seed("chunk", dtype, He, D, Dv, chunk)
     inp = op_inputs(g, sum(LENS), He, D, Dv, dtype)
     h, s, idx = make_pools(g, 9, He, D, Dv, len(LENS))
@@ -115,7 +116,7 @@ def test_chunk_gka_matches_reference(poison, dtype, He, D, Dv, chunk):
     rest_h, rest_s = untouched(h, idx), untouched(s, idx)
     cu = cu_of(LENS)
 
-    o = gka_chunk.chunk_gka(*inp, h, s, idx, cu, RIDGE, ITERS, D**-0.5, chunk, cu_seqlens_cpu=cu.cpu())
+    o = gka_chunk.launch(*inp, h, s, idx, cu, RIDGE, ITERS, D**-0.5, chunk, cu_seqlens_cpu=cu.cpu(), block_r=block_r)
     o_ref = gka_ref.chunk_gka(*(t.to(f64) for t in inp), h_ref, s_ref, idx, cu, RIDGE, ITERS, D**-0.5, 64)
 
     i = idx.long()

@@ -3,12 +3,14 @@
 Chunks of L tokens never cross a sequence boundary (a sequence's last chunk may be short; its missing tokens act as
 padding: k = v = q = 0 and g = 0, which changes nothing). Two launches (docs/design/gka.md §6):
 
-1. `_gka_state_kernel`, per (sequence x head, column block of [H | S]): the inter-chunk pass. It loads the
-   sequence's initial `[D, BN]` tile of H (or of S) from its pool row and walks the sequence's chunks in order, holding
-   the tile in fp32 registers: store it as the chunk's start state, then
+1. `_gka_state_kernel`, per (sequence x head, `[BR, BN]` tile of H or of S): the inter-chunk pass. It loads the
+   sequence's initial tile from its pool row and walks the sequence's chunks in order, holding the tile in fp32
+   registers: store it as the chunk's start state, then
    H <- zeta_end H + (K * to_end)^T K   (S <- zeta_end S + (K * to_end)^T V), one tensor-core dot per chunk, where
-   to_end[j] is the decay from token j to the chunk's end. The final tile goes straight back to the pool row: nothing
-   after this launch reads the pools, and the launch is never autotuned (re-running it would read its own output).
+   to_end[j] is the decay from token j to the chunk's end. Tiles are small so that even one prompt has hundreds of
+   programs in flight: each step waits on its loads, so the pass is bound by latency, not bandwidth. The final tile
+   goes straight back to the pool row: nothing after this launch reads the pools, and the launch is never autotuned
+   (re-running it would read its own output).
 2. `_gka_out_kernel`, per (chunk x row block, head), all in parallel. Each token c of the chunk solves against its own
    H_c = zeta_c H0 + sum_j Lam[c, j] k_j k_j^T without forming it: the three-term Frobenius norm (§6.1), then r
    Chebyshev steps on the `[BM, D]` block of queries at once, whose matvec is
@@ -35,21 +37,26 @@ INTERPRET = os.environ.get("TRITON_INTERPRET", "0") in ("1", "true", "True")
 
 
 @triton.jit
-def _pass_chunk(st, j, k, val, g, buf, bos, eos, c0, i_h, r, cols, m_r, m_c, m_rc, tile, stride_kt, stride_kh,
-                stride_vt, stride_vh, stride_gt, stride_gh, H: tl.constexpr, D: tl.constexpr, W: tl.constexpr,
-                L: tl.constexpr, PREC: tl.constexpr):  # fmt: skip
-    """Chunk j of a sequence: store the tile as its start state, return its end state."""
-    tl.store(buf + ((c0 + j) * H + i_h).to(tl.int64) * D * W + tile, st, mask=m_rc)
+def _chunk_inputs(j, k, val, g, bos, eos, i_h, r, cols, m_r, m_c, stride_kt, stride_kh, stride_vt, stride_vh,
+                  stride_gt, stride_gh, L: tl.constexpr):  # fmt: skip
+    """Chunk j's keys `[L, BR]` (the tile's rows), values `[L, BN]` (its columns) and log decays `[L]`, fp32; zeros
+    past the sequence's end (a chunk past the last one reads nothing)."""
     t = bos + j * L + tl.arange(0, L)
     m_t = t < eos
-    gv = tl.load(g + t * stride_gt + i_h * stride_gh, mask=m_t, other=0.0).to(tl.float32)
-    cum = tl.cumsum(gv, 0)
-    total = tl.sum(gv, 0)
-    to_end = tl.exp(total - cum)  # decay from token j to the chunk's end (1 on padding rows, whose k is 0)
     kk = tl.load(k + t[:, None] * stride_kt + i_h * stride_kh + r[None, :], mask=m_t[:, None] & m_r[None, :],
                  other=0.0).to(tl.float32)  # fmt: skip
     vv = tl.load(val + t[:, None] * stride_vt + i_h * stride_vh + cols[None, :], mask=m_t[:, None] & m_c[None, :],
                  other=0.0).to(tl.float32)  # fmt: skip
+    gv = tl.load(g + t * stride_gt + i_h * stride_gh, mask=m_t, other=0.0).to(tl.float32)
+    return kk, vv, gv
+
+
+@triton.jit
+def _pass_chunk(st, kk, vv, gv, PREC: tl.constexpr):
+    """A chunk's end state from its start state: st * zeta_end + (K * to_end)^T V."""
+    cum = tl.cumsum(gv, 0)
+    total = tl.sum(gv, 0)
+    to_end = tl.exp(total - cum)  # decay from token j to the chunk's end (1 on padding rows, whose k is 0)
     return tl.dot(tl.trans(kk * to_end[:, None]), vv, acc=st * tl.exp(total), input_precision=PREC)
 
 
@@ -65,6 +72,7 @@ def _pass_tile(
     eos,
     c0,
     i_h,
+    row0,
     col0,
     stride_kt,
     stride_kh,
@@ -79,32 +87,47 @@ def _pass_tile(
     D: tl.constexpr,
     W: tl.constexpr,
     L: tl.constexpr,
-    BD: tl.constexpr,
+    BR: tl.constexpr,
     BN: tl.constexpr,
     PREC: tl.constexpr,
     INTERP: tl.constexpr,
 ):
-    """One `[D, BN]` column tile of a `[D, W]` state (H with val = k, W = D; or S with val = v, W = Dv) through the
-    chunks of one sequence: each chunk's start tile to `buf` `[NC, He, D, W]`, the final tile to the pool row."""
-    r = tl.arange(0, BD)
+    """One `[BR, BN]` tile of a `[D, W]` state (H with val = k, W = D; or S with val = v, W = Dv) through the chunks
+    of one sequence: each chunk's start tile to `buf` `[NC, He, D, W]`, the final tile to the pool row.
+
+    Each step issues the next chunk's loads before it works on the current one, so their latency overlaps the dot
+    and the store (a 30% shorter walk on an H100; loading two ahead gained nothing more)."""
+    r = row0 + tl.arange(0, BR)
     cols = col0 + tl.arange(0, BN)
     m_r = r < D
     m_c = cols < W
     m_rc = m_r[:, None] & m_c[None, :]
     p_pool = pool + slot * stride_ps + i_h * stride_ph + r[:, None] * stride_pr + cols[None, :]
     st = tl.load(p_pool, mask=m_rc, other=0.0)
-    tile = r[:, None] * W + cols[None, :]
+    p_buf = buf + (c0 * H + i_h).to(tl.int64) * D * W + r[:, None] * W + cols[None, :]
     n_chunks = tl.cdiv(eos - bos, L)
+    kk, vv, gv = _chunk_inputs(0, k, val, g, bos, eos, i_h, r, cols, m_r, m_c, stride_kt, stride_kh, stride_vt,
+                               stride_vh, stride_gt, stride_gh, L)  # fmt: skip
     if INTERP:  # the interpreter (triton 3.6, numpy >= 2.4) cannot take range() of a loaded scalar
         j = 0
         while j < n_chunks:
-            st = _pass_chunk(st, j, k, val, g, buf, bos, eos, c0, i_h, r, cols, m_r, m_c, m_rc, tile, stride_kt,
-                             stride_kh, stride_vt, stride_vh, stride_gt, stride_gh, H, D, W, L, PREC)  # fmt: skip
+            k_next, v_next, g_next = _chunk_inputs(j + 1, k, val, g, bos, eos, i_h, r, cols, m_r, m_c, stride_kt,
+                                                   stride_kh, stride_vt, stride_vh, stride_gt, stride_gh,
+                                                   L)  # fmt: skip
+            tl.store(p_buf, st, mask=m_rc)
+            p_buf += H * D * W  # the next chunk's start state (pointer arithmetic is 64-bit)
+            st = _pass_chunk(st, kk, vv, gv, PREC)
+            kk, vv, gv = k_next, v_next, g_next
             j += 1
     else:
         for j in range(n_chunks):
-            st = _pass_chunk(st, j, k, val, g, buf, bos, eos, c0, i_h, r, cols, m_r, m_c, m_rc, tile, stride_kt,
-                             stride_kh, stride_vt, stride_vh, stride_gt, stride_gh, H, D, W, L, PREC)  # fmt: skip
+            k_next, v_next, g_next = _chunk_inputs(j + 1, k, val, g, bos, eos, i_h, r, cols, m_r, m_c, stride_kt,
+                                                   stride_kh, stride_vt, stride_vh, stride_gt, stride_gh,
+                                                   L)  # fmt: skip
+            tl.store(p_buf, st, mask=m_rc)
+            p_buf += H * D * W
+            st = _pass_chunk(st, kk, vv, gv, PREC)
+            kk, vv, gv = k_next, v_next, g_next
     tl.store(p_pool, st, mask=m_rc)
 
 
@@ -136,26 +159,30 @@ def _gka_state_kernel(
     D: tl.constexpr,
     DV: tl.constexpr,
     L: tl.constexpr,
-    BD: tl.constexpr,
+    BR: tl.constexpr,
     BN: tl.constexpr,
     PREC: tl.constexpr,
     INTERP: tl.constexpr,
 ):
-    # Column blocks of H first, then of S: one launch keeps both passes in flight together.
-    i_nh, i_col = tl.program_id(0), tl.program_id(1)
+    # Tiles of H first, then of S, all in one launch: a single long prompt still has rows x columns x heads programs
+    # in flight, each walking the chunks one after another (the pass is latency-bound, not bandwidth-bound).
+    NB_H: tl.constexpr = (D + BN - 1) // BN
+    NB_COLS: tl.constexpr = NB_H + (DV + BN - 1) // BN
+    i_nh, i_rc = tl.program_id(0), tl.program_id(1)
+    row0, i_col = (i_rc // NB_COLS) * BR, i_rc % NB_COLS
     i_n, i_h = i_nh // H, i_nh % H
     bos = tl.load(cu_seqlens + i_n)
     eos = tl.load(cu_seqlens + i_n + 1)
     c0 = tl.load(chunk_offsets + i_n)
     slot = tl.load(state_indices + i_n).to(tl.int64)
-    NB_H: tl.constexpr = (D + BN - 1) // BN
     if i_col < NB_H:
-        _pass_tile(k, k, g, h, hbuf, slot, bos, eos, c0, i_h, i_col * BN, stride_kt, stride_kh, stride_kt, stride_kh,
-                   stride_gt, stride_gh, stride_hs, stride_hh, stride_hr, H, D, D, L, BD, BN, PREC, INTERP)  # fmt: skip
-    else:
-        _pass_tile(k, v, g, s, sbuf, slot, bos, eos, c0, i_h, (i_col - NB_H) * BN, stride_kt, stride_kh, stride_vt,
-                   stride_vh, stride_gt, stride_gh, stride_ss, stride_sh, stride_sr, H, D, DV, L, BD, BN, PREC,
+        _pass_tile(k, k, g, h, hbuf, slot, bos, eos, c0, i_h, row0, i_col * BN, stride_kt, stride_kh, stride_kt,
+                   stride_kh, stride_gt, stride_gh, stride_hs, stride_hh, stride_hr, H, D, D, L, BR, BN, PREC,
                    INTERP)  # fmt: skip
+    else:
+        _pass_tile(k, v, g, s, sbuf, slot, bos, eos, c0, i_h, row0, (i_col - NB_H) * BN, stride_kt, stride_kh,
+                   stride_vt, stride_vh, stride_gt, stride_gh, stride_ss, stride_sh, stride_sr, H, D, DV, L, BR, BN,
+                   PREC, INTERP)  # fmt: skip
 
 
 @triton.jit
@@ -300,7 +327,8 @@ def _check_shapes(q, k, v, g, alpha, h, s) -> None:
 
 def launch(
     q, k, v, g, alpha, h, s, state_indices, cu_seqlens, ridge, num_iter, scale, chunk_size=64, *,
-    cu_seqlens_cpu=None, block_m: int | None = None, block_n: int | None = None, warps_out: int | None = None,
+    cu_seqlens_cpu=None, block_m: int | None = None, block_r: int | None = None, block_n: int | None = None,
+    warps_out: int | None = None,
     warps_state: int = 4, precision: str | None = None, chunk_len: int | None = None,
 ) -> torch.Tensor:  # fmt: skip
     """`chunk_gka` with the kernels' chunk length, block shapes and dot precision open (for the device sweep)."""
@@ -324,12 +352,15 @@ def launch(
 
     hbuf = common.output_buffer((NC, He, D, D), f32, dev)
     sbuf = common.output_buffer((NC, He, D, Dv), f32, dev)
-    BN = block_n or min(32, BD, BDV)
-    _gka_state_kernel[(nseq * He, triton.cdiv(D, BN) + triton.cdiv(Dv, BN))](
+    # 64 x 64 tiles: of the H100 sweep (BENCHMARKS.md), the best for packed prompts and within noise of the best
+    # for one long prompt.
+    BN = block_n or min(64, BD, BDV)
+    BR = min(BD, block_r or 64)
+    _gka_state_kernel[(nseq * He, triton.cdiv(D, BR) * (triton.cdiv(D, BN) + triton.cdiv(Dv, BN)))](
         k, v, g, h, s, hbuf, sbuf, state_indices, cu_seqlens, chunk_offsets,
         k.stride(0), k.stride(1), v.stride(0), v.stride(1), g.stride(0), g.stride(1),
         h.stride(0), h.stride(1), h.stride(2), s.stride(0), s.stride(1), s.stride(2),
-        H=He, D=D, DV=Dv, L=L, BD=BD, BN=BN, PREC=prec, INTERP=INTERPRET, num_warps=warps_state,
+        H=He, D=D, DV=Dv, L=L, BR=BR, BN=BN, PREC=prec, INTERP=INTERPRET, num_warps=warps_state,
     )  # fmt: skip
 
     BM = min(L, block_m or (16 if INTERPRET else 32))
