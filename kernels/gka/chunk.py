@@ -31,6 +31,7 @@ import triton.language as tl
 
 from .. import common
 from ..dispatch import chunk_metadata, host_cu_seqlens
+from .fused_recurrent import check_shapes
 from .reference import _MIN_FRO_SQ
 
 INTERPRET = os.environ.get("TRITON_INTERPRET", "0") in ("1", "true", "True")
@@ -303,28 +304,6 @@ def _chunk_len(chunk_size: int) -> int:
     return min(32, max(16, triton.next_power_of_2(int(chunk_size))))
 
 
-def _check_shapes(q, k, v, g, alpha, h, s) -> None:
-    T, He, D = q.shape
-    Dv = v.shape[-1]
-    ok = (
-        k.shape == q.shape
-        and v.shape[:2] == (T, He)
-        and g.shape == (T, He)
-        and alpha.shape == (T, He)
-        and tuple(h.shape[1:]) == (He, D, D)
-        and tuple(s.shape[1:]) == (He, D, Dv)
-        and h.dtype == s.dtype == torch.float32
-        and h.stride(-1) == s.stride(-1) == 1
-        and q.stride(-1) == k.stride(-1) == v.stride(-1) == 1
-    )
-    if not ok:
-        raise ValueError(
-            f"shapes: q {tuple(q.shape)} k {tuple(k.shape)} v {tuple(v.shape)} g {tuple(g.shape)} alpha "
-            f"{tuple(alpha.shape)} h {tuple(h.shape)} {h.dtype} s {tuple(s.shape)} {s.dtype} (fp32 pools; the last "
-            "dimension of q, k, v, h, s contiguous)"
-        )
-
-
 def launch(
     q, k, v, g, alpha, h, s, state_indices, cu_seqlens, ridge, num_iter, scale, chunk_size=64, *,
     cu_seqlens_cpu=None, block_m: int | None = None, block_r: int | None = None, block_n: int | None = None,
@@ -332,7 +311,7 @@ def launch(
     warps_state: int = 4, precision: str | None = None, chunk_len: int | None = None,
 ) -> torch.Tensor:  # fmt: skip
     """`chunk_gka` with the kernels' chunk length, block shapes and dot precision open (for the device sweep)."""
-    _check_shapes(q, k, v, g, alpha, h, s)
+    check_shapes(q, k, v, g, alpha, h, s)
     T, He, D = q.shape
     Dv = v.shape[-1]
     cu = host_cu_seqlens(cu_seqlens, cu_seqlens_cpu, T)

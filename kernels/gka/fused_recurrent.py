@@ -129,19 +129,23 @@ def _gka_step_kernel(
             tl.store(o + o_off + cv, out.to(o.dtype.element_ty), mask=cv < DV)
 
 
-def _check_shapes(q, k, v, g, alpha, h, s) -> None:
-    B, He, D = q.shape
+def check_shapes(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor, alpha: torch.Tensor, h: torch.Tensor,
+    s: torch.Tensor,
+) -> None:
+    """Both GKA kernels' argument check: q, k `[N, He, D]`, v `[N, He, Dv]`, g, alpha `[N, He]` (N tokens or
+    sessions), fp32 pools h `[S, He, D, D]` and s `[S, He, D, Dv]`, last dimensions contiguous. Raises ValueError."""
+    N, He, D = q.shape
     Dv = v.shape[-1]
     ok = (
         k.shape == q.shape
-        and v.shape[:2] == (B, He)
-        and g.shape == (B, He)
-        and alpha.shape == (B, He)
+        and v.shape[:2] == (N, He)
+        and g.shape == (N, He)
+        and alpha.shape == (N, He)
         and tuple(h.shape[1:]) == (He, D, D)
         and tuple(s.shape[1:]) == (He, D, Dv)
         and h.dtype == s.dtype == torch.float32
-        and h.stride(-1) == 1
-        and s.stride(-1) == 1
+        and h.stride(-1) == s.stride(-1) == 1
         and q.stride(-1) == k.stride(-1) == v.stride(-1) == 1
     )
     if not ok:
@@ -157,7 +161,7 @@ def launch(
     num_warps: int | None = None,
 ) -> torch.Tensor:  # fmt: skip
     """`fused_recurrent_gka` with the block shape open (for the device sweep)."""
-    _check_shapes(q, k, v, g, alpha, h, s)
+    check_shapes(q, k, v, g, alpha, h, s)
     B, He, D = q.shape
     Dv = v.shape[-1]
     out = common.output_buffer((B, He, Dv), q.dtype, q.device)
