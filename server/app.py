@@ -13,7 +13,7 @@ from kvfree.engine.async_engine import AsyncEngine
 from kvfree.engine.llm import LLM
 from kvfree.engine.session_store import open_store
 from kvfree.engine.snapshot import model_fingerprint
-from kvfree.server import routes_openai, routes_ops, routes_sessions
+from kvfree.server import routes_openai, routes_ops, routes_responses, routes_sessions
 from kvfree.server.auth import APIKeys
 from kvfree.server.errors import install_error_handlers
 from kvfree.server.generation import ServerState
@@ -88,6 +88,7 @@ def create_app(settings: ServerSettings, engine: AsyncEngine | None = None) -> F
     app.state.kvfree = ServerState(engine=engine, settings=settings, metrics=metrics, model_name=name)
     app.state.api_keys = keys
     app.include_router(routes_openai.router)
+    app.include_router(routes_responses.router)
     app.include_router(routes_sessions.router)
     app.include_router(routes_ops.router)
     app.include_router(routes_ops.tokens_router)

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import contextlib
 from collections.abc import AsyncIterator
-from dataclasses import dataclass
+from dataclasses import dataclass, field, replace
 from typing import Annotated, Any
 
 import jinja2
@@ -22,6 +22,7 @@ from kvfree.engine.session_store import SessionStoreError
 from kvfree.engine.sessions import PoolExhausted, SessionLimitError, SessionNotFound
 from kvfree.engine.snapshot import SnapshotError
 from kvfree.engine.state_pool import SnapshotMismatchError
+from kvfree.engine.tokenizer import Tokenizer
 from kvfree.server.errors import (
     APIError,
     conflict,
@@ -33,6 +34,7 @@ from kvfree.server.errors import (
 )
 from kvfree.server.metrics import Metrics
 from kvfree.server.protocol import ChatMessage
+from kvfree.server.responses import ResponseStore
 from kvfree.server.settings import ServerSettings
 from kvfree.server.tools import template_messages
 
@@ -45,6 +47,7 @@ class ServerState:
     settings: ServerSettings
     metrics: Metrics
     model_name: str
+    responses: ResponseStore = field(default_factory=ResponseStore)  # POST /v1/responses with store
 
 
 def state_of(request: Request) -> ServerState:
@@ -73,6 +76,16 @@ def render_chat(
         raise invalid_request(str(exc), "messages") from None
     except jinja2.TemplateError as exc:
         raise invalid_request(f"the chat template could not render these messages: {exc}", "messages") from None
+
+
+# Chat templates end an assistant turn with this token; generation must stop there.
+TURN_END_TOKENS = ("<|im_end|>",)
+
+
+def stop_at_turn_end(params: SamplingParams, tok: Tokenizer) -> SamplingParams:
+    """`params` that also stop at the chat template's end-of-turn token (when the tokenizer has one)."""
+    ids = [i for t in TURN_END_TOKENS if (i := tok.token_to_id(t)) is not None]
+    return replace(params, stop_token_ids=[*params.stop_token_ids, *ids]) if ids else params
 
 
 def check_prompt(state: ServerState, ids: list[int], params: SamplingParams | None, param: str) -> None:

@@ -55,7 +55,7 @@ MAX_TOOLS = 128
 # Completions default to OpenAI's 16 tokens when `max_tokens` is not given (chat defaults to the server's limit).
 DEFAULT_COMPLETION_MAX_TOKENS = 16
 # Seeds are int64 as in OpenAI's API; the engine's generators take [0, 2**63), so negative seeds are folded in.
-_SEED_MASK = 2**63 - 1
+SEED_MASK = 2**63 - 1
 
 
 def new_id(prefix: str) -> str:
@@ -310,7 +310,7 @@ class GenerationRequest(RequestModel):
                 repetition_penalty=self.repetition_penalty,
                 presence_penalty=self.presence_penalty,
                 frequency_penalty=self.frequency_penalty,
-                seed=None if self.seed is None else self.seed & _SEED_MASK,
+                seed=None if self.seed is None else self.seed & SEED_MASK,
                 stop=stop,
                 stop_token_ids=list(self.stop_token_ids),
                 ignore_eos=self.ignore_eos,
@@ -322,7 +322,7 @@ class GenerationRequest(RequestModel):
             raise invalid_request(str(e), param=str(e).split(" ", 1)[0]) from None
 
 
-def _resolve_max_tokens(name: str, value: int | None, default: int, limit: int) -> int:
+def resolve_max_tokens(name: str, value: int | None, default: int, limit: int) -> int:
     """The number of tokens to generate: `value` if given (400 naming `name` when over `limit`), else `default`."""
     if value is None:
         return min(default, limit)
@@ -390,7 +390,7 @@ class CompletionRequest(GenerationRequest):
         Raises:
             APIError: 400 naming `max_tokens` when it is over `max_tokens_limit`.
         """
-        max_tokens = _resolve_max_tokens("max_tokens", self.max_tokens, DEFAULT_COMPLETION_MAX_TOKENS, max_tokens_limit)
+        max_tokens = resolve_max_tokens("max_tokens", self.max_tokens, DEFAULT_COMPLETION_MAX_TOKENS, max_tokens_limit)
         return self._sampling_params(max_tokens, self.logprobs)
 
 
@@ -482,7 +482,7 @@ class ChatCompletionRequest(GenerationRequest):
             name, value = "max_completion_tokens", self.max_completion_tokens
         else:
             name, value = "max_tokens", self.max_tokens
-        max_tokens = _resolve_max_tokens(name, value, max_tokens_limit, max_tokens_limit)
+        max_tokens = resolve_max_tokens(name, value, max_tokens_limit, max_tokens_limit)
         logprobs = (self.top_logprobs or 0) if self.logprobs else None
         return self._sampling_params(max_tokens, logprobs, skip_special_tokens=not self.uses_tools)
 
@@ -799,7 +799,7 @@ SSE_DONE = "data: [DONE]\n\n"
 _LINE_BREAKS_JSON_KEEPS = {"\x85": "\\u0085", "\u2028": "\\u2028", "\u2029": "\\u2029"}
 
 
-def _one_line(data: str) -> str:
+def one_line(data: str) -> str:
     for raw, escaped in _LINE_BREAKS_JSON_KEEPS.items():
         data = data.replace(raw, escaped)
     return data
@@ -810,7 +810,7 @@ def sse_event(body: BaseModel) -> str:
 
     The event is one line whatever the text holds: the Unicode line separators are written as JSON escapes.
     """
-    return f"data: {_one_line(body.model_dump_json())}\n\n"
+    return f"data: {one_line(body.model_dump_json())}\n\n"
 
 
 class TextEvents:
@@ -829,4 +829,4 @@ class TextEvents:
         self._head, self._tail = rendered.split(json.dumps(self._PLACEHOLDER)[1:-1])
 
     def event(self, text: str) -> str:
-        return self._head + _one_line(json.dumps(text, ensure_ascii=False)[1:-1]) + self._tail
+        return self._head + one_line(json.dumps(text, ensure_ascii=False)[1:-1]) + self._tail

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import time
 from collections.abc import AsyncIterator, Callable
-from dataclasses import dataclass, field, replace
+from dataclasses import dataclass, field
 from typing import Any
 
 from fastapi import APIRouter, Depends, Request
@@ -29,6 +29,7 @@ from kvfree.server.generation import (
     engine_error,
     render_chat,
     start_generation,
+    stop_at_turn_end,
 )
 from kvfree.server.metrics import RequestTimer
 from kvfree.server.protocol import (
@@ -67,9 +68,6 @@ from kvfree.server.tools import (
 router = APIRouter(tags=["OpenAI"], dependencies=[Depends(api_key_owner)])
 
 GENERATION_ERRORS = error_responses(400, 401, 404, 409, 413, 429, 503)
-
-# Chat templates end an assistant turn with this token; generation must stop there.
-TURN_END_TOKENS = ("<|im_end|>",)
 
 
 # -- routes -------------------------------------------------------------------------------------------------------
@@ -132,7 +130,7 @@ async def chat_completions(body: ChatCompletionRequest, request: Request, state:
     tok = state.engine.tokenizer
     choice = body.effective_tool_choice
     text = render_chat(state, body.messages, template_tools(body.tools, choice), add_generation_prompt=True)
-    params = _stop_at_turn_end(body.to_sampling_params(state.settings.max_output_tokens), tok)
+    params = stop_at_turn_end(body.to_sampling_params(state.settings.max_output_tokens), tok)
     ctx = await _prepare(state, request, body, tok.encode(text), params, owner, "messages")
     fmt = ToolCallFormat.from_tokenizer_config(tok.config) if body.uses_tools else None
     allowed = accepted_tool_names(body.tools, choice)
@@ -463,8 +461,3 @@ def _completion_logprobs(tok: Tokenizer, entries: list[TokenLogprob], offset: in
         out.token_logprobs.append(e.logprob)
         out.top_logprobs.append({_token_text(tok, i): lp for i, lp in e.top} if e.top else None)
     return out
-
-
-def _stop_at_turn_end(params: SamplingParams, tok: Tokenizer) -> SamplingParams:
-    ids = [i for t in TURN_END_TOKENS if (i := tok.token_to_id(t)) is not None]
-    return replace(params, stop_token_ids=[*params.stop_token_ids, *ids]) if ids else params

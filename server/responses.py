@@ -1,0 +1,504 @@
+"""The OpenAI Responses API (`POST /v1/responses`): its request body, the conversation it stands for, and the output
+items and stream events built from the model's text (openai's own response types, serialised as OpenAI sends them).
+
+A response is one assistant turn. Its input items (messages, `function_call`s the model made earlier,
+`function_call_output`s with tool results) become chat messages rendered by the checkpoint's chat template, after
+the request's `instructions` and, with `previous_response_id`, after the stored conversation of that response. The
+model's text becomes output items in the order it wrote them: a `message` with `output_text` for text, one
+`function_call` per tool call (tool calls are parsed as the chat route parses them, server/tools.py).
+"""
+
+from __future__ import annotations
+
+import time
+import uuid
+from dataclasses import dataclass, field
+from typing import Annotated, Any, Literal, get_args
+
+from openai.types.responses import (
+    FunctionTool,
+    Response,
+    ResponseContentPartAddedEvent,
+    ResponseContentPartDoneEvent,
+    ResponseFunctionCallArgumentsDeltaEvent,
+    ResponseFunctionCallArgumentsDoneEvent,
+    ResponseFunctionToolCall,
+    ResponseOutputItemAddedEvent,
+    ResponseOutputItemDoneEvent,
+    ResponseOutputMessage,
+    ResponseOutputText,
+    ResponseTextDeltaEvent,
+    ResponseTextDoneEvent,
+    ResponseUsage,
+)
+from openai.types.responses.response_usage import InputTokensDetails, OutputTokensDetails
+from pydantic import BaseModel, Discriminator, Field, Tag, ValidationInfo, field_validator
+
+from kvfree.engine.sampling import SamplingParams
+from kvfree.server.errors import not_found
+from kvfree.server.protocol import (
+    MAX_TOOLS,
+    SEED_MASK,
+    AssistantMessage,
+    ChatMessage,
+    ChatTool,
+    FunctionCall,
+    FunctionDefinition,
+    NamedToolChoice,
+    RequestModel,
+    SystemMessage,
+    TextContentPart,
+    ToolCall,
+    ToolChoice,
+    ToolChoiceFunctionName,
+    ToolMessage,
+    UserMessage,
+    one_line,
+    resolve_max_tokens,
+)
+from kvfree.server.tools import ContentDelta, DeltaToolCall, ToolCallFormat, ToolCallStreamParser
+
+MAX_METADATA = 16
+
+
+def response_id() -> str:
+    """A response id in OpenAI's style: `resp_` and 32 hex digits."""
+    return "resp_" + uuid.uuid4().hex
+
+
+# -- the request ----------------------------------------------------------------------------------------------------
+
+
+class InputText(RequestModel):
+    """A text part of a message's content (`input_text`; `output_text` in an assistant message sent back)."""
+
+    type: Literal["input_text", "output_text", "text"] = Field(description='`"input_text"` (or `"output_text"`).')
+    text: str
+
+
+class MessageItem(RequestModel):
+    """A message: `{"role": "user", "content": "..."}`, with or without `"type": "message"`."""
+
+    type: Literal["message"] = "message"
+    role: Literal["user", "system", "developer", "assistant"]
+    content: str | list[InputText]
+    id: str | None = Field(default=None, description="Accepted (an output item sent back); not used.")
+    status: str | None = Field(default=None, description="Accepted (an output item sent back); not used.")
+
+
+class FunctionCallItem(RequestModel):
+    """A tool call the model made in an earlier turn (a `function_call` output item sent back)."""
+
+    type: Literal["function_call"]
+    call_id: str = Field(min_length=1, description="The call's id; a `function_call_output` answers it.")
+    name: str
+    arguments: str = Field(description="The arguments, a JSON object serialized as a string.")
+    id: str | None = None
+    status: str | None = None
+
+
+class FunctionCallOutputItem(RequestModel):
+    """The result of a tool call, for the model to read."""
+
+    type: Literal["function_call_output"]
+    call_id: str = Field(min_length=1, description="The `call_id` of the `function_call` this answers.")
+    output: str | list[InputText]
+    id: str | None = None
+    status: str | None = None
+
+
+def _item_kind(data: Any) -> str:
+    """The input item's kind: its `type`, `message` when it has none (OpenAI's "easy input message")."""
+    if isinstance(data, dict):
+        return data.get("type", "message")
+    return getattr(data, "type", "message")
+
+
+InputItem = Annotated[
+    Annotated[MessageItem, Tag("message")]
+    | Annotated[FunctionCallItem, Tag("function_call")]
+    | Annotated[FunctionCallOutputItem, Tag("function_call_output")],
+    Discriminator(_item_kind),
+]
+
+
+class FunctionToolParam(RequestModel):
+    """A function the model may call (the Responses API's flat form: `name` beside `type`)."""
+
+    type: Literal["function"] = Field(description='Only `"function"` tools.')
+    name: str = Field(pattern=r"^[A-Za-z0-9_.\-]{1,64}$", description="Letters, digits, `_`, `.`, `-`; 1-64 chars.")
+    description: str | None = None
+    parameters: dict[str, Any] | None = Field(default=None, description="JSON Schema of the arguments; not enforced.")
+    strict: bool | None = Field(default=None, description="Accepted for compatibility; arguments are not enforced.")
+
+
+class ToolChoiceFunction(RequestModel):
+    """Force a call to one function: `{"type": "function", "name": "..."}`."""
+
+    type: Literal["function"]
+    name: str
+
+
+class TextFormat(RequestModel):
+    type: Literal["text"] = Field(description='Only `"text"`: structured output is not implemented.')
+
+
+class TextConfig(RequestModel):
+    format: TextFormat | None = None
+
+
+class ResponsesRequest(RequestModel):
+    """`POST /v1/responses`: the model's next turn, optionally continuing a stored response."""
+
+    model: str | None = Field(default=None, description="Optional: omitted means the server's only model.")
+    input: str | Annotated[list[InputItem], Field(min_length=1)] = Field(
+        description="A user message as a string, or a list of input items (messages, function calls, their outputs)."
+    )
+    instructions: str | None = Field(
+        default=None, description="A system message before the conversation; not carried over to later responses."
+    )
+    previous_response_id: str | None = Field(
+        default=None,
+        min_length=1,
+        description="Continue from this stored response's exact state: only this request's input is prefilled. "
+        "Several responses may continue the same one (a fork each).",
+    )
+    tools: list[FunctionToolParam] | None = Field(default=None, max_length=MAX_TOOLS)
+    tool_choice: Literal["none", "auto", "required"] | ToolChoiceFunction | None = None
+    parallel_tool_calls: bool | None = Field(default=None, description="Accepted; every call written is returned.")
+    max_output_tokens: int | None = Field(default=None, ge=1, description="Most tokens to generate.")
+    temperature: float | None = Field(default=None, ge=0, le=2, description="0 is greedy; default 1.")
+    top_p: float | None = Field(default=None, gt=0, le=1, description="Nucleus sampling mass; default 1.")
+    seed: int | None = Field(default=None, ge=-(2**63), le=2**63 - 1, description="Extension: reproducible sampling.")
+    store: bool = Field(default=True, description="Keep the response (and its state) for GET and continuation.")
+    stream: bool = Field(default=False, description="Stream the Responses API's typed server-sent events.")
+    metadata: dict[str, str] | None = Field(default=None, description=f"Up to {MAX_METADATA} key-value pairs.")
+    user: str | None = Field(default=None, description="Accepted for compatibility; ignored.")
+    text: TextConfig | None = Field(default=None, description='Only `{"format": {"type": "text"}}`.')
+    truncation: Literal["disabled"] | None = Field(default=None, description='Only `"disabled"`.')
+    reasoning: dict[str, Any] | None = Field(default=None, description="Accepted; the served models do not reason.")
+    include: list[str] | None = Field(default=None, description="Accepted; nothing extra is included.")
+
+    @field_validator("metadata")
+    @classmethod
+    def _few_keys(cls, value: dict[str, str] | None) -> dict[str, str] | None:
+        if value is not None and len(value) > MAX_METADATA:
+            raise ValueError(f"metadata has {len(value)} keys; at most {MAX_METADATA}")
+        return value
+
+    @field_validator("tools")
+    @classmethod
+    def _unique_names(cls, tools: list[FunctionToolParam] | None) -> list[FunctionToolParam] | None:
+        names = [tool.name for tool in tools or []]
+        duplicates = sorted({name for name in names if names.count(name) > 1})
+        if duplicates:
+            raise ValueError(f"tool names must be unique; repeated: {', '.join(duplicates)}")
+        return tools
+
+    @field_validator("tool_choice")
+    @classmethod
+    def _choice_matches_tools(cls, choice: Any, info: ValidationInfo) -> Any:
+        if choice is None or choice == "none" or "tools" not in info.data:
+            return choice
+        names = {t.name for t in info.data["tools"] or []}
+        if not names:
+            raise ValueError(f"tool_choice {choice if isinstance(choice, str) else choice.name!r} needs tools")
+        if isinstance(choice, ToolChoiceFunction) and choice.name not in names:
+            raise ValueError(f"tool_choice names function {choice.name!r}, which is not in tools")
+        return choice
+
+    # -- what the chat machinery takes ----------------------------------------------------------------------------
+    def chat_tools(self) -> list[ChatTool] | None:
+        """The tools in the chat API's nested form, for the template and the tool-call parser."""
+        if not self.tools:
+            return None
+        return [
+            ChatTool(
+                type="function",
+                function=FunctionDefinition(
+                    name=t.name, description=t.description, parameters=t.parameters, strict=t.strict
+                ),
+            )
+            for t in self.tools
+        ]
+
+    def chat_tool_choice(self) -> ToolChoice:
+        """`tool_choice` in the chat API's form, with OpenAI's default ("auto" with tools, else "none")."""
+        choice = self.tool_choice
+        if choice is None:
+            return "auto" if self.tools else "none"
+        if isinstance(choice, ToolChoiceFunction):
+            return NamedToolChoice(type="function", function=ToolChoiceFunctionName(name=choice.name))
+        return choice
+
+    @property
+    def uses_tools(self) -> bool:
+        return bool(self.tools) and self.chat_tool_choice() != "none"
+
+    def input_messages(self) -> list[ChatMessage]:
+        """This request's input as chat messages (instructions not included)."""
+        if isinstance(self.input, str):
+            return [UserMessage(role="user", content=self.input)]
+        return items_to_messages(self.input)
+
+    def to_sampling_params(self, max_tokens_limit: int) -> SamplingParams:
+        """The engine's parameters; special tokens stay in the text while tools are in use (their tags are some)."""
+        max_tokens = resolve_max_tokens("max_output_tokens", self.max_output_tokens, max_tokens_limit, max_tokens_limit)
+        return SamplingParams(
+            max_tokens=max_tokens,
+            temperature=1.0 if self.temperature is None else self.temperature,
+            top_p=1.0 if self.top_p is None else self.top_p,
+            seed=None if self.seed is None else self.seed & SEED_MASK,
+            skip_special_tokens=not self.uses_tools,
+        )
+
+
+def _content(content: str | list[InputText]) -> str | list[TextContentPart]:
+    if isinstance(content, str):
+        return content
+    return [TextContentPart(type="text", text=part.text) for part in content]
+
+
+def items_to_messages(items: list[MessageItem | FunctionCallItem | FunctionCallOutputItem]) -> list[ChatMessage]:
+    """Input items as chat messages: consecutive `function_call`s (after an assistant message or not) are one
+    assistant message with several tool calls, as the model wrote them in one turn."""
+    messages: list[ChatMessage] = []
+    for item in items:
+        if isinstance(item, MessageItem):
+            content = _content(item.content)
+            if item.role == "user":
+                messages.append(UserMessage(role="user", content=content))
+            elif item.role == "assistant":
+                messages.append(AssistantMessage(role="assistant", content=content))
+            else:
+                messages.append(SystemMessage(role=item.role, content=content))
+        elif isinstance(item, FunctionCallItem):
+            call = ToolCall(id=item.call_id, function=FunctionCall(name=item.name, arguments=item.arguments))
+            last = messages[-1] if messages else None
+            if isinstance(last, AssistantMessage):
+                last.tool_calls = [*(last.tool_calls or []), call]
+            else:
+                messages.append(AssistantMessage(role="assistant", content=None, tool_calls=[call]))
+        else:
+            output = item.output if isinstance(item.output, str) else "".join(p.text for p in item.output)
+            messages.append(ToolMessage(role="tool", content=output, tool_call_id=item.call_id))
+    return messages
+
+
+# -- the output -----------------------------------------------------------------------------------------------------
+
+
+class OutputBuilder:
+    """The model's text as output items, and the stream events that build them, in order.
+
+    Text goes into a `message` item, opened at the first text; a tool call closes it and becomes a `function_call`
+    item; text after a call opens a new message. `feed` and `finish` return the events of what they added (a
+    non-streaming route just ignores them); `items` is the output so far, and `assistant_message()` the turn as a
+    chat message for the conversation's history. Every event gets the next `sequence_number`.
+    """
+
+    def __init__(self, fmt: ToolCallFormat | None, allowed: frozenset[str] | None) -> None:
+        self.parser = ToolCallStreamParser(fmt.start, fmt.end, allowed) if fmt is not None else None
+        self.items: list[ResponseOutputMessage | ResponseFunctionToolCall] = []
+        self.sequence = 0
+        self._message: ResponseOutputMessage | None = None  # the open message item
+        self._text = ""
+        self._calls: list[ToolCall] = []
+        self._content = ""
+        self._finished = False
+
+    def event(self, cls: type[BaseModel], **fields: Any) -> BaseModel:
+        """An event of type `cls` with the next sequence number."""
+        event = cls(type=get_args(cls.model_fields["type"].annotation)[0], sequence_number=self.sequence, **fields)
+        self.sequence += 1
+        return event
+
+    def feed(self, text: str) -> list[BaseModel]:
+        if self.parser is None:
+            return self._add_text(text) if text else []
+        return self._apply(self.parser.feed(text))
+
+    def finish(self) -> list[BaseModel]:
+        """The model is done: flush held text, close the open message (nothing the second time)."""
+        if self._finished:
+            return []
+        self._finished = True
+        events = self._apply(self.parser.finish()) if self.parser is not None else []
+        return events + self._close_message()
+
+    def assistant_message(self) -> AssistantMessage:
+        """This turn in the conversation's history: its text and its tool calls."""
+        return AssistantMessage(role="assistant", content=self._content or None, tool_calls=self._calls or None)
+
+    def _apply(self, parsed: list[ContentDelta | DeltaToolCall]) -> list[BaseModel]:
+        events: list[BaseModel] = []
+        for piece in parsed:
+            if isinstance(piece, ContentDelta):
+                events += self._add_text(piece.text)
+            elif piece.id is not None:  # the first of a call's two deltas: the whole call is in the parser
+                call = self.parser.tool_calls[piece.index]
+                events += self._close_message() + self._add_call(call.id, call.function.name, call.function.arguments)
+        return events
+
+    def _add_text(self, text: str) -> list[BaseModel]:
+        events: list[BaseModel] = []
+        if self._message is None:
+            self._message = ResponseOutputMessage(
+                id="msg_" + uuid.uuid4().hex, type="message", role="assistant", status="in_progress", content=[]
+            )
+            self._text = ""
+            index = len(self.items)
+            self.items.append(self._message)
+            events.append(self.event(ResponseOutputItemAddedEvent, output_index=index, item=self._message.model_copy()))
+            part = ResponseOutputText(type="output_text", text="", annotations=[], logprobs=[])
+            events.append(self.event(ResponseContentPartAddedEvent, item_id=self._message.id, output_index=index,
+                                     content_index=0, part=part))  # fmt: skip
+        self._text += text
+        self._content += text
+        events.append(self.event(ResponseTextDeltaEvent, item_id=self._message.id, output_index=len(self.items) - 1,
+                                 content_index=0, delta=text, logprobs=[]))  # fmt: skip
+        return events
+
+    def _close_message(self) -> list[BaseModel]:
+        if self._message is None:
+            return []
+        message, self._message = self._message, None
+        index = self.items.index(message)
+        part = ResponseOutputText(type="output_text", text=self._text, annotations=[], logprobs=[])
+        message.content = [part]
+        message.status = "completed"
+        return [
+            self.event(ResponseTextDoneEvent, item_id=message.id, output_index=index, content_index=0,
+                       text=self._text, logprobs=[]),
+            self.event(ResponseContentPartDoneEvent, item_id=message.id, output_index=index, content_index=0,
+                       part=part),
+            self.event(ResponseOutputItemDoneEvent, output_index=index, item=message),
+        ]  # fmt: skip
+
+    def _add_call(self, call_id: str, name: str, arguments: str) -> list[BaseModel]:
+        self._calls.append(ToolCall(id=call_id, function=FunctionCall(name=name, arguments=arguments)))
+        item = ResponseFunctionToolCall(
+            id="fc_" + uuid.uuid4().hex, type="function_call", call_id=call_id, name=name, arguments="",
+            status="in_progress",
+        )  # fmt: skip
+        index = len(self.items)
+        self.items.append(item)
+        added = self.event(ResponseOutputItemAddedEvent, output_index=index, item=item.model_copy())
+        item.arguments = arguments
+        item.status = "completed"
+        return [
+            added,
+            self.event(ResponseFunctionCallArgumentsDeltaEvent, item_id=item.id, output_index=index, delta=arguments),
+            self.event(ResponseFunctionCallArgumentsDoneEvent, item_id=item.id, output_index=index,
+                       arguments=arguments, name=name),
+            self.event(ResponseOutputItemDoneEvent, output_index=index, item=item),
+        ]  # fmt: skip
+
+
+def usage(input_tokens: int, output_tokens: int, cached_tokens: int) -> ResponseUsage:
+    """Token counts; `input_tokens_details.cached_tokens`: input tokens the previous response's state already held."""
+    details: dict[str, int] = {"cached_tokens": cached_tokens}
+    if "cache_write_tokens" in InputTokensDetails.model_fields:  # newer SDKs: tokens written to a prompt cache
+        details["cache_write_tokens"] = 0
+    return ResponseUsage(
+        input_tokens=input_tokens,
+        input_tokens_details=InputTokensDetails(**details),
+        output_tokens=output_tokens,
+        output_tokens_details=OutputTokensDetails(reasoning_tokens=0),
+        total_tokens=input_tokens + output_tokens,
+    )
+
+
+def response_object(
+    body: ResponsesRequest,
+    rid: str,
+    model: str,
+    created_at: float,
+    output: list[ResponseOutputMessage | ResponseFunctionToolCall],
+    status: Literal["in_progress", "completed", "incomplete"],
+    usage_: ResponseUsage | None = None,
+) -> Response:
+    """The response object of `body`, as `POST` returns it, `GET` replays it and stream events carry it."""
+    tool_choice = body.tool_choice if body.tool_choice is not None else ("auto" if body.tools else "none")
+    return Response(
+        id=rid,
+        object="response",
+        created_at=created_at,
+        model=model,
+        status=status,
+        output=list(output),
+        instructions=body.instructions,
+        previous_response_id=body.previous_response_id,
+        tools=[FunctionTool(**t.model_dump(exclude_none=True)) for t in body.tools or []],
+        tool_choice=tool_choice if isinstance(tool_choice, str) else tool_choice.model_dump(),
+        parallel_tool_calls=True if body.parallel_tool_calls is None else body.parallel_tool_calls,
+        temperature=1.0 if body.temperature is None else body.temperature,
+        top_p=1.0 if body.top_p is None else body.top_p,
+        max_output_tokens=body.max_output_tokens,
+        store=body.store,
+        metadata=body.metadata or {},
+        text={"format": {"type": "text"}},
+        truncation="disabled",
+        incomplete_details={"reason": "max_output_tokens"} if status == "incomplete" else None,
+        error=None,
+        usage=usage_,
+        user=body.user,
+    )
+
+
+def now() -> float:
+    return float(int(time.time()))
+
+
+def sse(event: BaseModel) -> str:
+    """One Responses API server-sent event: its type on the `event:` line, the JSON on one `data:` line."""
+    return f"event: {event.type}\ndata: {one_line(event.model_dump_json())}\n\n"
+
+
+
+
+# -- stored responses -----------------------------------------------------------------------------------------------
+
+
+@dataclass
+class StoredResponse:
+    """A stored response: what `GET` returns, who may see it, and how to continue it.
+
+    session_id: the session whose state is the conversation at the end of this response (forked by each
+        continuation, so the response itself can be continued again). messages: that conversation as chat
+        messages, without instructions (OpenAI does not carry them over), for the template to render it again.
+    """
+
+    response: Response
+    owner: str | None
+    session_id: str
+    messages: list[ChatMessage] = field(default_factory=list)
+
+
+class ResponseStore:
+    """Stored responses by id, scoped by API key as sessions are: another key's id reads as unknown.
+
+    The state of each lives in its session (GPU slot, host memory or the session store, as the session manager
+    moves it); this holds the small rest. Used from the event loop only.
+    """
+
+    def __init__(self) -> None:
+        self._items: dict[str, StoredResponse] = {}
+
+    def __len__(self) -> int:
+        return len(self._items)
+
+    def put(self, stored: StoredResponse) -> None:
+        self._items[stored.response.id] = stored
+
+    def get(self, response_id: str, owner: str | None, param: str | None = None) -> StoredResponse:
+        """The response, or a 404 naming `param` (the same for an unknown id and another key's)."""
+        stored = self._items.get(response_id)
+        if stored is None or stored.owner != owner:
+            raise not_found(f"no stored response {response_id!r}", param, code="response_not_found")
+        return stored
+
+    def pop(self, response_id: str, owner: str | None) -> StoredResponse:
+        stored = self.get(response_id, owner)
+        del self._items[response_id]
+        return stored

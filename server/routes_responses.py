@@ -1,0 +1,227 @@
+"""The OpenAI Responses API: `POST /v1/responses`, `GET` and `DELETE /v1/responses/{id}`.
+
+A stored response keeps a session whose state is the conversation at the end of that response, moved between the
+GPU, host memory and the session store like any session. A request with `previous_response_id` forks that session
+(so the response can be continued again, and two continuations of one response are two branches), renders the
+stored conversation plus its own input through the chat template, and prefills only the tokens the forked state
+does not hold yet: `usage.input_tokens_details.cached_tokens` says how many it skipped. `store: false` keeps
+nothing: a fork it made is deleted when the response ends.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import AsyncIterator
+from dataclasses import dataclass
+
+from fastapi import APIRouter, Depends, Request
+from fastapi.responses import JSONResponse, StreamingResponse
+from openai.types.responses import (
+    Response,
+    ResponseCompletedEvent,
+    ResponseCreatedEvent,
+    ResponseErrorEvent,
+    ResponseIncompleteEvent,
+    ResponseInProgressEvent,
+)
+from pydantic import BaseModel
+
+from kvfree.engine.scheduler import RequestOutput
+from kvfree.engine.sessions import SessionNotFound
+from kvfree.server.auth import OwnerDep, api_key_owner
+from kvfree.server.errors import APIError, error_responses, not_found
+from kvfree.server.generation import (
+    ENGINE_ERRORS,
+    ServerState,
+    StateDep,
+    check_model,
+    check_prompt,
+    engine_error,
+    render_chat,
+    start_generation,
+    stop_at_turn_end,
+)
+from kvfree.server.metrics import RequestTimer
+from kvfree.server.protocol import ChatMessage, ResponseModel, SystemMessage, new_id
+from kvfree.server.responses import (
+    OutputBuilder,
+    ResponsesRequest,
+    StoredResponse,
+    now,
+    response_id,
+    response_object,
+    sse,
+    usage,
+)
+from kvfree.server.tools import ToolCallFormat, accepted_tool_names, template_tools
+
+router = APIRouter(tags=["Responses"], dependencies=[Depends(api_key_owner)])
+
+
+class ResponseDeleted(ResponseModel):
+    id: str
+    object: str = "response"
+    deleted: bool = True
+
+
+_CREATED = {
+    200: {
+        "description": "The response object (`object: \"response\"`), or with `stream` the Responses API's "
+        "server-sent events.",
+        "content": {"application/json": {}, "text/event-stream": {}},
+    }
+}
+
+
+@router.post("/v1/responses", responses=_CREATED | error_responses(400, 401, 404, 409, 413, 429, 503))
+async def create_response(body: ResponsesRequest, request: Request, state: StateDep, owner: OwnerDep):
+    """The model's next turn. With `previous_response_id` it continues that stored response's exact state; with
+    `stream`, the Responses API's typed events (`response.created` ... `response.completed`)."""
+    check_model(state, body.model)
+    tok = state.engine.tokenizer
+    previous = state.responses.get(body.previous_response_id, owner, "previous_response_id") if (
+        body.previous_response_id
+    ) else None  # fmt: skip
+    conversation: list[ChatMessage] = [*(previous.messages if previous else []), *body.input_messages()]
+    system = [SystemMessage(role="system", content=body.instructions)] if body.instructions else []
+    tools, choice = body.chat_tools(), body.chat_tool_choice()
+    text = render_chat(state, [*system, *conversation], template_tools(tools, choice), add_generation_prompt=True)
+    params = stop_at_turn_end(body.to_sampling_params(state.settings.max_output_tokens), tok)
+    prompt_ids = tok.encode(text)
+    check_prompt(state, prompt_ids, params, "input")
+
+    session_id = await _session_for(state, previous, body.store, owner)
+    fmt = ToolCallFormat.from_tokenizer_config(tok.config) if body.uses_tools else None
+    turn = Turn(
+        state=state, body=body, owner=owner, request=request, prompt_ids=prompt_ids, session_id=session_id,
+        conversation=conversation, builder=OutputBuilder(fmt, accepted_tool_names(tools, choice)),
+        timer=state.metrics.request_timer(), rid=response_id(), created_at=now(),
+    )  # fmt: skip
+    try:
+        outputs = await start_generation(
+            state, prompt_ids, params, n=1, session_id=session_id, owner=owner,
+            request_id=getattr(request.state, "request_id", None) or new_id("req"),
+        )  # fmt: skip
+    except BaseException:
+        await turn.drop_session()
+        raise
+    if body.stream:
+        return StreamingResponse(turn.events(outputs), media_type="text/event-stream")
+    try:
+        async for out in outputs:
+            turn.take(out)
+        response = turn.finish()
+    finally:
+        await turn.drop_session()  # nothing, once the response is stored
+    return JSONResponse(response.model_dump(mode="json"))
+
+
+@router.get("/v1/responses/{response_id}", responses=error_responses(401, 404))
+async def get_response(response_id: str, state: StateDep, owner: OwnerDep):
+    """A stored response, as `POST` returned it."""
+    return JSONResponse(state.responses.get(response_id, owner, "response_id").response.model_dump(mode="json"))
+
+
+@router.delete("/v1/responses/{response_id}", response_model=ResponseDeleted, responses=error_responses(401, 404))
+async def delete_response(response_id: str, state: StateDep, owner: OwnerDep) -> ResponseDeleted:
+    """Forget a stored response and free its state; it can no longer be continued."""
+    stored = state.responses.pop(response_id, owner)
+    with contextlib.suppress(SessionNotFound):  # its session was deleted through /v1/sessions already
+        await state.engine.delete_session(stored.session_id, owner)
+    return ResponseDeleted(id=response_id)
+
+
+async def _session_for(
+    state: ServerState, previous: StoredResponse | None, store: bool, owner: str | None
+) -> str | None:
+    """The session this turn runs on: a fork of the previous response's, a new one to store, or none."""
+    try:
+        if previous is not None:
+            return (await state.engine.fork_session(previous.session_id, owner)).session_id
+        if store:
+            return (await state.engine.create_session(owner)).session_id
+    except SessionNotFound:
+        raise not_found(
+            f"the state of response {previous.response.id!r} is gone (its session was deleted)",  # type: ignore[union-attr]
+            "previous_response_id",
+            code="response_not_found",
+        ) from None
+    except ENGINE_ERRORS as exc:
+        state.metrics.count_rejected(type(exc).__name__)
+        raise engine_error(exc) from None
+    return None
+
+
+@dataclass
+class Turn:
+    """One response being generated: the engine's outputs in, output items (or stream events) and a record out."""
+
+    state: ServerState
+    body: ResponsesRequest
+    owner: str | None
+    request: Request
+    prompt_ids: list[int]
+    session_id: str | None
+    conversation: list[ChatMessage]
+    builder: OutputBuilder
+    timer: RequestTimer
+    rid: str
+    created_at: float
+    output_tokens: int = 0
+    cached_tokens: int = 0
+    finish_reason: str | None = None
+
+    def take(self, out: RequestOutput) -> list[BaseModel]:
+        """One engine output: its text through the builder (the events that adds), its counts into the totals."""
+        self.output_tokens += len(out.token_ids)
+        self.cached_tokens = out.cached_tokens
+        self.timer.tokens(len(out.token_ids))
+        if out.finish_reason is not None:
+            self.finish_reason = out.finish_reason
+        return self.builder.feed(out.text) if out.text else []
+
+    def response(self, status: str, with_usage: bool = True) -> Response:
+        counts = usage(len(self.prompt_ids), self.output_tokens, self.cached_tokens) if with_usage else None
+        return response_object(self.body, self.rid, self.state.model_name, self.created_at, self.builder.items, status,
+                               counts)  # type: ignore[arg-type]  # fmt: skip
+
+    def finish(self) -> Response:
+        """The generation ended: close the output, store the response (or drop its state), count it."""
+        self.builder.finish()
+        response = self.response("incomplete" if self.finish_reason == "length" else "completed")
+        metrics = self.state.metrics
+        metrics.count_tokens(len(self.prompt_ids), self.output_tokens, self.cached_tokens)
+        self.timer.finish()
+        self.request.state.usage = (len(self.prompt_ids), self.output_tokens, self.cached_tokens)
+        if self.body.store and self.session_id is not None:
+            messages = [*self.conversation, self.builder.assistant_message()]
+            self.state.responses.put(StoredResponse(response, self.owner, self.session_id, messages))
+            self.session_id = None  # the stored response owns it now
+        return response
+
+    async def drop_session(self) -> None:
+        """Delete the session this turn made, unless a stored response owns it (it never holds anything else)."""
+        if self.session_id is not None:
+            session_id, self.session_id = self.session_id, None
+            with contextlib.suppress(*ENGINE_ERRORS):
+                await self.state.engine.delete_session(session_id, self.owner)
+
+    async def events(self, outputs: AsyncIterator[RequestOutput]) -> AsyncIterator[str]:
+        """The Responses API stream: created, in_progress, the items' events as text arrives, completed."""
+        b = self.builder
+        try:
+            started = self.response("in_progress", with_usage=False)
+            yield sse(b.event(ResponseCreatedEvent, response=started))
+            yield sse(b.event(ResponseInProgressEvent, response=started))
+            async for out in outputs:
+                for event in self.take(out):
+                    yield sse(event)
+            for event in b.finish():
+                yield sse(event)
+            response = self.finish()
+            done = ResponseIncompleteEvent if response.status == "incomplete" else ResponseCompletedEvent
+            yield sse(b.event(done, response=response))
+        except APIError as exc:
+            yield sse(b.event(ResponseErrorEvent, code=exc.code, message=exc.message, param=exc.param))
+        finally:
+            await self.drop_session()

@@ -1,0 +1,239 @@
+"""The OpenAI Responses API end to end: a real uvicorn server on a loopback port, driven by the official `openai` SDK.
+
+Stored responses continue from their exact state (`previous_response_id`: only the new input is prefilled, and the
+output equals the same conversation sent in full), fork when continued twice, are scoped by API key, and are gone
+once deleted; streams carry the typed events in the order the SDK's accumulator expects; tool calls go out as
+`function_call` items and come back as `function_call_output` input.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Any
+
+import openai
+import pytest
+
+from kvfree.server.settings import ServerSettings
+from tests.server_fixtures import ThreadServer, assert_openai_error, make_checkpoint, make_tool_checkpoint
+
+WEATHER = {
+    "type": "function",
+    "name": "get_weather",
+    "description": "The weather in a city.",
+    "parameters": {"type": "object", "properties": {"city": {"type": "string"}}, "required": ["city"]},
+}
+
+
+@pytest.fixture(scope="module")
+def ckpts(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
+    root = tmp_path_factory.mktemp("ckpt")
+    return {"tiny": make_checkpoint("tiny", root / "tiny"), "tool": make_tool_checkpoint(root / "tool")}
+
+
+def _server(model: Path, name: str, env: dict[str, str] | None = None, **settings: Any) -> ThreadServer:
+    return ThreadServer(ServerSettings(model=model, served_model_name=name, device="cpu", **settings), env=env).start()
+
+
+@pytest.fixture(scope="module")
+def server(ckpts):
+    srv = _server(ckpts["tiny"], "kvfree-tiny", max_sessions=8)
+    yield srv
+    srv.stop()
+
+
+@pytest.fixture(scope="module")
+def tool_server(ckpts):
+    srv = _server(ckpts["tool"], "kvfree-tool", max_sessions=4)
+    yield srv
+    srv.stop()
+
+
+def respond(client: openai.OpenAI, input: Any, **kw: Any):
+    """A greedy response of at most 8 tokens."""
+    kw.setdefault("max_output_tokens", 8)
+    return client.responses.create(model="kvfree-tiny", input=input, temperature=0, **kw)
+
+
+def sessions_held(srv: ThreadServer) -> int:
+    return len(srv.app.state.kvfree.engine.sessions)
+
+
+# -- stored state -----------------------------------------------------------------------------------------------------
+
+
+def test_three_turns_continue_the_stored_state(server):
+    client = server.openai()
+    turns = ["Hello there", "Tell me more", "And then?"]
+    history: list[dict[str, str]] = []
+    previous = None
+    for i, text in enumerate(turns):
+        r = respond(client, text, instructions="Be terse.", previous_response_id=previous and previous.id)
+        assert r.status in ("completed", "incomplete") and r.output_text
+        assert r.previous_response_id == (previous and previous.id)
+        # The same conversation sent in full, nothing stored: the same greedy output, nothing cached.
+        history.append({"role": "user", "content": text})
+        full = respond(client, history, instructions="Be terse.", store=False)
+        assert full.output_text == r.output_text
+        assert full.usage.input_tokens == r.usage.input_tokens
+        assert full.usage.input_tokens_details.cached_tokens == 0
+        cached = r.usage.input_tokens_details.cached_tokens
+        if i == 0:
+            assert cached == 0
+        else:
+            # The whole history: the previous prompt and reply (all but its last sampled token, never fed).
+            prev = previous.usage
+            assert cached == prev.input_tokens + prev.output_tokens - 1 < r.usage.input_tokens
+        history.append({"role": "assistant", "content": r.output_text})
+        previous = r
+    assert client.responses.retrieve(previous.id).output_text == previous.output_text
+
+
+def test_two_continuations_of_one_response_are_independent_forks(server):
+    client = server.openai()
+    first = respond(client, "Start here")
+    a = respond(client, "Branch A", previous_response_id=first.id)
+    b = respond(client, "Branch B", previous_response_id=first.id)
+    a_again = respond(client, "Branch A", previous_response_id=first.id)
+    assert a_again.output_text == a.output_text  # continuing B did not touch the state A continued from
+    for branch, text in ((a, "Branch A"), (b, "Branch B")):
+        history = [{"role": "user", "content": "Start here"}, {"role": "assistant", "content": first.output_text}]
+        full = respond(client, [*history, {"role": "user", "content": text}], store=False)
+        assert full.output_text == branch.output_text
+        assert branch.usage.input_tokens_details.cached_tokens > 0
+    # Each branch continues on its own.
+    assert respond(client, "deeper", previous_response_id=b.id).usage.input_tokens_details.cached_tokens > 0
+
+
+def test_store_false_keeps_nothing(server):
+    client = server.openai()
+    held = sessions_held(server)
+    r = respond(client, "Forget me", store=False)
+    assert r.store is False and sessions_held(server) == held
+    with pytest.raises(openai.NotFoundError):
+        client.responses.retrieve(r.id)
+    # A continuation that is not stored forks the previous state and drops the fork again.
+    kept = respond(client, "Keep me")
+    held = sessions_held(server)
+    r = respond(client, "Then this", previous_response_id=kept.id, store=False)
+    assert r.usage.input_tokens_details.cached_tokens > 0 and sessions_held(server) == held
+
+
+def test_unknown_deleted_and_foreign_responses_are_not_found(ckpts):
+    srv = _server(ckpts["tiny"], "kvfree-tiny", env={"KVFREE_API_KEYS": "k1,k2"}, max_sessions=4)
+    try:
+        one, two = srv.openai(api_key="k1"), srv.openai(api_key="k2")
+        r = respond(one, "mine")
+        with srv.http() as http:
+            for key, rid in (("k1", "resp_unknown"), ("k2", r.id)):  # unknown, and another key's
+                headers = {"Authorization": f"Bearer {key}"}
+                body = {"input": "x", "previous_response_id": rid}
+                assert_openai_error(http.post("/v1/responses", json=body, headers=headers), 404, "previous_response_id")
+                assert_openai_error(http.get(f"/v1/responses/{rid}", headers=headers), 404)
+                assert_openai_error(http.delete(f"/v1/responses/{rid}", headers=headers), 404)
+            assert_openai_error(http.post("/v1/responses", json={"input": "x"}), 401)
+        with pytest.raises(openai.NotFoundError):
+            respond(two, "yours?", previous_response_id=r.id)
+        held = sessions_held(srv)
+        one.responses.delete(r.id)
+        assert sessions_held(srv) == held - 1  # its state is freed
+        with pytest.raises(openai.NotFoundError):
+            respond(one, "again", previous_response_id=r.id)
+        with pytest.raises(openai.NotFoundError):
+            one.responses.retrieve(r.id)
+    finally:
+        srv.stop()
+
+
+# -- streams ------------------------------------------------------------------------------------------------------
+
+
+def test_stream_events_in_the_order_the_sdk_expects(server):
+    client = server.openai()
+    first = respond(client, "Stream after this")
+    kw = {"model": "kvfree-tiny", "temperature": 0, "max_output_tokens": 8, "previous_response_id": first.id}
+    events = list(client.responses.create(input="go on", stream=True, **kw))
+    types = [e.type for e in events]
+    deltas = [e.delta for e in events if e.type == "response.output_text.delta"]
+    assert types == [
+        "response.created",
+        "response.in_progress",
+        "response.output_item.added",
+        "response.content_part.added",
+        *["response.output_text.delta"] * len(deltas),
+        "response.output_text.done",
+        "response.content_part.done",
+        "response.output_item.done",
+        "response.incomplete",  # 8 tokens: max_output_tokens reached
+    ]
+    assert [e.sequence_number for e in events] == list(range(len(events)))
+    final = events[-1].response
+    assert final.incomplete_details.reason == "max_output_tokens"
+    assert final.output_text == "".join(deltas) == events[-4].text
+    assert final.usage.input_tokens_details.cached_tokens > 0
+    # The same request without a stream; the streamed response was stored too.
+    assert respond(client, "go on", previous_response_id=first.id).output_text == final.output_text
+    assert client.responses.retrieve(final.id).output_text == final.output_text
+
+
+# -- tools ----------------------------------------------------------------------------------------------------------
+
+
+def test_tool_call_round_trip(tool_server):
+    client = tool_server.openai()
+    ask = {"model": "kvfree-tool", "tools": [WEATHER], "temperature": 0}
+    r = client.responses.create(input="What is the weather in Paris?", **ask)
+    calls = [item for item in r.output if item.type == "function_call"]
+    assert len(calls) == 1 and r.status == "completed"
+    call = calls[0]
+    assert call.name == "get_weather" and json.loads(call.arguments) == {"city": "Paris"}
+    assert call.call_id.startswith("call_") and call.id.startswith("fc_")
+
+    # Streamed: the call's item, its arguments, done.
+    events = list(client.responses.create(input="What is the weather in Paris?", stream=True, **ask))
+    types = [e.type for e in events]
+    assert types[:2] == ["response.created", "response.in_progress"] and types[-1] == "response.completed"
+    assert "response.function_call_arguments.delta" in types and "response.function_call_arguments.done" in types
+    done = next(e for e in events if e.type == "response.function_call_arguments.done")
+    assert json.loads(done.arguments) == {"city": "Paris"}
+    # The SDK's own accumulation of the stream (it needs `response.completed`: the model ended its turn).
+    with client.responses.stream(input="What is the weather in Paris?", **ask) as stream:
+        final = stream.get_final_response()
+    assert [(i.type, i.name, i.arguments) for i in final.output] == [("function_call", call.name, call.arguments)]
+
+    # The tool's result back, continuing the stored response: the model reads it after the stored call.
+    result = {"type": "function_call_output", "call_id": call.call_id, "output": json.dumps({"sky": "clear"})}
+    after = client.responses.create(input=[result], previous_response_id=r.id, max_output_tokens=4, **ask)
+    assert after.usage.input_tokens > r.usage.input_tokens + r.usage.output_tokens
+    # The same turn sent in full (the call as an input item) renders the same prompt.
+    full = client.responses.create(
+        input=[{"role": "user", "content": "What is the weather in Paris?"}, call.model_dump(), result],
+        store=False, max_output_tokens=4, **ask,
+    )  # fmt: skip
+    assert full.usage.input_tokens == after.usage.input_tokens
+    assert [i.type for i in full.output] == [i.type for i in after.output]
+
+
+# -- bad input ------------------------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    ("body", "param"),
+    [
+        ({"input": []}, "input"),
+        ({"input": "x", "text": {"format": {"type": "json_schema"}}}, "text.format.type"),
+        ({"input": "x", "tools": [WEATHER], "tool_choice": {"type": "function", "name": "nope"}}, "tool_choice"),
+        ({"input": "x", "truncation": "auto"}, "truncation"),
+        ({"input": "x", "metadata": {str(i): "v" for i in range(17)}}, "metadata"),
+        ({"input": [{"type": "image", "url": "x"}]}, None),
+        ({"input": "x", "max_output_tokens": 0}, "max_output_tokens"),
+        ({"input": "x", "model": "other"}, "model"),
+    ],
+)
+def test_bad_requests_get_clear_errors(server, body, param):
+    with server.http() as http:
+        r = http.post("/v1/responses", json=body)
+    error = assert_openai_error(r, 404 if param == "model" else 400)
+    if param is not None:
+        assert error["param"] == param, error
