@@ -339,6 +339,13 @@ class AsyncEngine:
             "session_moves": dataclasses.asdict(self.sessions.counters),
             "session_writes_pending": self.sessions.writer.pending if self.sessions.writer is not None else 0,
             "session_write_lag_seconds": self.sessions.write_lag_seconds,
+            # How many sessions fit: decoding at once (pool slots), idle in host memory, in all (None: only the
+            # session store's disk bounds it).
+            "session_capacity": {
+                "gpu": pool.capacity,
+                "host": self.sessions.max_host_sessions,
+                "total": self.sessions.max_sessions,
+            },
         }
         if torch.cuda.is_available() and self.llm.model.device.type == "cuda":
             stats["gpu_memory_allocated"] = torch.cuda.memory_allocated(self.llm.model.device)

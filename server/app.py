@@ -63,8 +63,8 @@ def create_app(settings: ServerSettings, engine: AsyncEngine | None = None) -> F
     """The app for `settings`. The engine is built from them unless given; it starts and stops with the app."""
     engine = engine or build_engine(settings)
     keys = APIKeys.from_sources(settings.api_keys_file)
-    metrics = Metrics()
     name = settings.served_model_name or _default_name(settings.model)
+    metrics = Metrics(model_name=name)
 
     @asynccontextmanager
     async def lifespan(app: FastAPI):

@@ -1,13 +1,19 @@
-"""Prometheus metrics of one server, all named `kvfree_...`, in a registry of their own.
+"""Prometheus metrics of one server, in a registry of their own: kvfree's own (`kvfree_...`) and the vLLM-style set.
 
 A registry per `Metrics` (not prometheus_client's global one) lets several apps live in one process, as they do
 in tests, without "Duplicated timeseries" errors. Counters and histograms are updated by the routes as requests
 go; gauges that describe the engine (queues, pool, sessions, memory) are copied from `AsyncEngine.stats()` by
 `update_engine`, typically right before `render`, so a scrape always sees current values.
+
+The vLLM-style set (`VllmStyleMetrics`) carries vLLM's metric names and meanings under the prefix `kvfree:`
+instead of `vllm:` (`kvfree:num_requests_running`, `kvfree:time_to_first_token_seconds`, ...), labelled with
+`model_name`, so a dashboard built for vLLM works after replacing the prefix. Its KV-cache usage is the state
+pool's slot usage: what limits how many sessions decode at once here.
 """
 
 from __future__ import annotations
 
+import math
 import time
 from collections.abc import Callable, Mapping
 from typing import Any
@@ -28,7 +34,7 @@ SESSION_LOCATIONS = ("gpu", "host", "disk")
 class Metrics:
     """The server's metrics. Attributes are the prometheus_client objects, for updates the helpers do not cover."""
 
-    def __init__(self, registry: CollectorRegistry | None = None) -> None:
+    def __init__(self, registry: CollectorRegistry | None = None, model_name: str | None = None) -> None:
         self.registry = registry if registry is not None else CollectorRegistry(auto_describe=True)
         r = self.registry
         self.requests = Counter(
@@ -104,8 +110,17 @@ class Metrics:
             "How long the last background session write took to land after its turn ended.",
             registry=r,
         )
+        self.session_capacity = Gauge(
+            "kvfree_session_capacity",
+            "Sessions that fit, by tier: gpu (pool slots: decoding at once), host (idle in host memory), total "
+            "(held in all; +Inf when only the session store's disk bounds it).",
+            ["tier"],
+            registry=r,
+        )
         for location in SESSION_LOCATIONS:
             self.sessions.labels(location=location).set(0)
+        # The vLLM-style set needs the served model's name for its label; without one, only kvfree's own.
+        self.vllm = VllmStyleMetrics(r, model_name) if model_name is not None else None
 
     # -- updates ------------------------------------------------------------------------------------------------
     def count_request(self, route: str, status: int) -> None:
@@ -116,11 +131,13 @@ class Metrics:
     def count_rejected(self, reason: str) -> None:
         self.requests_rejected.labels(reason=reason).inc()
 
-    def count_tokens(self, prompt: int, generated: int, cached: int = 0) -> None:
-        """Token counts of one finished request."""
+    def count_tokens(self, prompt: int, generated: int, cached: int = 0, finish_reason: str | None = None) -> None:
+        """Token counts of one finished request, and how it ended ("stop", "length", ...; None: not said)."""
         self.prompt_tokens.inc(prompt)
         self.generation_tokens.inc(generated)
         self.cached_prompt_tokens.inc(cached)
+        if self.vllm is not None:
+            self.vllm.count_request(prompt, generated, cached, finish_reason or "stop")
 
     def request_timer(self, clock: Callable[[], float] = time.perf_counter) -> RequestTimer:
         """A timer started now, for one request's TTFT, inter-token and end-to-end latencies."""
@@ -153,6 +170,10 @@ class Metrics:
                 self.sessions.labels(location=location).set(counts.get(location, 0))
         for kind, count in stats.get("session_moves", {}).items():
             self.session_moves.labels(kind=kind).set(count)
+        for tier, count in stats.get("session_capacity", {}).items():
+            self.session_capacity.labels(tier=tier).set(math.inf if count is None else count)
+        if self.vllm is not None:
+            self.vllm.update_engine(stats)
         self.gpu_memory_allocated.set(stats.get("gpu_memory_allocated", 0))
         self.gpu_memory_reserved.set(stats.get("gpu_memory_reserved", 0))
 
@@ -180,9 +201,12 @@ class RequestTimer:
         if count <= 0:
             return
         now = self.clock()
+        vllm = self.metrics.vllm
         if self.first_token_at is None:
             self.first_token_at = now
             self.metrics.time_to_first_token.observe(now - self.start)
+            if vllm is not None:
+                vllm.time_to_first_token.observe(now - self.start)
             count -= 1  # the first token has a TTFT, not an inter-token gap
             if count == 0:
                 self._last = now
@@ -190,6 +214,9 @@ class RequestTimer:
         gap = (now - self._last) / count
         for _ in range(count):
             self.metrics.inter_token_latency.observe(gap)
+            if vllm is not None:
+                vllm.inter_token_latency.observe(gap)
+                vllm.time_per_output_token.observe(gap)
         self._last = now
 
     def finish(self) -> None:
@@ -197,3 +224,80 @@ class RequestTimer:
         if not self._finished:
             self._finished = True
             self.metrics.e2e_request_latency.observe(self.clock() - self.start)
+            if self.metrics.vllm is not None:
+                self.metrics.vllm.e2e_request_latency.observe(self.clock() - self.start)
+
+
+TOKEN_COUNT_BUCKETS = (1, 2, 5, 10, 20, 50, 100, 200, 500, 1000, 2000, 5000, 10000, 20000, 50000, 100000)
+
+
+class VllmStyleMetrics:
+    """vLLM's serving metrics under the prefix `kvfree:`, same names, meanings and `model_name` label.
+
+    Prefix caching maps to session reuse: a query is a prompt token, a hit a prompt token a session's state
+    already held. kvfree never preempts a running request, so `num_preemptions_total` stays 0.
+    """
+
+    def __init__(self, registry: CollectorRegistry, model_name: str) -> None:
+        # Each metric is kept as its child for this model, so the update sites need no label.
+        r, m = registry, ["model_name"]
+        self.model_name = model_name
+
+        def gauge(name: str, doc: str) -> Gauge:
+            return Gauge(f"kvfree:{name}", doc, m, registry=r).labels(model_name=model_name)
+
+        def counter(name: str, doc: str) -> Counter:
+            return Counter(f"kvfree:{name}", doc, m, registry=r).labels(model_name=model_name)
+
+        def histogram(name: str, doc: str, buckets: tuple[float, ...]) -> Histogram:
+            return Histogram(f"kvfree:{name}", doc, m, buckets=buckets, registry=r).labels(model_name=model_name)
+
+        self.num_requests_running = gauge("num_requests_running", "Requests decoding now.")
+        self.num_requests_waiting = gauge("num_requests_waiting", "Requests waiting for a state slot.")
+        self.kv_cache_usage_perc = gauge("kv_cache_usage_perc", "State-pool slot usage, 0 to 1 (vLLM: KV cache).")
+        self.gpu_cache_usage_perc = gauge("gpu_cache_usage_perc", "The same, under vLLM's older name.")
+        self.prompt_tokens = counter("prompt_tokens", "Prompt tokens of finished requests.")
+        self.generation_tokens = counter("generation_tokens", "Tokens generated.")
+        self.prefix_cache_queries = counter("prefix_cache_queries", "Prompt tokens looked up in a session's state.")
+        self.prefix_cache_hits = counter("prefix_cache_hits", "Prompt tokens a session's state already held.")
+        self.num_preemptions = counter("num_preemptions", "Running requests preempted (never, here).")
+        self.request_success = Counter(
+            "kvfree:request_success", "Finished requests, by how they ended.", [*m, "finished_reason"], registry=r
+        )
+        self.time_to_first_token = histogram(
+            "time_to_first_token_seconds", "From request arrival to its first token.", TTFT_BUCKETS
+        )
+        self.inter_token_latency = histogram(
+            "inter_token_latency_seconds", "Time between consecutive tokens of a request.", ITL_BUCKETS
+        )
+        self.time_per_output_token = histogram(
+            "time_per_output_token_seconds", "The same gaps, under vLLM's older name.", ITL_BUCKETS
+        )
+        self.e2e_request_latency = histogram(
+            "e2e_request_latency_seconds", "From request arrival to its last token.", E2E_BUCKETS
+        )
+        self.request_prompt_tokens = histogram(
+            "request_prompt_tokens", "Prompt tokens per finished request.", TOKEN_COUNT_BUCKETS
+        )
+        self.request_generation_tokens = histogram(
+            "request_generation_tokens", "Generated tokens per finished request.", TOKEN_COUNT_BUCKETS
+        )
+
+    def count_request(self, prompt: int, generated: int, cached: int, finish_reason: str) -> None:
+        self.prompt_tokens.inc(prompt)
+        self.generation_tokens.inc(generated)
+        self.prefix_cache_queries.inc(prompt)
+        self.prefix_cache_hits.inc(cached)
+        self.request_prompt_tokens.observe(prompt)
+        self.request_generation_tokens.observe(generated)
+        self.request_success.labels(model_name=self.model_name, finished_reason=finish_reason).inc()
+
+    def update_engine(self, stats: Mapping[str, Any]) -> None:
+        if "running" in stats:
+            self.num_requests_running.set(stats["running"])
+        if "waiting" in stats:
+            self.num_requests_waiting.set(stats["waiting"])
+        if stats.get("pool_slots_total"):
+            usage = stats.get("pool_slots_used", 0) / stats["pool_slots_total"]
+            self.kv_cache_usage_perc.set(usage)
+            self.gpu_cache_usage_perc.set(usage)

@@ -105,7 +105,7 @@ async def completions(body: CompletionRequest, request: Request, state: StateDep
     if body.stream:
         return StreamingResponse(_completion_stream(ctx, body, outputs, timer, request), media_type="text/event-stream")
     choices, cached = await _collect(ctx, outputs, timer)
-    usage = _record(ctx, timer, request, sum(len(c.token_ids) for c in choices), cached)
+    usage = _record(ctx, timer, request, sum(len(c.token_ids) for c in choices), cached, choices[0].finish_reason)
     want_logprobs = params.logprobs is not None
     return CompletionResponse(
         model=state.model_name,
@@ -140,7 +140,7 @@ async def chat_completions(body: ChatCompletionRequest, request: Request, state:
         stream = _chat_stream(ctx, body, outputs, timer, request, fmt, allowed)
         return StreamingResponse(stream, media_type="text/event-stream")
     choices, cached = await _collect(ctx, outputs, timer)
-    usage = _record(ctx, timer, request, sum(len(c.token_ids) for c in choices), cached)
+    usage = _record(ctx, timer, request, sum(len(c.token_ids) for c in choices), cached, choices[0].finish_reason)
     result = []
     for i, c in enumerate(choices):
         content, calls = c.text, []
@@ -276,6 +276,7 @@ class Tally:
 
     completion_tokens: int = 0
     cached: int = 0
+    finish_reason: str | None = None  # the first choice's
 
 
 async def _tallied(
@@ -284,6 +285,8 @@ async def _tallied(
     async for out in outputs:
         tally.completion_tokens += len(out.token_ids)
         tally.cached = out.cached_tokens
+        if out.index == 0 and out.finish_reason is not None:
+            tally.finish_reason = out.finish_reason
         timer.tokens(len(out.token_ids))
         yield out
 
@@ -305,7 +308,7 @@ async def _sse_stream(
         yield _stream_error(f"generation failed: {exc}")
         yield SSE_DONE
         return
-    usage = _record(ctx, timer, request, tally.completion_tokens, tally.cached)
+    usage = _record(ctx, timer, request, tally.completion_tokens, tally.cached, tally.finish_reason)
     if usage_chunk is not None:
         yield usage_chunk(usage, await _session_usage(ctx, tally.cached))
     yield SSE_DONE
@@ -404,9 +407,9 @@ async def _collect(
 
 
 def _record(
-    ctx: Context, timer: RequestTimer, request: Request, completion_tokens: int, cached: int
+    ctx: Context, timer: RequestTimer, request: Request, completion_tokens: int, cached: int, finish: str | None
 ) -> CompletionUsage:
-    ctx.state.metrics.count_tokens(len(ctx.prompt_ids), completion_tokens, cached)
+    ctx.state.metrics.count_tokens(len(ctx.prompt_ids), completion_tokens, cached, finish)
     timer.finish()
     request.state.usage = (len(ctx.prompt_ids), completion_tokens, cached)
     return usage_of(len(ctx.prompt_ids), completion_tokens, cached)

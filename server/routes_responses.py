@@ -190,7 +190,7 @@ class Turn:
         self.builder.finish()
         response = self.response("incomplete" if self.finish_reason == "length" else "completed")
         metrics = self.state.metrics
-        metrics.count_tokens(len(self.prompt_ids), self.output_tokens, self.cached_tokens)
+        metrics.count_tokens(len(self.prompt_ids), self.output_tokens, self.cached_tokens, self.finish_reason)
         self.timer.finish()
         self.request.state.usage = (len(self.prompt_ids), self.output_tokens, self.cached_tokens)
         if self.body.store and self.session_id is not None:
