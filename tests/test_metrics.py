@@ -83,7 +83,8 @@ def test_vllm_style_metrics_after_traffic(scraped):
     assert value(scraped, "kvfree:generation_tokens_total") == 5 + 3 + 4 + 4
     assert value(scraped, "kvfree:prompt_tokens_total") == value(scraped, "kvfree_prompt_tokens_total") > 0
     # The second turn of the Responses API reused the first turn's state.
-    hits, queries = value(scraped, "kvfree:prefix_cache_hits_total"), value(scraped, "kvfree:prefix_cache_queries_total")
+    hits = value(scraped, "kvfree:prefix_cache_hits_total")
+    queries = value(scraped, "kvfree:prefix_cache_queries_total")
     assert 0 < hits < queries == value(scraped, "kvfree:prompt_tokens_total")
     for hist in ("time_to_first_token_seconds", "e2e_request_latency_seconds", "request_prompt_tokens"):
         assert value(scraped, f"kvfree:{hist}_count") == requests, hist
