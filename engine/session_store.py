@@ -3,14 +3,17 @@
 Two implementations of one interface: `DirectoryStore`, a directory of `{session_id}.safetensors` files (one
 server, or replicas sharing a volume), and `RedisStore`, a Redis database that several replicas share. A store
 holds each session's snapshot bytes (checksummed, fingerprinted, optionally signed: engine/snapshot.py) and its
-metadata, and hands out short leases so that two replicas never run turns on one session at once. Stores are
-called from the engine thread only; failures raise `SessionStoreError` (the server answers 503).
+metadata, and hands out short leases so that two replicas never run turns on one session at once; beside them it
+keeps small records that belong with sessions (the server's stored responses). Sessions are stored from the engine
+thread, records from the server's worker threads (both stores are safe for that); failures raise
+`SessionStoreError` (the server answers 503).
 """
 
 from __future__ import annotations
 
 import json
 import os
+import re
 import time
 import uuid
 from abc import ABC, abstractmethod
@@ -38,6 +41,16 @@ class StoredSession:
     version: int
 
 
+RECORD_KEY = re.compile(r"[A-Za-z0-9_-]{1,128}")
+
+
+def check_record_key(key: str) -> str:
+    """`key` if it is a valid record key (letters, digits, `_`, `-`: safe as a file name), else ValueError."""
+    if not RECORD_KEY.fullmatch(key):
+        raise ValueError(f"record key {key!r}: expected 1-128 letters, digits, '_' or '-'")
+    return key
+
+
 class SessionStore(ABC):
     """Snapshots and metadata of sessions, by session id, for one model (the fingerprint is in every snapshot)."""
 
@@ -61,6 +74,16 @@ class SessionStore(ABC):
     @abstractmethod
     def ids(self) -> list[str]:
         """Every stored session id."""
+
+    # Small documents that belong with the sessions (a stored response's record), by key: `RECORD_KEY` characters.
+    @abstractmethod
+    def write_record(self, key: str, data: bytes) -> None: ...
+
+    @abstractmethod
+    def read_record(self, key: str) -> bytes | None: ...
+
+    @abstractmethod
+    def delete_record(self, key: str) -> None: ...
 
     def acquire_lease(self, session_id: str, holder: str) -> bool:
         """Claim the session for one turn; False when another holder has it (one process: always True)."""
@@ -125,6 +148,30 @@ class DirectoryStore(SessionStore):
     def ids(self) -> list[str]:
         return sorted(p.name.removesuffix(SUFFIX) for p in self.path.glob(f"sess_*{SUFFIX}"))
 
+    def _record(self, key: str) -> Path:
+        return self.path / "records" / f"{check_record_key(key)}.json"
+
+    def write_record(self, key: str, data: bytes) -> None:
+        path = self._record(key)
+        tmp = path.with_name(path.name + ".tmp")
+        try:
+            path.parent.mkdir(exist_ok=True)
+            tmp.write_bytes(data)
+            os.replace(tmp, path)
+        except OSError as e:
+            raise SessionStoreError(f"cannot write record {key} to {self.path}: {e}") from e
+
+    def read_record(self, key: str) -> bytes | None:
+        try:
+            return self._record(key).read_bytes()
+        except FileNotFoundError:
+            return None
+        except OSError as e:
+            raise SessionStoreError(f"cannot read record {key} from {self.path}: {e}") from e
+
+    def delete_record(self, key: str) -> None:
+        self._record(key).unlink(missing_ok=True)
+
 
 class RedisStore(SessionStore):
     """Sessions in Redis, shared by replicas: `{prefix}:snap:{id}` (snapshot bytes), `{prefix}:meta:{id}` (JSON
@@ -183,6 +230,19 @@ class RedisStore(SessionStore):
         start = len(self._key("meta", ""))
         keys = self._call(lambda: list(self.client.scan_iter(match=self._key("meta", "sess_*"), count=1000)))
         return sorted(k.decode()[start:] for k in keys)
+
+    def write_record(self, key: str, data: bytes) -> None:
+        self._call(self.client.set, self._key("record", check_record_key(key)), data, px=self.ttl_ms)
+
+    def read_record(self, key: str) -> bytes | None:
+        name = self._key("record", check_record_key(key))
+        data = self._call(self.client.get, name)
+        if data is not None and self.ttl_ms:
+            self._call(self.client.pexpire, name, self.ttl_ms)
+        return data
+
+    def delete_record(self, key: str) -> None:
+        self._call(self.client.delete, self._key("record", check_record_key(key)))
 
     def acquire_lease(self, session_id: str, holder: str) -> bool:
         return bool(self._call(self.client.set, self._key("lease", session_id), holder, nx=True, px=self.lease_ms))

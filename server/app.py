@@ -19,6 +19,7 @@ from kvfree.server.errors import install_error_handlers
 from kvfree.server.generation import ServerState
 from kvfree.server.metrics import Metrics
 from kvfree.server.middleware import BodySizeLimitMiddleware, RequestContextMiddleware
+from kvfree.server.responses import ResponseStore
 from kvfree.server.settings import ServerSettings
 
 log = logging.getLogger("kvfree.server")
@@ -85,7 +86,9 @@ def create_app(settings: ServerSettings, engine: AsyncEngine | None = None) -> F
         version="0.1.0",
         lifespan=lifespan,
     )
-    app.state.kvfree = ServerState(engine=engine, settings=settings, metrics=metrics, model_name=name)
+    # Stored responses go to the session store too (when there is one), beside the states of their sessions.
+    responses = ResponseStore(engine.sessions.store)
+    app.state.kvfree = ServerState(engine, settings, metrics, name, responses)
     app.state.api_keys = keys
     app.include_router(routes_openai.router)
     app.include_router(routes_responses.router)

@@ -10,6 +10,9 @@ model's text becomes output items in the order it wrote them: a `message` with `
 
 from __future__ import annotations
 
+import asyncio
+import json
+import re
 import time
 import uuid
 from dataclasses import dataclass, field
@@ -32,9 +35,10 @@ from openai.types.responses import (
     ResponseUsage,
 )
 from openai.types.responses.response_usage import InputTokensDetails, OutputTokensDetails
-from pydantic import BaseModel, Discriminator, Field, Tag, ValidationInfo, field_validator
+from pydantic import BaseModel, Discriminator, Field, Tag, TypeAdapter, ValidationInfo, field_validator
 
 from kvfree.engine.sampling import SamplingParams
+from kvfree.engine.session_store import SessionStore
 from kvfree.server.errors import not_found
 from kvfree.server.protocol import (
     MAX_TOOLS,
@@ -479,26 +483,63 @@ class ResponseStore:
     """Stored responses by id, scoped by API key as sessions are: another key's id reads as unknown.
 
     The state of each lives in its session (GPU slot, host memory or the session store, as the session manager
-    moves it); this holds the small rest. Used from the event loop only.
+    moves it); this keeps the small rest in memory and, when the server has a session store, writes it there too
+    (`SessionStore.write_record`), so that another replica, or this one after a restart, can continue it.
     """
 
-    def __init__(self) -> None:
+    ID = re.compile(r"resp_[0-9a-f]{32}")
+
+    def __init__(self, store: SessionStore | None = None) -> None:
+        self.store = store
         self._items: dict[str, StoredResponse] = {}
 
     def __len__(self) -> int:
         return len(self._items)
 
-    def put(self, stored: StoredResponse) -> None:
+    async def put(self, stored: StoredResponse) -> None:
         self._items[stored.response.id] = stored
+        if self.store is not None:
+            await asyncio.to_thread(self.store.write_record, stored.response.id, encode_stored(stored))
 
-    def get(self, response_id: str, owner: str | None, param: str | None = None) -> StoredResponse:
+    async def get(self, response_id: str, owner: str | None, param: str | None = None) -> StoredResponse:
         """The response, or a 404 naming `param` (the same for an unknown id and another key's)."""
         stored = self._items.get(response_id)
+        if stored is None and self.store is not None and self.ID.fullmatch(response_id):
+            data = await asyncio.to_thread(self.store.read_record, response_id)
+            if data is not None:
+                stored = self._items[response_id] = decode_stored(data)
         if stored is None or stored.owner != owner:
             raise not_found(f"no stored response {response_id!r}", param, code="response_not_found")
         return stored
 
-    def pop(self, response_id: str, owner: str | None) -> StoredResponse:
-        stored = self.get(response_id, owner)
+    async def pop(self, response_id: str, owner: str | None) -> StoredResponse:
+        stored = await self.get(response_id, owner, "response_id")
         del self._items[response_id]
+        if self.store is not None:
+            await asyncio.to_thread(self.store.delete_record, response_id)
         return stored
+
+
+_MESSAGES = TypeAdapter(list[ChatMessage])
+
+
+def encode_stored(stored: StoredResponse) -> bytes:
+    """A stored response as JSON: the response object, its owner, its session, its conversation."""
+    return json.dumps(
+        {
+            "response": stored.response.model_dump(mode="json"),
+            "owner": stored.owner,
+            "session_id": stored.session_id,
+            "messages": _MESSAGES.dump_python(stored.messages, mode="json", exclude_none=True),
+        }
+    ).encode()
+
+
+def decode_stored(data: bytes) -> StoredResponse:
+    raw = json.loads(data)
+    return StoredResponse(
+        response=Response.model_validate(raw["response"]),
+        owner=raw["owner"],
+        session_id=raw["session_id"],
+        messages=_MESSAGES.validate_python(raw["messages"]),
+    )

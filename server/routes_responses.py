@@ -27,6 +27,7 @@ from openai.types.responses import (
 from pydantic import BaseModel
 
 from kvfree.engine.scheduler import RequestOutput
+from kvfree.engine.session_store import SessionStoreError
 from kvfree.engine.sessions import SessionNotFound
 from kvfree.server.auth import OwnerDep, api_key_owner
 from kvfree.server.errors import APIError, error_responses, not_found
@@ -79,9 +80,9 @@ async def create_response(body: ResponsesRequest, request: Request, state: State
     `stream`, the Responses API's typed events (`response.created` ... `response.completed`)."""
     check_model(state, body.model)
     tok = state.engine.tokenizer
-    previous = state.responses.get(body.previous_response_id, owner, "previous_response_id") if (
-        body.previous_response_id
-    ) else None  # fmt: skip
+    previous = None
+    if body.previous_response_id:
+        previous = await _stored(state, body.previous_response_id, owner, "previous_response_id")
     conversation: list[ChatMessage] = [*(previous.messages if previous else []), *body.input_messages()]
     system = [SystemMessage(role="system", content=body.instructions)] if body.instructions else []
     tools, choice = body.chat_tools(), body.chat_tool_choice()
@@ -110,7 +111,7 @@ async def create_response(body: ResponsesRequest, request: Request, state: State
     try:
         async for out in outputs:
             turn.take(out)
-        response = turn.finish()
+        response = await turn.finish()
     finally:
         await turn.drop_session()  # nothing, once the response is stored
     return JSONResponse(response.model_dump(mode="json"))
@@ -119,16 +120,28 @@ async def create_response(body: ResponsesRequest, request: Request, state: State
 @router.get("/v1/responses/{response_id}", responses=error_responses(401, 404))
 async def get_response(response_id: str, state: StateDep, owner: OwnerDep):
     """A stored response, as `POST` returned it."""
-    return JSONResponse(state.responses.get(response_id, owner, "response_id").response.model_dump(mode="json"))
+    stored = await _stored(state, response_id, owner, "response_id")
+    return JSONResponse(stored.response.model_dump(mode="json"))
 
 
 @router.delete("/v1/responses/{response_id}", response_model=ResponseDeleted, responses=error_responses(401, 404))
 async def delete_response(response_id: str, state: StateDep, owner: OwnerDep) -> ResponseDeleted:
     """Forget a stored response and free its state; it can no longer be continued."""
-    stored = state.responses.pop(response_id, owner)
+    try:
+        stored = await state.responses.pop(response_id, owner)
+    except SessionStoreError as exc:
+        raise engine_error(exc) from None
     with contextlib.suppress(SessionNotFound):  # its session was deleted through /v1/sessions already
         await state.engine.delete_session(stored.session_id, owner)
     return ResponseDeleted(id=response_id)
+
+
+async def _stored(state: ServerState, response_id: str, owner: str | None, param: str) -> StoredResponse:
+    """A stored response (404 naming `param` when unknown or another key's; 503 when the store is unreachable)."""
+    try:
+        return await state.responses.get(response_id, owner, param)
+    except SessionStoreError as exc:
+        raise engine_error(exc) from None
 
 
 async def _session_for(
@@ -185,7 +198,7 @@ class Turn:
         return response_object(self.body, self.rid, self.state.model_name, self.created_at, self.builder.items, status,
                                counts)  # type: ignore[arg-type]  # fmt: skip
 
-    def finish(self) -> Response:
+    async def finish(self) -> Response:
         """The generation ended: close the output, store the response (or drop its state), count it."""
         self.builder.finish()
         response = self.response("incomplete" if self.finish_reason == "length" else "completed")
@@ -195,7 +208,7 @@ class Turn:
         self.request.state.usage = (len(self.prompt_ids), self.output_tokens, self.cached_tokens)
         if self.body.store and self.session_id is not None:
             messages = [*self.conversation, self.builder.assistant_message()]
-            self.state.responses.put(StoredResponse(response, self.owner, self.session_id, messages))
+            await self.state.responses.put(StoredResponse(response, self.owner, self.session_id, messages))
             self.session_id = None  # the stored response owns it now
         return response
 
@@ -218,10 +231,12 @@ class Turn:
                     yield sse(event)
             for event in b.finish():
                 yield sse(event)
-            response = self.finish()
+            response = await self.finish()
             done = ResponseIncompleteEvent if response.status == "incomplete" else ResponseCompletedEvent
             yield sse(b.event(done, response=response))
         except APIError as exc:
             yield sse(b.event(ResponseErrorEvent, code=exc.code, message=exc.message, param=exc.param))
+        except SessionStoreError as exc:  # the record could not be stored: say so in-band, the status is sent
+            yield sse(b.event(ResponseErrorEvent, code="store_unavailable", message=str(exc), param=None))
         finally:
             await self.drop_session()

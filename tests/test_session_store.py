@@ -12,6 +12,7 @@ import time
 from pathlib import Path
 
 import httpx
+import openai
 import pytest
 
 from kvfree.clients import KvfreeAPIError, KvfreeClient, RetryPolicy
@@ -92,6 +93,16 @@ def test_store_contract(kind, tmp_path, request):
         assert store.read(sid) is None and store.ids() == []
     else:
         assert store.acquire_lease(sid, "a") and store.acquire_lease(sid, "b")  # one process: no cross-replica claims
+    # Records (stored responses) beside the sessions.
+    key = "resp_" + "c" * 32
+    assert store.read_record(key) is None
+    store.write_record(key, b'{"a": 1}')
+    store.write_record(key, b'{"a": 2}')
+    assert store.read_record(key) == b'{"a": 2}'
+    store.delete_record(key)
+    assert store.read_record(key) is None
+    with pytest.raises(ValueError, match="record key"):
+        store.write_record("../escape", b"x")
     store.close()
 
 
@@ -186,6 +197,35 @@ def test_two_replicas_share_sessions_and_survive_kill_9(checkpoint, redis_server
         assert err.value.status == 400 and err.value.code == "checksum_mismatch"
         ca.close()
         cb.close()
+    finally:
+        a.kill()
+        b.kill()
+
+
+@needs_redis
+def test_stored_responses_continue_on_another_replica_after_kill_9(checkpoint, redis_server, tmp_path):
+    """A response stored on replica A is continued, read and deleted on replica B, also after A is killed: the record
+    and the state both live in the shared store."""
+    a = _replica(checkpoint, redis_server.url, tmp_path / "a.log")
+    b = _replica(checkpoint, redis_server.url, tmp_path / "b.log")
+    try:
+        on_a = openai.OpenAI(base_url=a.url + "/v1", api_key="unused", max_retries=0)
+        on_b = openai.OpenAI(base_url=b.url + "/v1", api_key="unused", max_retries=0)
+        greedy = {"temperature": 0, "max_output_tokens": 8}  # no model: the server's only one
+        first = on_a.responses.create(input="Hello", **greedy)
+        second = on_b.responses.create(input="More", previous_response_id=first.id, **greedy)
+        assert second.usage.input_tokens_details.cached_tokens > 0  # A's state, loaded from the store by B
+        history = [{"role": "user", "content": "Hello"}, {"role": "assistant", "content": first.output_text}]
+        full = on_b.responses.create(input=[*history, {"role": "user", "content": "More"}], store=False, **greedy)
+        assert full.output_text == second.output_text
+        a.proc.kill()
+        a.proc.wait(10)
+        assert on_b.responses.retrieve(first.id).output_text == first.output_text
+        third = on_b.responses.create(input="Again", previous_response_id=first.id, **greedy)  # a fork of A's
+        assert third.usage.input_tokens_details.cached_tokens == second.usage.input_tokens_details.cached_tokens
+        on_b.responses.delete(first.id)
+        with pytest.raises(openai.NotFoundError):
+            on_b.responses.retrieve(first.id)
     finally:
         a.kill()
         b.kill()
