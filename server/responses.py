@@ -15,6 +15,7 @@ import json
 import re
 import time
 import uuid
+from collections import OrderedDict
 from dataclasses import dataclass, field
 from typing import Annotated, Any, Literal, get_args
 
@@ -489,35 +490,47 @@ class ResponseStore:
 
     ID = re.compile(r"resp_[0-9a-f]{32}")
 
-    def __init__(self, store: SessionStore | None = None) -> None:
+    def __init__(self, store: SessionStore | None = None, max_cached: int = 10_000) -> None:
         self.store = store
-        self._items: dict[str, StoredResponse] = {}
+        # Without a store this is the only copy (bounded by the sessions the server can hold, one per response);
+        # with one, the least recently used records beyond `max_cached` are dropped here and read back on use.
+        self.max_cached = max_cached
+        self._items: OrderedDict[str, StoredResponse] = OrderedDict()
 
     def __len__(self) -> int:
         return len(self._items)
 
     async def put(self, stored: StoredResponse) -> None:
-        self._items[stored.response.id] = stored
         if self.store is not None:
             await asyncio.to_thread(self.store.write_record, stored.response.id, encode_stored(stored))
+        self._remember(stored)
 
     async def get(self, response_id: str, owner: str | None, param: str | None = None) -> StoredResponse:
         """The response, or a 404 naming `param` (the same for an unknown id and another key's)."""
         stored = self._items.get(response_id)
-        if stored is None and self.store is not None and self.ID.fullmatch(response_id):
+        if stored is not None:
+            self._items.move_to_end(response_id)
+        elif self.store is not None and self.ID.fullmatch(response_id):
             data = await asyncio.to_thread(self.store.read_record, response_id)
             if data is not None:
-                stored = self._items[response_id] = decode_stored(data)
+                stored = decode_stored(data)
+                self._remember(stored)
         if stored is None or stored.owner != owner:
             raise not_found(f"no stored response {response_id!r}", param, code="response_not_found")
         return stored
 
     async def pop(self, response_id: str, owner: str | None) -> StoredResponse:
         stored = await self.get(response_id, owner, "response_id")
-        del self._items[response_id]
         if self.store is not None:
             await asyncio.to_thread(self.store.delete_record, response_id)
+        self._items.pop(response_id, None)
         return stored
+
+    def _remember(self, stored: StoredResponse) -> None:
+        self._items[stored.response.id] = stored
+        self._items.move_to_end(stored.response.id)
+        while self.store is not None and len(self._items) > self.max_cached:
+            self._items.popitem(last=False)
 
 
 _MESSAGES = TypeAdapter(list[ChatMessage])

@@ -8,6 +8,7 @@ once deleted; streams carry the typed events in the order the SDK's accumulator 
 
 from __future__ import annotations
 
+import asyncio
 import json
 from pathlib import Path
 from typing import Any
@@ -15,6 +16,10 @@ from typing import Any
 import openai
 import pytest
 
+from kvfree.engine.session_store import DirectoryStore
+from kvfree.server.errors import APIError
+from kvfree.server.protocol import UserMessage
+from kvfree.server.responses import ResponsesRequest, ResponseStore, StoredResponse, response_id, response_object
 from kvfree.server.settings import ServerSettings
 from tests.server_fixtures import ThreadServer, assert_openai_error, make_checkpoint, make_tool_checkpoint
 
@@ -237,3 +242,38 @@ def test_bad_requests_get_clear_errors(server, body, param):
     error = assert_openai_error(r, 404 if param == "model" else 400)
     if param is not None:
         assert error["param"] == param, error
+
+
+# -- the record store -------------------------------------------------------------------------------------------
+
+
+def test_response_records_round_trip_through_a_session_store(tmp_path):
+    """Records written to a directory store read back whole after the memory cache dropped them; owners stay
+    apart; a deleted record is gone from both."""
+    body = ResponsesRequest.model_validate({"input": "hi", "tools": [WEATHER], "metadata": {"k": "v"}})
+    records = ResponseStore(DirectoryStore(tmp_path, "fp"), max_cached=2)
+
+    def stored(owner: str) -> StoredResponse:
+        response = response_object(body, response_id(), "m", 1.0, [], "completed")
+        return StoredResponse(response, owner, "sess_x", [UserMessage(role="user", content="hi")])
+
+    async def run() -> None:
+        first, *rest = [stored("k1") for _ in range(3)]
+        for s in (first, *rest):
+            await records.put(s)
+        assert len(records) == 2  # the oldest left the cache, not the store
+        again = await records.get(first.response.id, "k1")
+        assert again.response.model_dump() == first.response.model_dump() and again.messages == first.messages
+        assert again.session_id == "sess_x" and again.owner == "k1"
+        for owner, rid in (("k2", first.response.id), ("k1", "resp_" + "0" * 32), ("k1", "../../etc")):
+            with pytest.raises(APIError) as err:
+                await records.get(rid, owner)
+            assert err.value.status == 404
+        await records.pop(first.response.id, "k1")
+        fresh = ResponseStore(DirectoryStore(tmp_path, "fp"))  # another replica, or this one restarted
+        assert (await fresh.get(rest[0].response.id, "k1")).response.model_dump() == rest[0].response.model_dump()
+        with pytest.raises(APIError) as err:
+            await fresh.get(first.response.id, "k1")
+        assert err.value.status == 404
+
+    asyncio.run(run())
