@@ -438,10 +438,7 @@ class ChatCompletionRequest(GenerationRequest):
     @field_validator("tools")
     @classmethod
     def _unique_names(cls, tools: list[ChatTool] | None) -> list[ChatTool] | None:
-        names = [tool.function.name for tool in tools or []]
-        duplicates = sorted({name for name in names if names.count(name) > 1})
-        if duplicates:
-            raise ValueError(f"tool names must be unique; repeated: {', '.join(duplicates)}")
+        check_unique_tool_names([tool.function.name for tool in tools or []])
         return tools
 
     @field_validator("tool_choice")
@@ -449,11 +446,8 @@ class ChatCompletionRequest(GenerationRequest):
     def _choice_matches_tools(cls, choice: ToolChoice | None, info: ValidationInfo) -> ToolChoice | None:
         if choice is None or choice == "none" or "tools" not in info.data:
             return choice  # a bad `tools` has its own error
-        tools: list[ChatTool] = info.data["tools"] or []
-        if not tools:
-            raise ValueError(f"tool_choice {_choice_name(choice)} needs tools")
-        if isinstance(choice, NamedToolChoice) and choice.function.name not in {t.function.name for t in tools}:
-            raise ValueError(f"tool_choice names function {choice.function.name!r}, which is not in tools")
+        named = choice.function.name if isinstance(choice, NamedToolChoice) else None
+        check_tool_choice(choice, named, {t.function.name for t in info.data["tools"] or []})
         return choice
 
     @property
@@ -487,8 +481,21 @@ class ChatCompletionRequest(GenerationRequest):
         return self._sampling_params(max_tokens, logprobs, skip_special_tokens=not self.uses_tools)
 
 
-def _choice_name(choice: ToolChoice) -> str:
-    return repr(choice) if isinstance(choice, str) else f"for function {choice.function.name!r}"
+def check_unique_tool_names(names: list[str]) -> None:
+    """ValueError when a tool name repeats (a validator's message)."""
+    duplicates = sorted({name for name in names if names.count(name) > 1})
+    if duplicates:
+        raise ValueError(f"tool names must be unique; repeated: {', '.join(duplicates)}")
+
+
+def check_tool_choice(choice: object, named: str | None, names: set[str]) -> None:
+    """ValueError unless a `tool_choice` other than "none" comes with tools and `named` (the function it names,
+    if any) is one of them."""
+    if not names:
+        label = repr(choice) if isinstance(choice, str) else f"for function {named!r}"
+        raise ValueError(f"tool_choice {label} needs tools")
+    if named is not None and named not in names:
+        raise ValueError(f"tool_choice names function {named!r}, which is not in tools")
 
 
 class SessionCreateRequest(RequestModel):

@@ -58,6 +58,8 @@ from kvfree.server.protocol import (
     ToolChoiceFunctionName,
     ToolMessage,
     UserMessage,
+    check_tool_choice,
+    check_unique_tool_names,
     one_line,
     resolve_max_tokens,
 )
@@ -194,22 +196,16 @@ class ResponsesRequest(RequestModel):
     @field_validator("tools")
     @classmethod
     def _unique_names(cls, tools: list[FunctionToolParam] | None) -> list[FunctionToolParam] | None:
-        names = [tool.name for tool in tools or []]
-        duplicates = sorted({name for name in names if names.count(name) > 1})
-        if duplicates:
-            raise ValueError(f"tool names must be unique; repeated: {', '.join(duplicates)}")
+        check_unique_tool_names([tool.name for tool in tools or []])
         return tools
 
     @field_validator("tool_choice")
     @classmethod
     def _choice_matches_tools(cls, choice: Any, info: ValidationInfo) -> Any:
         if choice is None or choice == "none" or "tools" not in info.data:
-            return choice
-        names = {t.name for t in info.data["tools"] or []}
-        if not names:
-            raise ValueError(f"tool_choice {choice if isinstance(choice, str) else choice.name!r} needs tools")
-        if isinstance(choice, ToolChoiceFunction) and choice.name not in names:
-            raise ValueError(f"tool_choice names function {choice.name!r}, which is not in tools")
+            return choice  # a bad `tools` has its own error
+        named = choice.name if isinstance(choice, ToolChoiceFunction) else None
+        check_tool_choice(choice, named, {t.name for t in info.data["tools"] or []})
         return choice
 
     # -- what the chat machinery takes ----------------------------------------------------------------------------

@@ -124,15 +124,22 @@ async def get_response(response_id: str, state: StateDep, owner: OwnerDep):
     return JSONResponse(stored.response.model_dump(mode="json"))
 
 
-@router.delete("/v1/responses/{response_id}", response_model=ResponseDeleted, responses=error_responses(401, 404))
+@router.delete(
+    "/v1/responses/{response_id}", response_model=ResponseDeleted, responses=error_responses(401, 404, 409, 503)
+)
 async def delete_response(response_id: str, state: StateDep, owner: OwnerDep) -> ResponseDeleted:
     """Forget a stored response and free its state; it can no longer be continued."""
+    stored = await _stored(state, response_id, owner, "response_id")
+    try:  # the state first: a session in use by a request (through /v1/sessions) is a 409 and nothing changes
+        await state.engine.delete_session(stored.session_id, owner)
+    except SessionNotFound:
+        pass  # deleted through /v1/sessions already
+    except ENGINE_ERRORS as exc:
+        raise engine_error(exc) from None
     try:
-        stored = await state.responses.pop(response_id, owner)
+        await state.responses.pop(response_id, owner)
     except SessionStoreError as exc:
         raise engine_error(exc) from None
-    with contextlib.suppress(SessionNotFound):  # its session was deleted through /v1/sessions already
-        await state.engine.delete_session(stored.session_id, owner)
     return ResponseDeleted(id=response_id)
 
 
