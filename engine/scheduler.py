@@ -221,18 +221,27 @@ class Scheduler:
             req = self.waiting[0]
             try:
                 slots = self._take_slots(req)
-            except PoolExhausted:
-                return
+            except PoolExhausted as exc:
+                if self.running:
+                    return  # a running request frees a slot when it ends: wait for it
+                # Nothing runs, so nothing will free a slot: idle sessions hold them all and cannot move out (host
+                # memory full, no session store). Waiting would be forever; the request fails now (HTTP 429).
+                self._refuse(req, exc)
+                continue
             except Exception as exc:  # the session's stored state cannot be loaded: this request fails, not the step
-                self.waiting.popleft()
-                req.settled = True  # nothing ran: the session keeps what it had
-                self._release_session(req)
-                req.emit(exc)  # type: ignore[arg-type]
+                self._refuse(req, exc)
                 continue
             self.waiting.popleft()
             self._start(req, slots)
             step.admitted.extend(req.sequences)
             self.running.append(req)
+
+    def _refuse(self, req: Request, exc: Exception) -> None:
+        """Fail the first waiting request before it ran: the session keeps what it had."""
+        self.waiting.popleft()
+        req.settled = True
+        self._release_session(req)
+        req.emit(exc)  # type: ignore[arg-type]
 
     def _take_slots(self, req: Request) -> list[int]:
         """One slot per choice: the session's own for choice 0, ephemeral ones for the rest (all or nothing)."""

@@ -16,8 +16,9 @@ import re
 import time
 import uuid
 from collections import OrderedDict
-from dataclasses import dataclass, field
-from typing import Annotated, Any, Literal, get_args
+from collections.abc import Callable
+from dataclasses import asdict, dataclass, field
+from typing import Annotated, Any, ClassVar, Literal, get_args
 
 from openai.types.responses import (
     FunctionTool,
@@ -468,12 +469,57 @@ class StoredResponse:
     session_id: the session whose state is the conversation at the end of this response (forked by each
         continuation, so the response itself can be continued again). messages: that conversation as chat
         messages, without instructions (OpenAI does not carry them over), for the template to render it again.
+    turn: the tokens behind that state, so that a continuation extends exactly them (`TurnTokens`); None when the
+        chat template does not render a reply as header, content, end of turn.
     """
 
     response: Response
     owner: str | None
     session_id: str
     messages: list[ChatMessage] = field(default_factory=list)
+    turn: TurnTokens | None = None
+
+
+@dataclass
+class TurnTokens:
+    """The conversation at the end of a response, as tokens and as the template's text.
+
+    tokens: this turn's prompt and the reply as the model sampled it, without a final stop token (the state holds
+    them, but for the last one sampled). tail: the text the template writes after a reply (its end of turn, e.g.
+    `<|im_end|>\n`). text: the whole conversation rendered, instructions and tools included, the reply as the
+    template writes it. A continuation whose history renders to the same `text` becomes `tokens` plus the encoding
+    of `tail` and its new text: the reply is never encoded again, so the stored state is reused even when the
+    model's tokens are not what encoding its text would give.
+    """
+
+    tokens: list[int]
+    tail: str
+    text: str
+
+    # Stands in for the reply when the template is rendered to find what it writes around one.
+    SENTINEL: ClassVar[str] = "<<kvfree-reply-0b1c>>"
+
+    @classmethod
+    def of_turn(
+        cls, render: Callable[[list[ChatMessage]], str], prompt_text: str, history: list[ChatMessage],
+        reply: AssistantMessage, prompt_ids: list[int], reply_ids: list[int],
+    ) -> TurnTokens | None:  # fmt: skip
+        """The turn's tokens, or None when the template does not write a reply as `prompt_text` (the header),
+        its content, then a fixed tail. `render` renders messages without a generation prompt; `history` holds the
+        instructions and the conversation before the reply; `reply_ids` end without their stop token."""
+        marked = render([*history, AssistantMessage(role="assistant", content=cls.SENTINEL)])
+        head, found, tail = marked.partition(cls.SENTINEL)
+        text = render([*history, reply])
+        if not found or head != prompt_text or cls.SENTINEL in tail or not text.endswith(tail):
+            return None
+        return cls(tokens=[*prompt_ids, *reply_ids], tail=tail, text=text)
+
+    def continued(self, history_text: str, full_text: str, encode: Callable[[str], list[int]]) -> list[int] | None:
+        """The prompt of a continuation: these tokens, then the rest of `full_text` encoded; None when the history
+        now renders differently (other instructions or tools) and the whole text must be encoded."""
+        if history_text != self.text or not full_text.startswith(self.text):
+            return None
+        return [*self.tokens, *encode(self.tail + full_text[len(self.text) :])]
 
 
 class ResponseStore:
@@ -540,6 +586,7 @@ def encode_stored(stored: StoredResponse) -> bytes:
             "owner": stored.owner,
             "session_id": stored.session_id,
             "messages": _MESSAGES.dump_python(stored.messages, mode="json", exclude_none=True),
+            "turn": None if stored.turn is None else asdict(stored.turn),
         }
     ).encode()
 
@@ -551,4 +598,5 @@ def decode_stored(data: bytes) -> StoredResponse:
         owner=raw["owner"],
         session_id=raw["session_id"],
         messages=_MESSAGES.validate_python(raw["messages"]),
+        turn=TurnTokens(**raw["turn"]) if raw.get("turn") else None,
     )

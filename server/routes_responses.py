@@ -11,8 +11,8 @@ nothing: a fork it made is deleted when the response ends.
 from __future__ import annotations
 
 import contextlib
-from collections.abc import AsyncIterator
-from dataclasses import dataclass
+from collections.abc import AsyncIterator, Callable
+from dataclasses import dataclass, field
 
 from fastapi import APIRouter, Depends, Request
 from fastapi.responses import JSONResponse, StreamingResponse
@@ -48,6 +48,7 @@ from kvfree.server.responses import (
     OutputBuilder,
     ResponsesRequest,
     StoredResponse,
+    TurnTokens,
     now,
     response_id,
     response_object,
@@ -83,20 +84,33 @@ async def create_response(body: ResponsesRequest, request: Request, state: State
     previous = None
     if body.previous_response_id:
         previous = await _stored(state, body.previous_response_id, owner, "previous_response_id")
-    conversation: list[ChatMessage] = [*(previous.messages if previous else []), *body.input_messages()]
+    history: list[ChatMessage] = previous.messages if previous else []
+    conversation = [*history, *body.input_messages()]
     system = [SystemMessage(role="system", content=body.instructions)] if body.instructions else []
     tools, choice = body.chat_tools(), body.chat_tool_choice()
-    text = render_chat(state, [*system, *conversation], template_tools(tools, choice), add_generation_prompt=True)
+    shown_tools = template_tools(tools, choice)
+
+    def render(messages: list[ChatMessage], add_generation_prompt: bool = False) -> str:
+        return render_chat(state, [*system, *messages], shown_tools, add_generation_prompt)
+
+    text = render(conversation, add_generation_prompt=True)
     params = stop_at_turn_end(body.to_sampling_params(state.settings.max_output_tokens), tok)
-    prompt_ids = tok.encode(text)
+    # Continuing: the previous turn's own tokens, then only the new text encoded (when the history renders as it
+    # did then); otherwise the whole conversation encoded.
+    prompt_ids = None
+    if previous is not None and previous.turn is not None:
+        prompt_ids = previous.turn.continued(render(history), text, tok.encode)
+    if prompt_ids is None:
+        prompt_ids = tok.encode(text)
     check_prompt(state, prompt_ids, params, "input")
 
     session_id = await _session_for(state, previous, body.store, owner)
     fmt = ToolCallFormat.from_tokenizer_config(tok.config) if body.uses_tools else None
     turn = Turn(
-        state=state, body=body, owner=owner, request=request, prompt_ids=prompt_ids, session_id=session_id,
-        conversation=conversation, builder=OutputBuilder(fmt, accepted_tool_names(tools, choice)),
-        timer=state.metrics.request_timer(), rid=response_id(), created_at=now(),
+        state=state, body=body, owner=owner, request=request, prompt_ids=prompt_ids, prompt_text=text,
+        render=render, session_id=session_id, conversation=conversation,
+        builder=OutputBuilder(fmt, accepted_tool_names(tools, choice)), timer=state.metrics.request_timer(),
+        rid=response_id(), created_at=now(),
     )  # fmt: skip
     try:
         outputs = await start_generation(
@@ -181,19 +195,25 @@ class Turn:
     owner: str | None
     request: Request
     prompt_ids: list[int]
+    prompt_text: str  # the prompt as the template rendered it
+    render: Callable[[list[ChatMessage]], str]  # messages after the instructions -> text, no generation prompt
     session_id: str | None
     conversation: list[ChatMessage]
     builder: OutputBuilder
     timer: RequestTimer
     rid: str
     created_at: float
-    output_tokens: int = 0
+    reply_ids: list[int] = field(default_factory=list)
     cached_tokens: int = 0
     finish_reason: str | None = None
 
+    @property
+    def output_tokens(self) -> int:
+        return len(self.reply_ids)
+
     def take(self, out: RequestOutput) -> list[BaseModel]:
         """One engine output: its text through the builder (the events that adds), its counts into the totals."""
-        self.output_tokens += len(out.token_ids)
+        self.reply_ids += out.token_ids
         self.cached_tokens = out.cached_tokens
         self.timer.tokens(len(out.token_ids))
         if out.finish_reason is not None:
@@ -214,8 +234,14 @@ class Turn:
         self.timer.finish()
         self.request.state.usage = (len(self.prompt_ids), self.output_tokens, self.cached_tokens)
         if self.body.store and self.session_id is not None:
-            messages = [*self.conversation, self.builder.assistant_message()]
-            await self.state.responses.put(StoredResponse(response, self.owner, self.session_id, messages))
+            reply = self.builder.assistant_message()
+            # Without stop strings, "stop" means the last token was a stop token: the template writes its own.
+            reply_ids = self.reply_ids[:-1] if self.finish_reason == "stop" else self.reply_ids
+            turn = TurnTokens.of_turn(
+                self.render, self.prompt_text, self.conversation, reply, self.prompt_ids, reply_ids
+            )
+            stored = StoredResponse(response, self.owner, self.session_id, [*self.conversation, reply], turn)
+            await self.state.responses.put(stored)
             self.session_id = None  # the stored response owns it now
         return response
 

@@ -23,6 +23,7 @@ from kvfree.server.responses import ResponsesRequest, ResponseStore, StoredRespo
 from kvfree.server.settings import ServerSettings
 from tests.server_fixtures import ThreadServer, assert_openai_error, make_checkpoint, make_tool_checkpoint
 
+ROOT = Path(__file__).resolve().parents[1]
 WEATHER = {
     "type": "function",
     "name": "get_weather",
@@ -95,6 +96,25 @@ def test_three_turns_continue_the_stored_state(server):
     assert client.responses.retrieve(previous.id).output_text == previous.output_text
 
 
+def test_continuing_reuses_the_state_even_when_the_reply_text_does_not_encode_back():
+    """The embedded default (random weights) writes bytes that are not UTF-8: its reply's text does not encode back
+    to its tokens. A continuation still extends the stored tokens, so the whole history is cached."""
+    srv = _server(ROOT / "checkpoints" / "default", "kvfree-default", max_sessions=4)
+    try:
+        client = srv.openai()
+        kw = {"model": "kvfree-default", "instructions": "Be brief.", "max_output_tokens": 12, "temperature": 0}
+        first = client.responses.create(input="Hi", **kw)
+        tok = srv.app.state.kvfree.engine.tokenizer
+        reply_ids = srv.app.state.kvfree.responses._items[first.id].turn.tokens[first.usage.input_tokens :]
+        assert tok.encode(tok.decode(reply_ids)) != reply_ids  # the text path could not have reused the state
+        second = client.responses.create(input="More", previous_response_id=first.id, **kw)
+        assert second.usage.input_tokens_details.cached_tokens == first.usage.input_tokens + len(reply_ids) - (
+            first.status == "incomplete"
+        )  # fmt: skip
+    finally:
+        srv.stop()
+
+
 def test_two_continuations_of_one_response_are_independent_forks(server):
     client = server.openai()
     first = respond(client, "Start here")
@@ -123,6 +143,24 @@ def test_store_false_keeps_nothing(server):
     held = sessions_held(server)
     r = respond(client, "Then this", previous_response_id=kept.id, store=False)
     assert r.usage.input_tokens_details.cached_tokens > 0 and sessions_held(server) == held
+
+
+def test_a_full_server_refuses_at_once_instead_of_queueing_forever(ckpts):
+    """Stored responses hold sessions. When idle ones fill every slot and host memory, with no session store to
+    spill to, nothing running could ever free a slot: a new request gets a 429 at once (it would wait forever
+    otherwise), and deleting a stored response makes room again."""
+    srv = _server(ckpts["tiny"], "kvfree-tiny", max_sessions=2, max_host_sessions=1)
+    try:
+        client = srv.openai()
+        kept = [respond(client, f"turn {i}") for i in range(3)]  # two in slots, one moved to host memory
+        with pytest.raises(openai.RateLimitError, match="no room for another session"):
+            respond(client, "one more")  # a stored response needs a session
+        with pytest.raises(openai.RateLimitError, match="no state slot free"):
+            respond(client, "not stored", store=False)  # needs only a slot: none can be freed
+        client.responses.delete(kept[0].id)
+        assert respond(client, "room again").output_text
+    finally:
+        srv.stop()
 
 
 def test_unknown_deleted_and_foreign_responses_are_not_found(ckpts):

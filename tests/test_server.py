@@ -96,13 +96,15 @@ def tool_server(ckpts):
 
 
 @pytest.fixture(scope="module")
-def limits_server(ckpts):
-    """Small limits, for bad input and fuzzing: a tiny snapshot (~150 KB) fits under the body limit."""
+def limits_server(ckpts, tmp_path_factory):
+    """Small limits, for bad input and fuzzing: a tiny snapshot (~150 KB) fits under the body limit. Idle sessions
+    (the fuzzer's, and those of stored responses) spill to a snapshot directory, so they never hold every slot."""
     server = _thread_server(
         ckpts["tiny"],
         "kvfree-tiny",
         max_sessions=8,
         max_host_sessions=8,
+        snapshot_dir=tmp_path_factory.mktemp("limits-snapshots"),
         max_prompt_tokens=128,
         max_output_tokens=32,
         max_body_bytes=200_000,
