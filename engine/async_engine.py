@@ -299,6 +299,18 @@ class AsyncEngine:
 
         await self.call(delete)
 
+    async def discard_session(self, session_id: str, owner: str | None) -> None:
+        """Delete a session now or, while a request still uses it (one just aborted, say), when that request ends."""
+
+        def discard() -> None:
+            session = self.sessions.get(session_id, owner)
+            if session.busy:
+                session.delete_when_released = True
+            else:
+                self.sessions.delete(session)
+
+        await self.call(discard)
+
     async def fork_session(self, session_id: str, owner: str | None) -> Session:
         def fork() -> Session:
             session = self.sessions.get(session_id, owner)

@@ -222,7 +222,7 @@ class Scheduler:
             try:
                 slots = self._take_slots(req)
             except PoolExhausted as exc:
-                if self.running:
+                if self.running or self._admit_resident(step):
                     return  # a running request frees a slot when it ends: wait for it
                 # Nothing runs, so nothing will free a slot: idle sessions hold them all and cannot move out (host
                 # memory full, no session store). Waiting would be forever; the request fails now (HTTP 429).
@@ -235,6 +235,17 @@ class Scheduler:
             self._start(req, slots)
             step.admitted.extend(req.sequences)
             self.running.append(req)
+
+    def _admit_resident(self, step: ScheduledStep) -> bool:
+        """Admit waiting requests behind the first whose session already holds a slot (they need no new one, and
+        their sessions, reserved for them, cannot be evicted to make room for the first). True if any was."""
+        ready = [r for r in list(self.waiting)[1:] if r.n == 1 and r.session is not None and r.session.slot is not None]
+        for req in ready:
+            self.waiting.remove(req)
+            self._start(req, self._take_slots(req))  # its own slot: cannot fail for want of one
+            step.admitted.extend(req.sequences)
+            self.running.append(req)
+        return bool(ready)
 
     def _refuse(self, req: Request, exc: Exception) -> None:
         """Fail the first waiting request before it ran: the session keeps what it had."""
@@ -397,3 +408,5 @@ class Scheduler:
         if req.session.slot is not None:
             self.sessions.release(req.session)
         self.sessions.end_turn(req.session)
+        if req.session.delete_when_released:  # its owner gave it up while this request ran (an aborted stream)
+            self.sessions.delete(req.session)

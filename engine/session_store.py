@@ -170,7 +170,10 @@ class DirectoryStore(SessionStore):
             raise SessionStoreError(f"cannot read record {key} from {self.path}: {e}") from e
 
     def delete_record(self, key: str) -> None:
-        self._record(key).unlink(missing_ok=True)
+        try:
+            self._record(key).unlink(missing_ok=True)
+        except OSError as e:
+            raise SessionStoreError(f"cannot delete record {key} from {self.path}: {e}") from e
 
 
 class RedisStore(SessionStore):

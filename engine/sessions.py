@@ -77,6 +77,7 @@ class Session:
     host_state: dict[str, torch.Tensor] | None = None
     busy: bool = False
     ephemeral: bool = False
+    delete_when_released: bool = False  # deleted as soon as the request using it ends (`AsyncEngine.discard_session`)
     # LRU order set by the manager: a counter, because monotonic clocks can tie on coarse platforms.
     lru_tick: int = field(default=0, repr=False)
     store_version: int = field(default=0, repr=False)  # the store's version this copy matches (0: none)

@@ -548,8 +548,11 @@ class ResponseStore:
         self._remember(stored)
 
     async def get(self, response_id: str, owner: str | None, param: str | None = None) -> StoredResponse:
-        """The response, or a 404 naming `param` (the same for an unknown id and another key's)."""
-        stored = self._items.get(response_id)
+        """The response, or a 404 naming `param` (the same for an unknown id and another key's).
+
+        A store other replicas write (Redis) is read every time: another replica may have deleted the record."""
+        shared = self.store is not None and self.store.shared
+        stored = None if shared else self._items.get(response_id)
         if stored is not None:
             self._items.move_to_end(response_id)
         elif self.store is not None and self.ID.fullmatch(response_id):
@@ -557,6 +560,8 @@ class ResponseStore:
             if data is not None:
                 stored = decode_stored(data)
                 self._remember(stored)
+            else:
+                self._items.pop(response_id, None)
         if stored is None or stored.owner != owner:
             raise not_found(f"no stored response {response_id!r}", param, code="response_not_found")
         return stored

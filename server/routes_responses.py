@@ -14,6 +14,7 @@ import contextlib
 from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass, field
 
+import anyio
 from fastapi import APIRouter, Depends, Request
 from fastapi.responses import JSONResponse, StreamingResponse
 from openai.types.responses import (
@@ -126,6 +127,8 @@ async def create_response(body: ResponsesRequest, request: Request, state: State
         async for out in outputs:
             turn.take(out)
         response = await turn.finish()
+    except ENGINE_ERRORS as exc:  # e.g. the session store is unreachable when the record is written: 503
+        raise engine_error(exc) from None
     finally:
         await turn.drop_session()  # nothing, once the response is stored
     return JSONResponse(response.model_dump(mode="json"))
@@ -246,11 +249,14 @@ class Turn:
         return response
 
     async def drop_session(self) -> None:
-        """Delete the session this turn made, unless a stored response owns it (it never holds anything else)."""
+        """Delete the session this turn made, unless a stored response owns it (it never holds anything else).
+
+        Also when the client went away: shielded from the cancellation, and deferred by the engine until the
+        aborted request lets go of the session."""
         if self.session_id is not None:
             session_id, self.session_id = self.session_id, None
-            with contextlib.suppress(*ENGINE_ERRORS):
-                await self.state.engine.delete_session(session_id, self.owner)
+            with anyio.CancelScope(shield=True), contextlib.suppress(*ENGINE_ERRORS):
+                await self.state.engine.discard_session(session_id, self.owner)
 
     async def events(self, outputs: AsyncIterator[RequestOutput]) -> AsyncIterator[str]:
         """The Responses API stream: created, in_progress, the items' events as text arrives, completed."""
@@ -271,5 +277,9 @@ class Turn:
             yield sse(b.event(ResponseErrorEvent, code=exc.code, message=exc.message, param=exc.param))
         except SessionStoreError as exc:  # the record could not be stored: say so in-band, the status is sent
             yield sse(b.event(ResponseErrorEvent, code="store_unavailable", message=str(exc), param=None))
+        except Exception as exc:  # the engine failed midway: the status is sent, so the error goes in-band too
+            yield sse(b.event(ResponseErrorEvent, code="server_error", message=f"generation failed: {exc}", param=None))
         finally:
+            with anyio.CancelScope(shield=True):
+                await outputs.aclose()  # aborts the engine request if the client went away
             await self.drop_session()

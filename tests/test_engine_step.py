@@ -213,3 +213,42 @@ def test_each_request_gets_its_own_number_of_top_logprobs_in_a_mixed_batch(llm):
             assert entries == []
         else:
             assert len(entries) == 4 and all(len(e.top) == k for e in entries), (k, [len(e.top) for e in entries])
+
+
+def _run_all(engine: LLMEngine, requests: list[Request]) -> None:
+    for req in requests:
+        engine.scheduler.add(req)
+    while engine.has_work:
+        engine.step()
+
+
+def test_a_request_no_slot_can_ever_be_freed_for_is_refused_not_kept_waiting():
+    """Idle sessions in every slot, host memory full, no store: a sessionless request would wait forever for a
+    slot; it fails with PoolExhausted instead. But requests whose sessions are resident run first, and once they
+    end their sessions can move to host memory to make room: then the sessionless request waits and runs."""
+    from kvfree.engine.sessions import PoolExhausted
+
+    llm = LLM(max_sessions=2)
+    sessions = SessionManager(llm.pool, fingerprint="test", max_host_sessions=1)
+    engine = _engine(llm, overlap=False, sessions=sessions)
+    got: dict[str, list] = {}
+    params = SamplingParams(temperature=0, max_tokens=3, ignore_eos=True)
+
+    def request(name: str, session=None) -> Request:
+        return Request(name, llm.tokenizer.encode(f"{name} says hi"), params, emit=got.setdefault(name, []).append,
+                       session=session)  # fmt: skip
+
+    s1, s2 = sessions.create(owner=None), sessions.create(owner=None)
+    _run_all(engine, [request("warm1", s1), request("warm2", s2)])  # both resident now, idle
+    # A (no session) first in line, then B and C on the resident sessions: nothing runs, and A cannot evict
+    # sessions reserved for B and C. B and C run first; then s1 moves to host memory and A runs.
+    _run_all(engine, [request("A"), request("B", s1), request("C", s2)])
+    for name in ("A", "B", "C"):
+        assert got[name][-1].finish_reason == "length", (name, got[name][-1])
+    assert sessions.counters.evictions >= 1
+
+    # Now host memory is full (one session) and both slots hold idle sessions: A can never get a slot.
+    s3 = sessions.create(owner=None)
+    _run_all(engine, [request("warm3", s3)])
+    _run_all(engine, [request("A2")])
+    assert isinstance(got["A2"][-1], PoolExhausted), got["A2"]

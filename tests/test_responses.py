@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import time
 from pathlib import Path
 from typing import Any
 
@@ -159,6 +160,39 @@ def test_a_full_server_refuses_at_once_instead_of_queueing_forever(ckpts):
             respond(client, "not stored", store=False)  # needs only a slot: none can be freed
         client.responses.delete(kept[0].id)
         assert respond(client, "room again").output_text
+    finally:
+        srv.stop()
+
+
+def test_a_client_that_leaves_mid_stream_leaves_no_session_behind(server):
+    """The stream's request is aborted and the session made for it (stored or forked) deleted once the engine lets
+    go of it; nothing is stored."""
+    base = sessions_held(server)
+    kept = respond(server.openai(), "Keep me")
+    held = sessions_held(server)
+    assert held == base + 1
+    for extra in ({}, {"previous_response_id": kept.id}):
+        body = {"input": "Talk for a long time", "stream": True, "max_output_tokens": 2000, **extra}
+        with server.http() as http, http.stream("POST", "/v1/responses", json=body) as r:
+            lines = r.iter_lines()
+            assert next(line for line in lines if "output_text.delta" in line)
+        # closed mid-stream
+        deadline = time.monotonic() + 30
+        while sessions_held(server) != held and time.monotonic() < deadline:
+            time.sleep(0.05)
+        assert sessions_held(server) == held
+
+
+def test_a_record_that_cannot_be_stored_is_a_503_and_leaves_nothing(ckpts, tmp_path):
+    store = tmp_path / "store"
+    srv = _server(ckpts["tiny"], "kvfree-tiny", max_sessions=4, session_store=str(store))
+    try:
+        (store / "records").write_text("a file where the records folder should be")
+        held = sessions_held(srv)
+        with srv.http() as http:
+            r = http.post("/v1/responses", json={"input": "hi", "max_output_tokens": 2})
+        assert_openai_error(r, 503)
+        assert sessions_held(srv) == held
     finally:
         srv.stop()
 

@@ -218,6 +218,12 @@ def test_stored_responses_continue_on_another_replica_after_kill_9(checkpoint, r
         history = [{"role": "user", "content": "Hello"}, {"role": "assistant", "content": first.output_text}]
         full = on_b.responses.create(input=[*history, {"role": "user", "content": "More"}], store=False, **greedy)
         assert full.output_text == second.output_text
+        # A record deleted on B is gone on A too, although A has it in memory.
+        extra = on_a.responses.create(input="Extra", **greedy)
+        assert on_a.responses.retrieve(extra.id).id == extra.id
+        on_b.responses.delete(extra.id)
+        with pytest.raises(openai.NotFoundError):
+            on_a.responses.retrieve(extra.id)
         a.proc.kill()
         a.proc.wait(10)
         assert on_b.responses.retrieve(first.id).output_text == first.output_text

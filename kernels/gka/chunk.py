@@ -172,8 +172,9 @@ def _gka_state_kernel(
     i_nh, i_rc = tl.program_id(0), tl.program_id(1)
     row0, i_col = (i_rc // NB_COLS) * BR, i_rc % NB_COLS
     i_n, i_h = i_nh // H, i_nh % H
-    bos = tl.load(cu_seqlens + i_n)
-    eos = tl.load(cu_seqlens + i_n + 1)
+    # int64 token offsets: token index times the row stride passes 2^31 near a million packed tokens.
+    bos = tl.load(cu_seqlens + i_n).to(tl.int64)
+    eos = tl.load(cu_seqlens + i_n + 1).to(tl.int64)
     c0 = tl.load(chunk_offsets + i_n)
     slot = tl.load(state_indices + i_n).to(tl.int64)
     if i_col < NB_H:
@@ -227,8 +228,8 @@ def _gka_out_kernel(
     i_c, i_r = i_cr // NRB, i_cr % NRB
     i_n = tl.load(chunk_indices + 2 * i_c)
     j = tl.load(chunk_indices + 2 * i_c + 1)
-    eos = tl.load(cu_seqlens + i_n + 1)
-    t0 = tl.load(cu_seqlens + i_n) + j * L
+    eos = tl.load(cu_seqlens + i_n + 1).to(tl.int64)  # int64 offsets, as in the state pass
+    t0 = tl.load(cu_seqlens + i_n).to(tl.int64) + j * L
 
     jj = tl.arange(0, L)  # the chunk's tokens (keys)
     rr = i_r * BM + tl.arange(0, BM)  # this block's tokens (queries), within the chunk
