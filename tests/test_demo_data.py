@@ -116,3 +116,23 @@ def test_recall_examples_state_the_fact_first_and_ask_last():
     ex = recall_example(random.Random(0), "eval", filler_turns=3)
     assert ex.expected in ex.messages[1]["content"] and ex.messages[-1]["role"] == "user"
     assert len(ex.messages) == 3 + 2 * 3 + 1 and json.dumps(asdict(ex))
+
+
+def test_target_replies_parse_back_through_the_server_tool_parser():
+    """A tools example's target reply is exactly one call the server parses back to the expected call; a recall
+    target states the answer; chat has none (the teacher writes it)."""
+    from kvfree.server.tools import parse_tool_calls
+    from kvfree.training.demo_data import target_reply
+
+    for ex in examples("train", 5, 60):
+        target = target_reply(ex)
+        if ex.skill == "tools":
+            names = {t["function"]["name"] for t in ex.tools}
+            content, calls = parse_tool_calls(target, "<tool_call>", "</tool_call>", names)
+            assert content == "" and len(calls) == 1
+            assert calls[0].function.name == ex.expected["name"]
+            assert json.loads(calls[0].function.arguments) == ex.expected["arguments"]
+        elif ex.skill == "recall":
+            assert ex.expected in target and target.endswith(".")
+        else:
+            assert target is None

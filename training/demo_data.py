@@ -112,17 +112,17 @@ def schemas_for(split: Split) -> list[ToolSchema]:
 
 # -- fact banks --------------------------------------------------------------------------------------------------------
 
-# (the fact as stated, the question, the answer bank for training, the answer bank for evaluation)
-_FACTS: list[tuple[str, str, list[str], list[str]]] = [
-    ("My sister's name is {v}.", "What is my sister's name?",
+# (the fact as stated, the question, the answer as a sentence, the answer bank for training, and for evaluation)
+_FACTS: list[tuple[str, str, str, list[str], list[str]]] = [
+    ("My sister's name is {v}.", "What is my sister's name?", "Your sister's name is {v}.",
      ["Ana", "Mira", "Jonas", "Tomas", "Ines", "Paulo", "Yara", "Emil"], ["Greta", "Omar", "Lucia", "Ravi", "Noor"]),
-    ("I parked on level {v}.", "Which level did I park on?",
+    ("I parked on level {v}.", "Which level did I park on?", "You parked on level {v}.",
      ["2", "3", "5", "7", "9", "11"], ["4", "6", "8", "12", "14"]),
-    ("The code word for today is {v}.", "What is the code word for today?",
+    ("The code word for today is {v}.", "What is the code word for today?", "Today's code word is {v}.",
      ["amber", "falcon", "cobalt", "juniper", "marble"], ["saffron", "quartz", "willow", "ember", "tundra"]),
-    ("My flight leaves from gate {v}.", "Which gate does my flight leave from?",
+    ("My flight leaves from gate {v}.", "Which gate does my flight leave from?", "It leaves from gate {v}.",
      ["A4", "B12", "C7", "D2", "E9"], ["F3", "G14", "H6", "K1", "M8"]),
-    ("I was born in {v}.", "Where was I born?",
+    ("I was born in {v}.", "Where was I born?", "You were born in {v}.",
      ["Porto", "Ghent", "Busan", "Cusco", "Tartu"], ["Split", "Fez", "Hobart", "Bergen", "Leon"]),
 ]  # fmt: skip
 
@@ -156,7 +156,7 @@ class Example:
 
     skill: "chat", "tools" or "recall". expected: for tools the call `{"name", "arguments"}`, for recall the answer
     string, for chat None (the teacher's reply is the target). filler_turns: for recall, how many unrelated
-    exchanges sit between the fact and the question.
+    exchanges sit between the fact and the question. answer: for recall, the answer as a sentence.
     """
 
     skill: str
@@ -165,6 +165,7 @@ class Example:
     expected: Any = None
     filler_turns: int = 0
     schema: dict[str, Any] | None = field(default=None, repr=False)  # the called function's parameters (tools)
+    answer: str | None = None
 
 
 def _args_text(args: dict[str, Any]) -> str:
@@ -191,7 +192,7 @@ def tool_example(rng: random.Random, split: Split) -> Example:
 
 
 def recall_example(rng: random.Random, split: Split, filler_turns: int) -> Example:
-    statement, question, train_values, eval_values = rng.choice(_FACTS)
+    statement, question, sentence, train_values, eval_values = rng.choice(_FACTS)
     answer = rng.choice(eval_values if split == "eval" else train_values)
     messages: list[dict[str, Any]] = [
         {"role": "system", "content": "You are a helpful assistant. Remember what the user tells you."},
@@ -202,12 +203,26 @@ def recall_example(rng: random.Random, split: Split, filler_turns: int) -> Examp
         ask, reply = rng.choice(FILLER)
         messages += [{"role": "user", "content": ask}, {"role": "assistant", "content": reply}]
     messages.append({"role": "user", "content": question})
-    return Example(skill="recall", messages=messages, expected=answer, filler_turns=filler_turns)
+    return Example(skill="recall", messages=messages, expected=answer, filler_turns=filler_turns,
+                   answer=sentence.format(v=answer))  # fmt: skip
 
 
 def chat_example(rng: random.Random) -> Example:
     request = rng.choice(_CHAT).format(topic=rng.choice(_TOPICS))
     return Example(skill="chat", messages=[{"role": "user", "content": request}])
+
+
+def target_reply(
+    example: Example, tool_call_start: str = "<tool_call>", tool_call_end: str = "</tool_call>"
+) -> str | None:
+    """The reply to train toward where the right one is known: a tools example's call, written as the checkpoint's
+    tool-call format declares (`{"name": ..., "arguments": {...}}` between its tags), a recall example's answer as a
+    sentence; None for chat, whose reply the teacher writes."""
+    if example.skill == "tools":
+        return tool_call_start + json.dumps(example.expected, ensure_ascii=False) + tool_call_end
+    if example.skill == "recall":
+        return example.answer
+    return None
 
 
 def examples(split: Split, seed: int, n: int, skills: tuple[str, ...] = ("chat", "tools", "recall"),
