@@ -14,12 +14,13 @@ from pathlib import Path
 
 import jsonschema
 import pytest
+import torch
 from openai.types.chat import ChatCompletionMessageToolCall
 from openai.types.chat.chat_completion_message_tool_call import Function
 
 from kvfree.engine.tokenizer import Tokenizer
 from kvfree.server.settings import ServerSettings
-from kvfree.training.demo_data import Example, examples, recall_example, schemas_for, tool_schemas
+from kvfree.training.demo_data import Example, examples, recall_example, schemas_for, target_reply, tool_schemas
 from kvfree.training.demo_eval import evaluate_recall, evaluate_tools, score_tool_reply
 from tests.server_fixtures import ThreadServer, make_checkpoint, make_tool_checkpoint
 
@@ -122,7 +123,6 @@ def test_target_replies_parse_back_through_the_server_tool_parser():
     """A tools example's target reply is exactly one call the server parses back to the expected call; a recall
     target states the answer; chat has none (the teacher writes it)."""
     from kvfree.server.tools import parse_tool_calls
-    from kvfree.training.demo_data import target_reply
 
     for ex in examples("train", 5, 60):
         target = target_reply(ex)
@@ -136,3 +136,38 @@ def test_target_replies_parse_back_through_the_server_tool_parser():
             assert ex.expected in target and target.endswith(".")
         else:
             assert target is None
+
+
+def test_teacher_writes_the_training_data(tmp_path):
+    """`demo_teacher` with a tiny random Llama (the teacher's architecture) and the byte tokenizer: chat replies
+    come from the teacher, deterministically when greedy; tool and recall replies are the known right ones."""
+    from transformers import LlamaConfig, LlamaForCausalLM, PreTrainedTokenizerFast
+
+    from kvfree.training.demo_teacher import main as teacher_main
+
+    default = ROOT / "checkpoints" / "default"
+    config = json.loads((default / "tokenizer_config.json").read_text())
+    tok = PreTrainedTokenizerFast(tokenizer_file=str(default / "tokenizer.json"), eos_token="<|im_end|>")
+    tok.chat_template = config["chat_template"]
+    teacher = tmp_path / "teacher"
+    tok.save_pretrained(teacher)
+    torch.manual_seed(0)
+    llama = LlamaConfig(vocab_size=len(tok), hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+                        num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=1024)  # fmt: skip
+    LlamaForCausalLM(llama).save_pretrained(teacher)
+
+    outs = []
+    for run in range(2):
+        out = tmp_path / f"data{run}.jsonl"
+        args = ["--teacher", str(teacher), "--n", "6", "--out", str(out), "--device", "cpu", "--max-new-tokens", "5"]
+        assert teacher_main(args) == 0
+        outs.append([json.loads(line) for line in out.read_text().splitlines()])
+    rows = outs[0]
+    assert outs[0] == outs[1] and len(rows) == 6
+    assert {r["skill"] for r in rows} == {"chat", "tools", "recall"}
+    for row, ex in zip(rows, examples("train", 0, 6), strict=True):
+        assert row["messages"] == ex.messages
+        if ex.skill == "chat":
+            assert row["source"] == "teacher" and isinstance(row["reply"], str)
+        else:
+            assert row["source"] == "known" and row["reply"] == target_reply(ex)
