@@ -7,18 +7,20 @@ go; gauges that describe the engine (queues, pool, sessions, memory) are copied 
 
 The vLLM-style set (`VllmStyleMetrics`) carries vLLM's metric names and meanings under the prefix `kvfree:`
 instead of `vllm:` (`kvfree:num_requests_running`, `kvfree:time_to_first_token_seconds`, ...), labelled with
-`model_name`, so a dashboard built for vLLM works after replacing the prefix. Its KV-cache usage is the state
-pool's slot usage: what limits how many sessions decode at once here.
+`model_name`, so a dashboard built for vLLM works after replacing the prefix; most of it is kvfree's own metrics
+re-exported under those names at scrape time. Its KV-cache usage is the state pool's slot usage: what limits how
+many sessions decode at once here.
 """
 
 from __future__ import annotations
 
 import math
 import time
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Iterator, Mapping
 from typing import Any
 
-from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, Counter, Gauge, Histogram, generate_latest
+from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, Counter, Gauge, Histogram, Metric, generate_latest
+from prometheus_client.registry import Collector
 
 # Buckets sized for interactive serving: first tokens from ms (small models, short prompts) to a minute (long
 # prompts under load); gaps between tokens from 1 ms to seconds; whole requests up to 10 minutes.
@@ -120,7 +122,7 @@ class Metrics:
         for location in SESSION_LOCATIONS:
             self.sessions.labels(location=location).set(0)
         # The vLLM-style set needs the served model's name for its label; without one, only kvfree's own.
-        self.vllm = VllmStyleMetrics(r, model_name) if model_name is not None else None
+        self.vllm = VllmStyleMetrics(self, model_name) if model_name is not None else None
 
     # -- updates ------------------------------------------------------------------------------------------------
     def count_request(self, route: str, status: int) -> None:
@@ -137,7 +139,7 @@ class Metrics:
         self.generation_tokens.inc(generated)
         self.cached_prompt_tokens.inc(cached)
         if self.vllm is not None:
-            self.vllm.count_request(prompt, generated, cached, finish_reason or "stop")
+            self.vllm.count_request(prompt, generated, finish_reason or "stop")
 
     def request_timer(self, clock: Callable[[], float] = time.perf_counter) -> RequestTimer:
         """A timer started now, for one request's TTFT, inter-token and end-to-end latencies."""
@@ -201,12 +203,9 @@ class RequestTimer:
         if count <= 0:
             return
         now = self.clock()
-        vllm = self.metrics.vllm
         if self.first_token_at is None:
             self.first_token_at = now
             self.metrics.time_to_first_token.observe(now - self.start)
-            if vllm is not None:
-                vllm.time_to_first_token.observe(now - self.start)
             count -= 1  # the first token has a TTFT, not an inter-token gap
             if count == 0:
                 self._last = now
@@ -214,9 +213,6 @@ class RequestTimer:
         gap = (now - self._last) / count
         for _ in range(count):
             self.metrics.inter_token_latency.observe(gap)
-            if vllm is not None:
-                vllm.inter_token_latency.observe(gap)
-                vllm.time_per_output_token.observe(gap)
         self._last = now
 
     def finish(self) -> None:
@@ -224,79 +220,77 @@ class RequestTimer:
         if not self._finished:
             self._finished = True
             self.metrics.e2e_request_latency.observe(self.clock() - self.start)
-            if self.metrics.vllm is not None:
-                self.metrics.vllm.e2e_request_latency.observe(self.clock() - self.start)
 
 
 TOKEN_COUNT_BUCKETS = (1, 2, 5, 10, 20, 50, 100, 200, 500, 1000, 2000, 5000, 10000, 20000, 50000, 100000)
 
 
-class VllmStyleMetrics:
+class VllmStyleMetrics(Collector):
     """vLLM's serving metrics under the prefix `kvfree:`, same names, meanings and `model_name` label.
 
-    Prefix caching maps to session reuse: a query is a prompt token, a hit a prompt token a session's state
-    already held. kvfree never preempts a running request, so `num_preemptions_total` stays 0.
+    Most are kvfree's own metrics under vLLM's names, copied at scrape time (`collect`), so no token is timed or
+    counted twice on the way. Prefix caching maps to session reuse: a query is a prompt token, a hit a prompt token
+    a session's state already held. Recorded here are only what kvfree's own set lacks: finished requests by
+    reason, per-request token counts, state-pool usage as a fraction (vLLM's KV-cache usage), and preemptions
+    (kvfree never preempts a running request: always 0).
     """
 
-    def __init__(self, registry: CollectorRegistry, model_name: str) -> None:
-        # Each metric is kept as its child for this model, so the update sites need no label.
-        r, m = registry, ["model_name"]
-        self.model_name = model_name
+    # vLLM's name (after `kvfree:`) -> the attribute of `Metrics` whose samples it re-exports.
+    ALIASES = {
+        "num_requests_running": "requests_running",
+        "num_requests_waiting": "requests_waiting",
+        "prompt_tokens": "prompt_tokens",
+        "generation_tokens": "generation_tokens",
+        "prefix_cache_queries": "prompt_tokens",
+        "prefix_cache_hits": "cached_prompt_tokens",
+        "time_to_first_token_seconds": "time_to_first_token",
+        "inter_token_latency_seconds": "inter_token_latency",
+        "time_per_output_token_seconds": "inter_token_latency",  # vLLM's older name for the same gaps
+        "e2e_request_latency_seconds": "e2e_request_latency",
+    }
 
-        def gauge(name: str, doc: str) -> Gauge:
-            return Gauge(f"kvfree:{name}", doc, m, registry=r).labels(model_name=model_name)
+    def __init__(self, metrics: Metrics, model_name: str) -> None:
+        r, m = metrics.registry, ["model_name"]
+        self.metrics, self.model_name = metrics, model_name
 
-        def counter(name: str, doc: str) -> Counter:
-            return Counter(f"kvfree:{name}", doc, m, registry=r).labels(model_name=model_name)
+        def histogram(name: str, doc: str) -> Histogram:
+            return Histogram(f"kvfree:{name}", doc, m, buckets=TOKEN_COUNT_BUCKETS, registry=r).labels(model_name)
 
-        def histogram(name: str, doc: str, buckets: tuple[float, ...]) -> Histogram:
-            return Histogram(f"kvfree:{name}", doc, m, buckets=buckets, registry=r).labels(model_name=model_name)
-
-        self.num_requests_running = gauge("num_requests_running", "Requests decoding now.")
-        self.num_requests_waiting = gauge("num_requests_waiting", "Requests waiting for a state slot.")
-        self.kv_cache_usage_perc = gauge("kv_cache_usage_perc", "State-pool slot usage, 0 to 1 (vLLM: KV cache).")
-        self.gpu_cache_usage_perc = gauge("gpu_cache_usage_perc", "The same, under vLLM's older name.")
-        self.prompt_tokens = counter("prompt_tokens", "Prompt tokens of finished requests.")
-        self.generation_tokens = counter("generation_tokens", "Tokens generated.")
-        self.prefix_cache_queries = counter("prefix_cache_queries", "Prompt tokens looked up in a session's state.")
-        self.prefix_cache_hits = counter("prefix_cache_hits", "Prompt tokens a session's state already held.")
-        self.num_preemptions = counter("num_preemptions", "Running requests preempted (never, here).")
+        self.kv_cache_usage_perc = Gauge("kvfree:kv_cache_usage_perc", "State-pool slot usage, 0 to 1 (vLLM: KV "
+                                         "cache).", m, registry=r).labels(model_name)  # fmt: skip
+        self.gpu_cache_usage_perc = Gauge("kvfree:gpu_cache_usage_perc", "The same, under vLLM's older name.", m,
+                                          registry=r).labels(model_name)  # fmt: skip
+        Counter("kvfree:num_preemptions", "Running requests preempted (never, here).", m, registry=r).labels(model_name)
         self.request_success = Counter(
             "kvfree:request_success", "Finished requests, by how they ended.", [*m, "finished_reason"], registry=r
         )
-        self.time_to_first_token = histogram(
-            "time_to_first_token_seconds", "From request arrival to its first token.", TTFT_BUCKETS
-        )
-        self.inter_token_latency = histogram(
-            "inter_token_latency_seconds", "Time between consecutive tokens of a request.", ITL_BUCKETS
-        )
-        self.time_per_output_token = histogram(
-            "time_per_output_token_seconds", "The same gaps, under vLLM's older name.", ITL_BUCKETS
-        )
-        self.e2e_request_latency = histogram(
-            "e2e_request_latency_seconds", "From request arrival to its last token.", E2E_BUCKETS
-        )
-        self.request_prompt_tokens = histogram(
-            "request_prompt_tokens", "Prompt tokens per finished request.", TOKEN_COUNT_BUCKETS
-        )
-        self.request_generation_tokens = histogram(
-            "request_generation_tokens", "Generated tokens per finished request.", TOKEN_COUNT_BUCKETS
-        )
+        self.request_prompt_tokens = histogram("request_prompt_tokens", "Prompt tokens per finished request.")
+        self.request_generation_tokens = histogram("request_generation_tokens", "Generated tokens per request.")
+        r.register(self)
 
-    def count_request(self, prompt: int, generated: int, cached: int, finish_reason: str) -> None:
-        self.prompt_tokens.inc(prompt)
-        self.generation_tokens.inc(generated)
-        self.prefix_cache_queries.inc(prompt)
-        self.prefix_cache_hits.inc(cached)
+    def collect(self) -> Iterator[Metric]:
+        for name, source in self.ALIASES.items():
+            for family in getattr(self.metrics, source).collect():
+                alias = Metric(f"kvfree:{name}", family.documentation, family.type)
+                alias.samples = [
+                    sample._replace(
+                        name=f"kvfree:{name}" + sample.name[len(family.name) :],
+                        labels={"model_name": self.model_name, **sample.labels},
+                    )
+                    for sample in family.samples
+                ]
+                yield alias
+
+    def describe(self) -> list[Metric]:
+        # Without this the registry would call `collect` at registration to learn the names (auto_describe).
+        return [Metric(f"kvfree:{name}", "", "untyped") for name in self.ALIASES]
+
+    def count_request(self, prompt: int, generated: int, finish_reason: str) -> None:
         self.request_prompt_tokens.observe(prompt)
         self.request_generation_tokens.observe(generated)
         self.request_success.labels(model_name=self.model_name, finished_reason=finish_reason).inc()
 
     def update_engine(self, stats: Mapping[str, Any]) -> None:
-        if "running" in stats:
-            self.num_requests_running.set(stats["running"])
-        if "waiting" in stats:
-            self.num_requests_waiting.set(stats["waiting"])
         if stats.get("pool_slots_total"):
             usage = stats.get("pool_slots_used", 0) / stats["pool_slots_total"]
             self.kv_cache_usage_perc.set(usage)
