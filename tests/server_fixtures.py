@@ -207,6 +207,12 @@ class ThreadServer:
         return httpx.Client(base_url=self.url, timeout=120, **kw)
 
 
+def serve(model: Path, name: str, env: dict[str, str] | None = None, **settings: Any) -> ThreadServer:
+    """A started `ThreadServer` of `model` served as `name` (on the CPU unless `device` is given)."""
+    settings.setdefault("device", "cpu")
+    return ThreadServer(ServerSettings(model=model, served_model_name=name, **settings), env=env).start()
+
+
 class ProcServer:
     """`python -m kvfree serve MODEL --port P ARGS...` in a subprocess; stdout and stderr go to `log_path`."""
 

@@ -20,8 +20,7 @@ from pathlib import Path
 
 import pytest
 
-from kvfree.server.settings import ServerSettings
-from tests.server_fixtures import ThreadServer, make_checkpoint
+from tests.server_fixtures import make_checkpoint, serve
 
 NAME = "kvfree-tiny"
 
@@ -33,7 +32,7 @@ def ckpt(tmp_path_factory: pytest.TempPathFactory) -> Path:
 
 @pytest.fixture(scope="module")
 def server(ckpt):
-    srv = ThreadServer(ServerSettings(model=ckpt, served_model_name=NAME, device="cpu", max_sessions=8)).start()
+    srv = serve(ckpt, NAME, max_sessions=8)
     yield srv
     srv.stop()
 

@@ -19,10 +19,9 @@ from openai.types.chat import ChatCompletionMessageToolCall
 from openai.types.chat.chat_completion_message_tool_call import Function
 
 from kvfree.engine.tokenizer import Tokenizer
-from kvfree.server.settings import ServerSettings
 from kvfree.training.demo_data import Example, examples, recall_example, schemas_for, target_reply, tool_schemas
 from kvfree.training.demo_eval import evaluate_recall, evaluate_tools, score_tool_reply
-from tests.server_fixtures import ThreadServer, make_checkpoint, make_tool_checkpoint
+from tests.server_fixtures import make_checkpoint, make_tool_checkpoint, serve
 
 ROOT = Path(__file__).resolve().parents[1]
 WEATHER_PARAMS = {"type": "object", "properties": {"city": {"type": "string"}}, "required": ["city"]}
@@ -86,7 +85,7 @@ def test_tool_scorer():
 
 def test_harness_through_a_real_server(tmp_path):
     tool_ckpt = make_tool_checkpoint(tmp_path / "tool")
-    srv = ThreadServer(ServerSettings(model=tool_ckpt, served_model_name="tool", device="cpu", max_sessions=2)).start()
+    srv = serve(tool_ckpt, "tool", max_sessions=2)
     try:
         messages = [{"role": "user", "content": "What is the weather in Paris?"}]
         good = Example("tools", messages, [WEATHER_TOOL], {"name": "get_weather", "arguments": {"city": "Paris"}},
@@ -99,7 +98,7 @@ def test_harness_through_a_real_server(tmp_path):
         srv.stop()
 
     tiny = make_checkpoint("tiny", tmp_path / "tiny")
-    srv = ThreadServer(ServerSettings(model=tiny, served_model_name="tiny", device="cpu", max_sessions=2)).start()
+    srv = serve(tiny, "tiny", max_sessions=2)
     try:
         report = evaluate_recall(srv.url, "tiny", filler_tokens=[300], per_length=2, max_tokens=4)
         row = report["300"]

@@ -14,8 +14,7 @@ from pathlib import Path
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
-from kvfree.server.settings import ServerSettings
-from tests.server_fixtures import ThreadServer, make_checkpoint
+from tests.server_fixtures import make_checkpoint, serve
 
 ROOT = Path(__file__).resolve().parents[1]
 DASHBOARD = ROOT / "deploy" / "grafana"
@@ -46,9 +45,7 @@ VLLM_SERIES = [
 def scraped(tmp_path_factory: pytest.TempPathFactory) -> dict[str, list]:
     """Samples by name after a chat completion, a streamed one, and two turns of the Responses API."""
     ckpt = make_checkpoint("tiny", tmp_path_factory.mktemp("ckpt") / "tiny")
-    server = ThreadServer(
-        ServerSettings(model=ckpt, served_model_name=NAME, device="cpu", max_sessions=6, max_host_sessions=10)
-    ).start()
+    server = serve(ckpt, NAME, max_sessions=6, max_host_sessions=10)
     try:
         client = server.openai()
         messages = [{"role": "user", "content": "hello"}]

@@ -21,8 +21,7 @@ from kvfree.engine.session_store import DirectoryStore
 from kvfree.server.errors import APIError
 from kvfree.server.protocol import UserMessage
 from kvfree.server.responses import ResponsesRequest, ResponseStore, StoredResponse, response_id, response_object
-from kvfree.server.settings import ServerSettings
-from tests.server_fixtures import ThreadServer, assert_openai_error, make_checkpoint, make_tool_checkpoint
+from tests.server_fixtures import ThreadServer, assert_openai_error, make_checkpoint, make_tool_checkpoint, serve
 
 ROOT = Path(__file__).resolve().parents[1]
 WEATHER = {
@@ -39,20 +38,16 @@ def ckpts(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
     return {"tiny": make_checkpoint("tiny", root / "tiny"), "tool": make_tool_checkpoint(root / "tool")}
 
 
-def _server(model: Path, name: str, env: dict[str, str] | None = None, **settings: Any) -> ThreadServer:
-    return ThreadServer(ServerSettings(model=model, served_model_name=name, device="cpu", **settings), env=env).start()
-
-
 @pytest.fixture(scope="module")
 def server(ckpts):
-    srv = _server(ckpts["tiny"], "kvfree-tiny", max_sessions=8)
+    srv = serve(ckpts["tiny"], "kvfree-tiny", max_sessions=8)
     yield srv
     srv.stop()
 
 
 @pytest.fixture(scope="module")
 def tool_server(ckpts):
-    srv = _server(ckpts["tool"], "kvfree-tool", max_sessions=4)
+    srv = serve(ckpts["tool"], "kvfree-tool", max_sessions=4)
     yield srv
     srv.stop()
 
@@ -100,7 +95,7 @@ def test_three_turns_continue_the_stored_state(server):
 def test_continuing_reuses_the_state_even_when_the_reply_text_does_not_encode_back():
     """The embedded default (random weights) writes bytes that are not UTF-8: its reply's text does not encode back
     to its tokens. A continuation still extends the stored tokens, so the whole history is cached."""
-    srv = _server(ROOT / "checkpoints" / "default", "kvfree-default", max_sessions=4)
+    srv = serve(ROOT / "checkpoints" / "default", "kvfree-default", max_sessions=4)
     try:
         client = srv.openai()
         kw = {"model": "kvfree-default", "instructions": "Be brief.", "max_output_tokens": 12, "temperature": 0}
@@ -150,7 +145,7 @@ def test_a_full_server_refuses_at_once_instead_of_queueing_forever(ckpts):
     """Stored responses hold sessions. When idle ones fill every slot and host memory, with no session store to
     spill to, nothing running could ever free a slot: a new request gets a 429 at once (it would wait forever
     otherwise), and deleting a stored response makes room again."""
-    srv = _server(ckpts["tiny"], "kvfree-tiny", max_sessions=2, max_host_sessions=1)
+    srv = serve(ckpts["tiny"], "kvfree-tiny", max_sessions=2, max_host_sessions=1)
     try:
         client = srv.openai()
         kept = [respond(client, f"turn {i}") for i in range(3)]  # two in slots, one moved to host memory
@@ -185,7 +180,7 @@ def test_a_client_that_leaves_mid_stream_leaves_no_session_behind(server):
 
 def test_a_record_that_cannot_be_stored_is_a_503_and_leaves_nothing(ckpts, tmp_path):
     store = tmp_path / "store"
-    srv = _server(ckpts["tiny"], "kvfree-tiny", max_sessions=4, session_store=str(store))
+    srv = serve(ckpts["tiny"], "kvfree-tiny", max_sessions=4, session_store=str(store))
     try:
         (store / "records").write_text("a file where the records folder should be")
         held = sessions_held(srv)
@@ -198,7 +193,7 @@ def test_a_record_that_cannot_be_stored_is_a_503_and_leaves_nothing(ckpts, tmp_p
 
 
 def test_unknown_deleted_and_foreign_responses_are_not_found(ckpts):
-    srv = _server(ckpts["tiny"], "kvfree-tiny", env={"KVFREE_API_KEYS": "k1,k2"}, max_sessions=4)
+    srv = serve(ckpts["tiny"], "kvfree-tiny", env={"KVFREE_API_KEYS": "k1,k2"}, max_sessions=4)
     try:
         one, two = srv.openai(api_key="k1"), srv.openai(api_key="k2")
         r = respond(one, "mine")

@@ -34,6 +34,7 @@ from tests.server_fixtures import (
     make_checkpoint,
     make_tool_checkpoint,
     metric_value,
+    serve,
     wait_for,
 )
 
@@ -63,21 +64,16 @@ def ckpts(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
     }
 
 
-def _thread_server(model: Path, name: str, env: dict[str, str] | None = None, **settings: Any) -> ThreadServer:
-    settings.setdefault("device", "cpu")
-    return ThreadServer(ServerSettings(model=model, served_model_name=name, **settings), env=env).start()
-
-
 @pytest.fixture(scope="module")
 def tiny_server(ckpts):
-    server = _thread_server(ckpts["tiny"], "kvfree-tiny", max_sessions=16)
+    server = serve(ckpts["tiny"], "kvfree-tiny", max_sessions=16)
     yield server
     server.stop()
 
 
 @pytest.fixture(scope="module")
 def hybrid_server(ckpts):
-    server = _thread_server(ckpts["tiny-hybrid"], "kvfree-hybrid", max_sessions=16, max_context=2048)
+    server = serve(ckpts["tiny-hybrid"], "kvfree-hybrid", max_sessions=16, max_context=2048)
     yield server
     server.stop()
 
@@ -90,7 +86,7 @@ def server(request) -> ThreadServer:
 
 @pytest.fixture(scope="module")
 def tool_server(ckpts):
-    server = _thread_server(ckpts["tool"], "kvfree-tool", max_sessions=4)
+    server = serve(ckpts["tool"], "kvfree-tool", max_sessions=4)
     yield server
     server.stop()
 
@@ -99,7 +95,7 @@ def tool_server(ckpts):
 def limits_server(ckpts, tmp_path_factory):
     """Small limits, for bad input and fuzzing: a tiny snapshot (~150 KB) fits under the body limit. Idle sessions
     (the fuzzer's, and those of stored responses) spill to a snapshot directory, so they never hold every slot."""
-    server = _thread_server(
+    server = serve(
         ckpts["tiny"],
         "kvfree-tiny",
         max_sessions=8,
@@ -715,7 +711,7 @@ def test_snapshot_delete_restore_round_trip(server):
 
 
 def test_many_sessions_over_few_slots_continue_correctly(ckpts, tmp_path):
-    server = _thread_server(
+    server = serve(
         ckpts["tiny"], "kvfree-tiny", max_sessions=4, max_host_sessions=3, snapshot_dir=tmp_path / "snapshots"
     )
     try:
@@ -970,7 +966,7 @@ def test_attention_context_limit_is_400_naming_max_tokens(hybrid_server):
 def test_session_limit_without_snapshot_dir_is_429_not_500(ckpts):
     """Without a snapshot directory a server keeps at most max_sessions + max_host_sessions sessions; one more is
     refused in OpenAI's shape (it used to be an opaque 500), on every route that makes a session."""
-    server = _thread_server(ckpts["tiny"], "kvfree-tiny", max_sessions=2, max_host_sessions=1)
+    server = serve(ckpts["tiny"], "kvfree-tiny", max_sessions=2, max_host_sessions=1)
     try:
         sids = [new_session(server, prompt=f"session {i}")["id"] for i in range(3)]
         data = snapshot_of(server, sids[0])
@@ -996,7 +992,7 @@ def test_session_limit_without_snapshot_dir_is_429_not_500(ckpts):
 @pytest.fixture
 def fresh_server(ckpts):
     """A server of its own, for tests that count pool slots from zero."""
-    server = _thread_server(ckpts["tiny"], "kvfree-tiny", max_sessions=4)
+    server = serve(ckpts["tiny"], "kvfree-tiny", max_sessions=4)
     yield server
     server.stop()
 
@@ -1057,7 +1053,7 @@ def test_client_disconnect_mid_stream_frees_the_slot(fresh_server):
 
 
 def test_queue_full_is_429_with_retry_after_and_the_rest_complete(ckpts):
-    server = _thread_server(ckpts["tiny"], "kvfree-tiny", max_sessions=1, max_waiting=1)
+    server = serve(ckpts["tiny"], "kvfree-tiny", max_sessions=1, max_waiting=1)
     try:
         body = {"prompt": "Busy busy", "max_tokens": 150, "ignore_eos": True, "temperature": 0}
         sdk_body = {"prompt": "Busy busy", "max_tokens": 150, "temperature": 0, "extra_body": {"ignore_eos": True}}
@@ -1105,7 +1101,7 @@ def test_queue_full_is_429_with_retry_after_and_the_rest_complete(ckpts):
 
 
 def test_api_keys_authenticate_and_isolate_sessions(ckpts):
-    server = _thread_server(ckpts["tiny"], "kvfree-tiny", env={"KVFREE_API_KEYS": "k1,k2"})
+    server = serve(ckpts["tiny"], "kvfree-tiny", env={"KVFREE_API_KEYS": "k1,k2"})
     try:
         k1 = {"Authorization": "Bearer k1"}
         k2 = {"Authorization": "Bearer k2"}
@@ -1251,7 +1247,7 @@ def test_tokenize_detokenize_ping_version(tiny_server):
 
 
 def test_health_is_503_when_the_engine_thread_died(ckpts):
-    server = _thread_server(ckpts["tiny"], "kvfree-dying", max_sessions=2)
+    server = serve(ckpts["tiny"], "kvfree-dying", max_sessions=2)
     try:
         with server.http() as http:
             assert http.get("/health").status_code == 200
@@ -1404,7 +1400,6 @@ def test_n_larger_than_the_pool_is_refused_not_queued_forever(tmp_path) -> None:
     from fastapi.testclient import TestClient
 
     from kvfree.server.app import create_app
-    from kvfree.server.settings import ServerSettings
 
     with TestClient(create_app(ServerSettings(max_sessions=2))) as client:
         r = client.post("/v1/completions", json={"prompt": "hi", "n": 3, "max_tokens": 2})
@@ -1419,7 +1414,6 @@ def test_session_state_bytes_are_constant_for_recurrent_and_grow_for_attention(t
 
     from kvfree.engine.presets import init_checkpoint
     from kvfree.server.app import create_app
-    from kvfree.server.settings import ServerSettings
 
     for preset, per_token in (("tiny", 0), ("tiny-attention", 4 * 2 * 2 * 32 * 4)):
         path = init_checkpoint(preset, tmp_path / preset)
@@ -1441,7 +1435,6 @@ def test_models_card_and_metrics_expose_limits_and_memory(tmp_path) -> None:
 
     from kvfree.engine.presets import init_checkpoint
     from kvfree.server.app import create_app
-    from kvfree.server.settings import ServerSettings
 
     path = init_checkpoint("tiny-attention", tmp_path / "att")
     settings = ServerSettings(model=path, max_context=512, max_prompt_tokens=300, max_output_tokens=40, max_sessions=2)
