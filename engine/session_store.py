@@ -103,30 +103,38 @@ class DirectoryStore(SessionStore):
         self.path = Path(path)
         self.path.mkdir(parents=True, exist_ok=True)
         self.fingerprint, self.hmac_key = fingerprint, hmac_key
-        for tmp in self.path.glob(f"sess_*{SUFFIX}.tmp"):  # an interrupted write: the old file, if any, is intact
+        # An interrupted write left a .tmp file; the old file, if any, is intact.
+        for tmp in [*self.path.glob(f"sess_*{SUFFIX}.tmp"), *self.path.glob("records/*.json.tmp")]:
             tmp.unlink(missing_ok=True)
 
     def _file(self, session_id: str) -> Path:
         return self.path / f"{session_id}{SUFFIX}"
 
-    def write(self, meta: StoredSession, data: bytes) -> StoredSession:
-        path = self._file(meta.session_id)
+    def _write_file(self, path: Path, data: bytes, what: str) -> int:
+        """Write `data` to `path` atomically (a crash never leaves half a file); returns its mtime, a version."""
         tmp = path.with_name(path.name + ".tmp")
         try:
+            path.parent.mkdir(exist_ok=True)
             tmp.write_bytes(data)
-            os.replace(tmp, path)  # atomic: a crash never leaves a half-written snapshot
-            version = path.stat().st_mtime_ns
+            os.replace(tmp, path)
+            return path.stat().st_mtime_ns
         except OSError as e:
-            raise SessionStoreError(f"cannot write session {meta.session_id} to {self.path}: {e}") from e
-        return StoredSession(**{**asdict(meta), "version": version})
+            raise SessionStoreError(f"cannot write {what} to {self.path}: {e}") from e
 
-    def read(self, session_id: str) -> bytes | None:
+    def _read_file(self, path: Path, what: str) -> bytes | None:
         try:
-            return self._file(session_id).read_bytes()
+            return path.read_bytes()
         except FileNotFoundError:
             return None
         except OSError as e:
-            raise SessionStoreError(f"cannot read session {session_id} from {self.path}: {e}") from e
+            raise SessionStoreError(f"cannot read {what} from {self.path}: {e}") from e
+
+    def write(self, meta: StoredSession, data: bytes) -> StoredSession:
+        version = self._write_file(self._file(meta.session_id), data, f"session {meta.session_id}")
+        return StoredSession(**{**asdict(meta), "version": version})
+
+    def read(self, session_id: str) -> bytes | None:
+        return self._read_file(self._file(session_id), f"session {session_id}")
 
     def meta(self, session_id: str) -> StoredSession | None:
         path = self._file(session_id)
@@ -152,22 +160,10 @@ class DirectoryStore(SessionStore):
         return self.path / "records" / f"{check_record_key(key)}.json"
 
     def write_record(self, key: str, data: bytes) -> None:
-        path = self._record(key)
-        tmp = path.with_name(path.name + ".tmp")
-        try:
-            path.parent.mkdir(exist_ok=True)
-            tmp.write_bytes(data)
-            os.replace(tmp, path)
-        except OSError as e:
-            raise SessionStoreError(f"cannot write record {key} to {self.path}: {e}") from e
+        self._write_file(self._record(key), data, f"record {key}")
 
     def read_record(self, key: str) -> bytes | None:
-        try:
-            return self._record(key).read_bytes()
-        except FileNotFoundError:
-            return None
-        except OSError as e:
-            raise SessionStoreError(f"cannot read record {key} from {self.path}: {e}") from e
+        return self._read_file(self._record(key), f"record {key}")
 
     def delete_record(self, key: str) -> None:
         try:
