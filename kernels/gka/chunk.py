@@ -62,6 +62,19 @@ def _pass_chunk(st, kk, vv, gv, PREC: tl.constexpr):
 
 
 @triton.jit
+def _pass_step(st, p_buf, kk, vv, gv, j, k, val, g, bos, eos, i_h, r, cols, m_r, m_c, m_rc, stride_kt, stride_kh,
+               stride_vt, stride_vh, stride_gt, stride_gh, H: tl.constexpr, D: tl.constexpr, W: tl.constexpr,
+               L: tl.constexpr, PREC: tl.constexpr):  # fmt: skip
+    """Chunk j: load chunk j + 1's inputs, store the tile as chunk j's start state, pass it through chunk j (whose
+    inputs `kk, vv, gv` the previous step loaded). Returns the new tile, the next start-state pointer and inputs."""
+    k_next, v_next, g_next = _chunk_inputs(j + 1, k, val, g, bos, eos, i_h, r, cols, m_r, m_c, stride_kt, stride_kh,
+                                           stride_vt, stride_vh, stride_gt, stride_gh, L)  # fmt: skip
+    tl.store(p_buf, st, mask=m_rc)
+    st = _pass_chunk(st, kk, vv, gv, PREC)
+    return st, p_buf + H * D * W, k_next, v_next, g_next  # pointer arithmetic is 64-bit
+
+
+@triton.jit
 def _pass_tile(
     k,
     val,
@@ -112,23 +125,15 @@ def _pass_tile(
     if INTERP:  # the interpreter (triton 3.6, numpy >= 2.4) cannot take range() of a loaded scalar
         j = 0
         while j < n_chunks:
-            k_next, v_next, g_next = _chunk_inputs(j + 1, k, val, g, bos, eos, i_h, r, cols, m_r, m_c, stride_kt,
-                                                   stride_kh, stride_vt, stride_vh, stride_gt, stride_gh,
-                                                   L)  # fmt: skip
-            tl.store(p_buf, st, mask=m_rc)
-            p_buf += H * D * W  # the next chunk's start state (pointer arithmetic is 64-bit)
-            st = _pass_chunk(st, kk, vv, gv, PREC)
-            kk, vv, gv = k_next, v_next, g_next
+            st, p_buf, kk, vv, gv = _pass_step(st, p_buf, kk, vv, gv, j, k, val, g, bos, eos, i_h, r, cols, m_r, m_c,
+                                               m_rc, stride_kt, stride_kh, stride_vt, stride_vh, stride_gt,
+                                               stride_gh, H, D, W, L, PREC)  # fmt: skip
             j += 1
     else:
         for j in range(n_chunks):
-            k_next, v_next, g_next = _chunk_inputs(j + 1, k, val, g, bos, eos, i_h, r, cols, m_r, m_c, stride_kt,
-                                                   stride_kh, stride_vt, stride_vh, stride_gt, stride_gh,
-                                                   L)  # fmt: skip
-            tl.store(p_buf, st, mask=m_rc)
-            p_buf += H * D * W
-            st = _pass_chunk(st, kk, vv, gv, PREC)
-            kk, vv, gv = k_next, v_next, g_next
+            st, p_buf, kk, vv, gv = _pass_step(st, p_buf, kk, vv, gv, j, k, val, g, bos, eos, i_h, r, cols, m_r, m_c,
+                                               m_rc, stride_kt, stride_kh, stride_vt, stride_vh, stride_gt,
+                                               stride_gh, H, D, W, L, PREC)  # fmt: skip
     tl.store(p_pool, st, mask=m_rc)
 
 
