@@ -31,7 +31,17 @@ from pathlib import Path
 import torch
 import torch.nn.functional as F
 
-from .benchmarking import RunLog, environment, hbm_bandwidth, median_ms, rel_err, run_steps, script_device, sync
+from .benchmarking import (
+    RunLog,
+    environment,
+    hbm_bandwidth,
+    median_ms,
+    rel_err,
+    run_steps,
+    script_device,
+    sync,
+    untouched_equal,
+)
 from .common import poisoned_outputs
 
 f64 = torch.float64
@@ -121,12 +131,6 @@ def pool_and_slots(shape, n: int, dtype, dev, gen) -> tuple[torch.Tensor, torch.
     idx = torch.randperm(POOL, generator=gen, device=dev)[:n].to(torch.int32)
     pool[idx[1::3].long()] = 0  # some fresh sessions
     return pool, idx
-
-
-def untouched_equal(pool: torch.Tensor, before: torch.Tensor, idx: torch.Tensor) -> bool:
-    keep = torch.ones(pool.shape[0], dtype=torch.bool, device=pool.device)
-    keep[idx.long()] = False
-    return bool(torch.equal(pool[keep], before[keep]))
 
 
 def as64(d: dict) -> dict:

@@ -92,6 +92,13 @@ class RunLog:
         print(line, flush=True)
 
 
+def untouched_equal(pool: torch.Tensor, before: torch.Tensor, idx: torch.Tensor) -> bool:
+    """Whether every row of `pool` outside `idx` equals `before` bit for bit (an op wrote only where it should)."""
+    keep = torch.ones(pool.shape[0], dtype=torch.bool, device=pool.device)
+    keep[idx.long()] = False
+    return bool(torch.equal(pool[keep], before[keep]))
+
+
 def sync() -> None:
     """Wait for the GPU (no-op without one), so that a failure or a time lands in the step that caused it."""
     if torch.cuda.is_available():

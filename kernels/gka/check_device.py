@@ -40,6 +40,7 @@ from ..benchmarking import (
     run_steps,
     script_device,
     sync,
+    untouched_equal,
 )
 from ..common import poisoned_outputs
 
@@ -105,10 +106,14 @@ def pools(dev: torch.device, gen: torch.Generator, n: int) -> tuple[torch.Tensor
     return h, s, idx
 
 
-def untouched_equal(pool: torch.Tensor, before: torch.Tensor, idx: torch.Tensor) -> bool:
-    keep = torch.ones(pool.shape[0], dtype=torch.bool, device=pool.device)
-    keep[idx.long()] = False
-    return bool(torch.equal(pool[keep], before[keep]))
+def check_row(o: torch.Tensor, o_ref: torch.Tensor, h: tuple, s: tuple, idx: torch.Tensor, tol: float) -> dict:
+    """Relative errors of the output and of the named pool rows (`h`, `s`: pool, float64 reference pool, pool
+    before), whether the other rows are unchanged, and whether all of it is within `tol`."""
+    i = idx.long()
+    row = {"o_rel": rel(o, o_ref), "h_rel": rel(h[0][i], h[1][i]), "s_rel": rel(s[0][i], s[1][i]),
+           "untouched_equal": untouched_equal(h[0], h[2], idx) and untouched_equal(s[0], s[2], idx)}  # fmt: skip
+    row["ok"] = row["untouched_equal"] and max(row["o_rel"], row["h_rel"], row["s_rel"]) <= tol
+    return row
 
 
 def check_correctness(dev: torch.device, res: dict) -> None:
@@ -128,10 +133,7 @@ def check_correctness(dev: torch.device, res: dict) -> None:
         with poisoned_outputs():
             o = fused_recurrent.fused_recurrent_gka(*inp, h, s, idx, RIDGE, ITERS, scale)
         o_ref = reference.fused_recurrent_gka(*(t.to(f64) for t in inp), h_ref, s_ref, idx, RIDGE, ITERS, scale)
-        i = idx.long()
-        row = {"o_rel": rel(o, o_ref), "h_rel": rel(h[i], h_ref[i]), "s_rel": rel(s[i], s_ref[i]),
-               "untouched_equal": untouched_equal(h, h0, idx) and untouched_equal(s, s0, idx)}  # fmt: skip
-        row["ok"] = row["untouched_equal"] and max(row["o_rel"], row["h_rel"], row["s_rel"]) <= tol[dtype]
+        row = check_row(o, o_ref, (h, h_ref, h0), (s, s_ref, s0), idx, tol[dtype])
         res["checks"][f"decode_B{B}_{name}"] = row
         say(f"check decode {name}: {json.dumps(row)}")
 
@@ -144,10 +146,7 @@ def check_correctness(dev: torch.device, res: dict) -> None:
         with poisoned_outputs():
             o = chunk.chunk_gka(*inp, h, s, idx, cu, RIDGE, ITERS, scale, 64, cu_seqlens_cpu=cu.tolist())
         o_ref = reference.chunk_gka(*(t.to(f64) for t in inp), h_ref, s_ref, idx, cu, RIDGE, ITERS, scale, 64)
-        i = idx.long()
-        row = {"o_rel": rel(o, o_ref), "h_rel": rel(h[i], h_ref[i]), "s_rel": rel(s[i], s_ref[i]),
-               "untouched_equal": untouched_equal(h, h0, idx) and untouched_equal(s, s0, idx)}  # fmt: skip
-        row["ok"] = row["untouched_equal"] and max(row["o_rel"], row["h_rel"], row["s_rel"]) <= tol[dtype]
+        row = check_row(o, o_ref, (h, h_ref, h0), (s, s_ref, s0), idx, tol[dtype])
         res["checks"][f"prefill_{name}"] = row
         say(f"check prefill {name}: {json.dumps(row)}")
         sync()
