@@ -487,8 +487,8 @@ class TurnTokens:
     tokens: this turn's prompt and the reply as the model sampled it, without a final stop token (the state holds
     them, but for the last one sampled). tail: the text the template writes after a reply (its end of turn, e.g.
     `<|im_end|>\n`). text: the whole conversation rendered, instructions and tools included, the reply as the
-    template writes it. A continuation whose history renders to the same `text` becomes `tokens` plus the encoding
-    of `tail` and its new text: the reply is never encoded again, so the stored state is reused even when the
+    template writes it. A continuation whose prompt text begins with `text` becomes `tokens` plus the encoding of
+    `tail` and its new text: the reply is never encoded again, so the stored state is reused even when the
     model's tokens are not what encoding its text would give.
     """
 
@@ -514,10 +514,11 @@ class TurnTokens:
             return None
         return cls(tokens=[*prompt_ids, *reply_ids], tail=tail, text=text)
 
-    def continued(self, history_text: str, full_text: str, encode: Callable[[str], list[int]]) -> list[int] | None:
-        """The prompt of a continuation: these tokens, then the rest of `full_text` encoded; None when the history
-        now renders differently (other instructions or tools) and the whole text must be encoded."""
-        if history_text != self.text or not full_text.startswith(self.text):
+    def continued(self, full_text: str, encode: Callable[[str], list[int]]) -> list[int] | None:
+        """The prompt of a continuation: these tokens, then the rest of `full_text` encoded; None when `full_text`
+        does not begin with this conversation as rendered then (other instructions or tools, or a template that
+        writes earlier turns differently) and the whole text must be encoded."""
+        if not full_text.startswith(self.text):
             return None
         return [*self.tokens, *encode(self.tail + full_text[len(self.text) :])]
 

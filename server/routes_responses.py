@@ -100,7 +100,7 @@ async def create_response(body: ResponsesRequest, request: Request, state: State
     # did then); otherwise the whole conversation encoded.
     prompt_ids = None
     if previous is not None and previous.turn is not None:
-        prompt_ids = previous.turn.continued(render(history), text, tok.encode)
+        prompt_ids = previous.turn.continued(text, tok.encode)
     if prompt_ids is None:
         prompt_ids = tok.encode(text)
     check_prompt(state, prompt_ids, params, "input")

@@ -111,6 +111,18 @@ def test_continuing_reuses_the_state_even_when_the_reply_text_does_not_encode_ba
         srv.stop()
 
 
+def test_other_instructions_prefill_the_whole_conversation_again(server):
+    """The stored state holds the old instructions: with new ones nothing is reused, and the answer is that of the
+    conversation sent in full with the new instructions."""
+    client = server.openai()
+    first = respond(client, "Hello there", instructions="Be terse.")
+    r = respond(client, "And then?", instructions="Be kind.", previous_response_id=first.id)
+    history = [{"role": "user", "content": "Hello there"}, {"role": "assistant", "content": first.output_text}]
+    full = respond(client, [*history, {"role": "user", "content": "And then?"}], instructions="Be kind.", store=False)
+    assert r.usage.input_tokens_details.cached_tokens == 0
+    assert r.output_text == full.output_text and r.usage.input_tokens == full.usage.input_tokens
+
+
 def test_two_continuations_of_one_response_are_independent_forks(server):
     client = server.openai()
     first = respond(client, "Start here")
