@@ -91,6 +91,18 @@ def rel_err(a: torch.Tensor, b: torch.Tensor) -> float:
     return float((a - b).norm() / b.norm().clamp_min(1e-300))
 
 
+@pytest.fixture
+def poison(monkeypatch):
+    """Every buffer a Triton op allocates (`kvfree.kernels.common.output_buffer`) starts as NaN, so an element a
+    kernel forgot to write shows up in its result."""
+    from kvfree.kernels import common
+
+    def nan_buffer(shape, dtype, device):
+        return torch.full(shape, float("nan"), dtype=dtype, device=device)
+
+    monkeypatch.setattr(common, "output_buffer", nan_buffer)
+
+
 @pytest.fixture(autouse=True)
 def _no_grad():
     with torch.inference_mode():

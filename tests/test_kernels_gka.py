@@ -10,10 +10,8 @@ must score the same through both paths.
 
 from __future__ import annotations
 
-import itertools
 import json
 import os
-import zlib
 from pathlib import Path
 
 import pytest
@@ -27,41 +25,17 @@ pytest.importorskip("triton")
 
 import kvfree.kernels.gka as gka_ops  # noqa: E402
 from kvfree.engine.loader import load_model  # noqa: E402
-from kvfree.engine.model import HybridLM  # noqa: E402
-from kvfree.engine.state_pool import StatePool  # noqa: E402
-from kvfree.engine.step_batch import StepBatch  # noqa: E402
-from kvfree.kernels import common  # noqa: E402
 from kvfree.kernels.gka import chunk as gka_chunk  # noqa: E402
 from kvfree.kernels.gka import fused_recurrent as gka_step  # noqa: E402
 from kvfree.kernels.gka import reference as gka_ref  # noqa: E402
+from tests.kernel_checks import DEVICE, cu_of, rel, run_layers, seed, untouched  # noqa: E402
 from tests.test_gka import OUT_TOL, make_model  # noqa: E402
 
-DEVICE = torch.device("cuda" if torch.cuda.is_available() else "cpu")
 TOL = {torch.float32: 1e-4, torch.bfloat16: 1e-2}
 LENS = [1, 63, 64, 0, 65, 200]  # 1 token; one short of a chunk; a chunk; empty; one past it; several chunks
 RIDGE, ITERS = 0.02, 30
 f64 = torch.float64
 TRAINED = Path(__file__).resolve().parents[1] / "checkpoints" / "trained"
-
-
-def seed(*key) -> torch.Generator:
-    """A generator seeded from the test's parameters (stable across processes, unlike hash())."""
-    return torch.Generator().manual_seed(zlib.crc32(repr(key).encode()))
-
-
-def rel(out: torch.Tensor, ref: torch.Tensor) -> float:
-    assert not out.isnan().any(), "NaN (an unwritten poisoned element?)"
-    return ((out.to(f64) - ref.to(f64)).norm() / ref.to(f64).norm()).item()
-
-
-@pytest.fixture
-def poison(monkeypatch):
-    """Every buffer the Triton functions allocate starts as NaN."""
-
-    def nan_empty(shape, dtype, device):
-        return torch.full(shape, float("nan"), dtype=dtype, device=device)
-
-    monkeypatch.setattr(common, "output_buffer", nan_empty)
 
 
 def op_inputs(g, n: int, He: int, D: int, Dv: int, dtype: torch.dtype) -> list[torch.Tensor]:
@@ -86,16 +60,6 @@ def make_pools(g, S: int, He: int, D: int, Dv: int, n: int) -> tuple[torch.Tenso
     h[idx[1::3]] = 0
     s[idx[1::3]] = 0
     return h.to(DEVICE), s.to(DEVICE), idx.to(torch.int32).to(DEVICE)
-
-
-def untouched(pool: torch.Tensor, idx: torch.Tensor) -> torch.Tensor:
-    keep = torch.ones(pool.shape[0], dtype=torch.bool, device=pool.device)
-    keep[idx.long()] = False
-    return pool[keep].clone()
-
-
-def cu_of(lens: list[int]) -> torch.Tensor:
-    return torch.tensor([0, *itertools.accumulate(lens)], dtype=torch.int32, device=DEVICE)
 
 
 # -- prefill ---------------------------------------------------------------------------------------------------------
@@ -222,21 +186,6 @@ def test_ops_dispatch_to_what_the_mode_says(monkeypatch, mode, want):
 
 
 # -- whole models ----------------------------------------------------------------------------------------------------
-def run_layers(model: HybridLM, prompts: list[list[int]], steps: int) -> torch.Tensor:
-    """Prefill two packed prompts in two pieces each, then decode `steps` greedy tokens: every logits row."""
-    pool = StatePool(model, capacity=4)
-    slots = [3, 1]
-    rows = []
-    with torch.inference_mode():
-        for lo, hi in [(0, 9), (9, None)]:
-            pieces = [p[lo:hi] for p in prompts]
-            ids = torch.tensor([t for p in pieces for t in p], device=DEVICE)
-            rows.append(model.prefill(ids, pool.tensors, StepBatch.prefill(slots, [len(p) for p in pieces], DEVICE)))
-        ids = rows[-1].argmax(-1)
-        for _ in range(steps):
-            rows.append(model.decode(ids, pool.tensors, StepBatch.decode(slots, DEVICE)))
-            ids = rows[-1].argmax(-1)
-    return torch.cat(rows)
 
 
 def test_gka_model_logits_agree_between_reference_and_triton(monkeypatch):

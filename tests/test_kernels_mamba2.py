@@ -11,7 +11,6 @@ from __future__ import annotations
 import itertools
 import math
 import os
-import zlib
 
 import pytest
 import torch
@@ -23,43 +22,19 @@ pytest.importorskip("triton")
 
 import kvfree.kernels.conv as conv_ops  # noqa: E402
 import kvfree.kernels.mamba2 as mamba2_ops  # noqa: E402
-from kvfree.kernels import common, dispatch  # noqa: E402
+from kvfree.kernels import dispatch  # noqa: E402
 from kvfree.kernels.conv import chunk as conv_chunk  # noqa: E402
 from kvfree.kernels.conv import fused_recurrent as conv_step  # noqa: E402
 from kvfree.kernels.conv import reference as conv_ref  # noqa: E402
 from kvfree.kernels.mamba2 import chunk as m2_chunk  # noqa: E402
 from kvfree.kernels.mamba2 import fused_recurrent as m2_step  # noqa: E402
 from kvfree.kernels.mamba2 import reference as m2_ref  # noqa: E402
+from tests.kernel_checks import DEVICE, cu_of, rel, seed, untouched  # noqa: E402
 
-DEVICE = torch.device("cuda" if torch.cuda.is_available() else "cpu")
 TOL = {torch.float32: 1e-4, torch.bfloat16: 1e-2}
 # 1 token; shorter than the conv tail; empty; not a multiple of the chunk; one chunk exactly; more than three chunks
 LENS = [1, 37, 2, 0, 16, 5, 50]
 f64 = torch.float64
-
-
-def seed(*key) -> torch.Generator:
-    """A generator seeded from the test's parameters (stable across processes, unlike hash())."""
-    return torch.Generator().manual_seed(zlib.crc32(repr(key).encode()))
-
-
-def rel(out: torch.Tensor, ref: torch.Tensor) -> float:
-    assert not out.isnan().any(), "NaN (an unwritten poisoned element?)"
-    return ((out.to(f64) - ref.to(f64)).norm() / ref.to(f64).norm()).item()
-
-
-def cu_of(lens: list[int]) -> torch.Tensor:
-    return torch.tensor([0, *itertools.accumulate(lens)], dtype=torch.int32, device=DEVICE)
-
-
-@pytest.fixture
-def poison(monkeypatch):
-    """Every buffer the Triton functions allocate starts as NaN."""
-
-    def nan_empty(shape, dtype, device):
-        return torch.full(shape, float("nan"), dtype=dtype, device=device)
-
-    monkeypatch.setattr(common, "output_buffer", nan_empty)
 
 
 def make_pool(g, S: int, shape: tuple[int, ...], dtype: torch.dtype, n: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -69,12 +44,6 @@ def make_pool(g, S: int, shape: tuple[int, ...], dtype: torch.dtype, n: int) -> 
     idx = torch.randperm(S, generator=g)[:n]
     pool[idx[1::3]] = 0
     return pool.to(DEVICE), idx.to(torch.int32).to(DEVICE)
-
-
-def untouched(pool: torch.Tensor, idx: torch.Tensor) -> torch.Tensor:
-    keep = torch.ones(pool.shape[0], dtype=torch.bool, device=pool.device)
-    keep[idx.long()] = False
-    return pool[keep].clone()
 
 
 def mamba_inputs(g, T: int, H: int, P: int, N: int, G: int, dtype: torch.dtype) -> dict[str, torch.Tensor]:

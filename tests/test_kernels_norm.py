@@ -9,7 +9,6 @@ Triton functions allocate (NaN), so an unwritten element fails the check.
 from __future__ import annotations
 
 import os
-import zlib
 
 import pytest
 import torch
@@ -22,11 +21,10 @@ pytest.importorskip("triton")
 
 import kvfree.kernels.norm as norm_ops  # noqa: E402
 from kvfree.engine.layers.norms import GatedRMSNorm, RMSNorm  # noqa: E402
-from kvfree.kernels import common  # noqa: E402
 from kvfree.kernels.norm import fused  # noqa: E402
 from kvfree.kernels.norm import reference as ref  # noqa: E402
+from tests.kernel_checks import DEVICE, rel, seed  # noqa: E402
 
-DEVICE = torch.device("cuda" if torch.cuda.is_available() else "cpu")
 f64, f32, bf16, f16 = torch.float64, torch.float32, torch.bfloat16, torch.float16
 EPS = 1e-5
 
@@ -34,17 +32,6 @@ EPS = 1e-5
 def tol(*dtypes: torch.dtype) -> float:
     """METHOD.md: fp32 arithmetic far under 1e-5; any bf16/fp16 operand or output up to 1e-2."""
     return 1e-5 if all(d == f32 for d in dtypes) else 1e-2
-
-
-def seed(*key) -> torch.Generator:
-    """A generator seeded from the test's parameters (stable across processes, unlike hash())."""
-    return torch.Generator().manual_seed(zlib.crc32(repr(key).encode()))
-
-
-def rel(out: torch.Tensor, want: torch.Tensor) -> float:
-    assert not out.isnan().any(), "NaN (an unwritten poisoned element?)"
-    assert out.shape == want.shape
-    return ((out.to(f64) - want.to(f64)).norm() / want.to(f64).norm()).item()
 
 
 def strided(g: torch.Generator, lead: tuple[int, ...], D: int, dtype: torch.dtype, scale: float = 1.0) -> torch.Tensor:
@@ -65,15 +52,6 @@ def weight(g: torch.Generator, D: int, dtype: torch.dtype) -> torch.Tensor:
 
 def up(*ts: torch.Tensor | None) -> list[torch.Tensor | None]:
     return [None if t is None else t.to(f64) for t in ts]
-
-
-@pytest.fixture
-def poison(monkeypatch):
-    """Every buffer the Triton functions allocate starts as NaN."""
-    def nan_buffer(shape, dtype, device):
-        return torch.full(shape, float("nan"), dtype=dtype, device=device)
-
-    monkeypatch.setattr(common, "output_buffer", nan_buffer)
 
 
 # -- rms_norm --------------------------------------------------------------------------------------------------------

@@ -1,0 +1,59 @@
+"""Helpers the Triton kernel tests share: seeded generators, the relative error, packed lengths, untouched pool rows.
+
+The `poison` fixture (every buffer a Triton op allocates starts as NaN) is in conftest.py.
+"""
+
+from __future__ import annotations
+
+import itertools
+import zlib
+
+import torch
+
+from kvfree.engine.model import HybridLM
+from kvfree.engine.state_pool import StatePool
+from kvfree.engine.step_batch import StepBatch
+
+DEVICE = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+f64 = torch.float64
+
+
+def seed(*key) -> torch.Generator:
+    """A generator seeded from the test's parameters (stable across processes, unlike hash())."""
+    return torch.Generator().manual_seed(zlib.crc32(repr(key).encode()))
+
+
+def rel(out: torch.Tensor, ref: torch.Tensor) -> float:
+    """||out - ref|| / ||ref|| in float64; fails on a NaN (an element a kernel never wrote to a poisoned buffer)."""
+    assert not out.isnan().any(), "NaN (an unwritten poisoned element?)"
+    assert out.shape == ref.shape, (tuple(out.shape), tuple(ref.shape))
+    return ((out.to(f64) - ref.to(f64)).norm() / ref.to(f64).norm()).item()
+
+
+def cu_of(lens: list[int]) -> torch.Tensor:
+    """cu_seqlens `[N+1]` int32 on DEVICE for packed sequences of these lengths."""
+    return torch.tensor([0, *itertools.accumulate(lens)], dtype=torch.int32, device=DEVICE)
+
+
+def untouched(pool: torch.Tensor, idx: torch.Tensor) -> torch.Tensor:
+    """A copy of the pool rows not named by idx (to check them bit-identical after an op)."""
+    keep = torch.ones(pool.shape[0], dtype=torch.bool, device=pool.device)
+    keep[idx.long()] = False
+    return pool[keep].clone()
+
+def run_layers(model: HybridLM, prompts: list[list[int]], steps: int) -> torch.Tensor:
+    """Prefill two packed prompts in two pieces each, then decode `steps` greedy tokens: every logits row."""
+    pool = StatePool(model, capacity=4)
+    slots = [3, 1]
+    rows = []
+    with torch.inference_mode():
+        for lo, hi in [(0, 9), (9, None)]:
+            pieces = [p[lo:hi] for p in prompts]
+            ids = torch.tensor([t for p in pieces for t in p], device=DEVICE)
+            rows.append(model.prefill(ids, pool.tensors, StepBatch.prefill(slots, [len(p) for p in pieces], DEVICE)))
+        ids = rows[-1].argmax(-1)
+        for _ in range(steps):
+            rows.append(model.decode(ids, pool.tensors, StepBatch.decode(slots, DEVICE)))
+            ids = rows[-1].argmax(-1)
+    return torch.cat(rows)
+
