@@ -3,9 +3,11 @@
     python -m kvfree.kernels.bench [--out docs/bench]        # writes docs/bench/kernels.json
     python -m kvfree.kernels.bench --smoke                  # the script itself, tiny sizes, CPU interpreter
     python -m kvfree.kernels.bench --op gka [--out DIR]     # Gated KalmaNet instead (kvfree.kernels.gka.check_device)
+    python -m kvfree.kernels.bench --op lattice [--out DIR] # Lattice (kvfree.kernels.lattice.check_device)
 
-The ops with Triton kernels so far: Mamba-2 (SSD) and the short causal conv (below), and Gated KalmaNet (`--op gka`:
-its checks, timings against fla's MesaNet kernels and a profile, in DIR/gka.json).
+The ops with Triton kernels so far: Mamba-2 (SSD) and the short causal conv (below); Gated KalmaNet (`--op gka`:
+its checks, timings against fla's MesaNet kernels and a profile, in DIR/gka.json); Lattice (`--op lattice`: checks,
+op and whole-layer timings against the floor, in DIR/lattice.json).
 
 (a) Correctness at real sizes against the float64 reference: H=16 P=128 N=128 (G=1 and G=H) and the mamba2-370m
     layer (H=32 P=64 N=128 G=1, conv width 2304); bf16 inputs (and one fp32 case), fp32 states in a 512-row pool at
@@ -22,6 +24,7 @@ Writes DIR/kernels.json and prints a short table last; exits 1 when a check fail
 from __future__ import annotations
 
 import argparse
+import importlib
 import itertools
 import json
 import sys
@@ -45,6 +48,8 @@ from .benchmarking import (
 from .common import poisoned_outputs
 
 f64 = torch.float64
+# Ops whose check script lives beside their kernels (kvfree.kernels.<op>.check_device), run by `--op <op>`.
+OTHER_OPS = ("gka", "lattice")
 POOL = 512
 # The sizes; --smoke swaps in tiny ones to run the script itself on the CPU under TRITON_INTERPRET=1.
 REAL = {
@@ -412,12 +417,11 @@ def main() -> int:
     if "--op" in sys.argv:  # another op's script, with the remaining arguments
         at = sys.argv.index("--op")
         op = sys.argv[at + 1] if at + 1 < len(sys.argv) else ""
-        if op == "gka":
-            from .gka.check_device import main as gka_main
-
-            return gka_main(sys.argv[1:at] + sys.argv[at + 2 :])
+        if op in OTHER_OPS:
+            script = importlib.import_module(f"kvfree.kernels.{op}.check_device")
+            return script.main(sys.argv[1:at] + sys.argv[at + 2 :])
         if op != "mamba2":
-            print(f"--op {op!r}: expected mamba2 (the default) or gka", file=sys.stderr)
+            print(f"--op {op!r}: expected mamba2 (the default) or one of {', '.join(OTHER_OPS)}", file=sys.stderr)
             return 2
         del sys.argv[at : at + 2]
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])

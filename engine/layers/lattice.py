@@ -26,10 +26,8 @@ from kvfree.engine.layers.norms import RMSNorm
 from kvfree.engine.step_batch import StepBatch
 from kvfree.engine.strict_config import PositiveInt, StrictConfig
 from kvfree.kernels.lattice import (
-    chunk_lattice,
-    chunk_lattice_qk_conv,
-    fused_recurrent_lattice,
-    fused_recurrent_lattice_qk_conv,
+    chunk_lattice_gated,
+    fused_recurrent_lattice_gated,
     lattice_recurrent,
     orthonormal_columns,
 )
@@ -104,9 +102,6 @@ class LatticeMixer(Mixer):
             self.S0 = nn.Parameter(s0)
         else:
             self.register_buffer("S0", s0)  # persistent: saved in the checkpoint with the weights
-        # False: the forget gate multiplies the state (Eq. (16), how it is trained); True after `on_load`: it is
-        # folded into the step size and the recurrence runs its mu = 1 code path (the same function).
-        self.folded = False
         self.reset_parameters()
 
     def reset_parameters(self) -> None:
@@ -120,10 +115,9 @@ class LatticeMixer(Mixer):
         self.conv_k.reset_parameters()
 
     def on_load(self) -> None:
-        """Re-orthonormalise S0 (fp64 QR; a no-op up to rounding on a valid checkpoint) and fold mu into gamma."""
+        """Re-orthonormalise S0 (fp64 QR; a no-op up to rounding on a valid checkpoint)."""
         with torch.no_grad():
             self.S0.copy_(orthonormal_columns(self.S0))
-        self.folded = self.cfg.forget_gate
 
     def _apply(self, fn: Callable[[torch.Tensor], torch.Tensor], recurse: bool = True) -> LatticeMixer:
         # `model.to(bfloat16)` would round S0 like a weight; it is a recurrent state (fp32, architecture.md §8) and
@@ -159,30 +153,18 @@ class LatticeMixer(Mixer):
         state["conv"].index_fill_(0, slots, 0)
 
     # -- shared pieces of forward, prefill and decode --------------------------------------------------------------
-    def _project(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor | None]:
-        """Token-wise projections of x `[..., D]` -> (p `[..., H*m]`, v `[..., H, d]`, gamma, mu `[..., H]`)."""
-        c = self.cfg
-        H = c.num_heads
-        v = self.v_proj(x).unflatten(-1, (H, c.head_dim))
-        s = self.step_proj(x).float()
-        gamma = torch.sigmoid(s[..., :H])
-        mu = torch.sigmoid(s[..., H:]).clamp_min(MU_MIN) if c.forget_gate else None
-        if mu is not None and self.folded:
-            gamma, mu = gamma / mu, None  # (gamma, mu) == (gamma / mu, 1) exactly under Eq. (14) (spec §4.4)
-        return self.qk_proj(x), v, gamma, mu
+    def _project(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """Token-wise projections of x `[..., D]` -> (p `[..., H*m]`, v `[..., H, d]`, step logits `[..., H or 2H]`)."""
+        v = self.v_proj(x).unflatten(-1, (self.cfg.num_heads, self.cfg.head_dim))
+        return self.qk_proj(x), v, self.step_proj(x)
 
     def _conv_params(self) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor, torch.Tensor | None]:
         """(conv_q weight, bias, conv_k weight, bias), in the order the q/k conv ops take them."""
         return self.conv_q.weight, self.conv_q.bias, self.conv_k.weight, self.conv_k.bias
 
-    def _heads(self, q: torch.Tensor, k: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """Conv outputs q, k `[..., H*m]` -> `[..., H, m]`, L2-normalised in fp32 under qk_norm="l2"."""
-        c = self.cfg
-        q = q.unflatten(-1, (c.num_heads, c.slots))
-        k = k.unflatten(-1, (c.num_heads, c.slots))
-        if c.qk_norm == "l2":
-            q, k = F.normalize(q.float(), dim=-1, eps=1e-6), F.normalize(k.float(), dim=-1, eps=1e-6)
-        return q, k
+    def _op_args(self) -> tuple:
+        """The gated ops' trailing arguments: conv filters, variant, q/k norm and the forget-gate clamp."""
+        return (*self._conv_params(), self.cfg.variant, self.cfg.qk_norm == "l2", MU_MIN)
 
     def _out(self, y: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
         """y `[..., H, d]` (fp32), x `[..., D]` -> `[..., D]`."""
@@ -199,9 +181,18 @@ class LatticeMixer(Mixer):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         B = x.shape[0]
         c = self.cfg
-        p, v, gamma, mu = self._project(x)
+        H = c.num_heads
+        p, v, step = self._project(x)
         tail = p.new_zeros(B, c.conv_kernel - 1, p.shape[-1])
-        q, k = self._heads(self.conv_q(p, tail)[0], self.conv_k(p, tail)[0])  # same input, so the same tail
+        q, k = self.conv_q(p, tail)[0], self.conv_k(p, tail)[0]  # same input, so the same tail
+        q, k = q.unflatten(-1, (H, c.slots)), k.unflatten(-1, (H, c.slots))
+        if c.qk_norm == "l2":
+            q, k = F.normalize(q.float(), dim=-1, eps=1e-6), F.normalize(k.float(), dim=-1, eps=1e-6)
+        # Training runs the forget gate as trained (it multiplies the state, Eq. (16)); serving folds it into the
+        # step size (`lattice_gates`), the same function.
+        gamma, mu = torch.sigmoid(step[..., :H].float()), None
+        if c.forget_gate:
+            mu = torch.sigmoid(step[..., H:].float()).clamp_min(MU_MIN)
         S0 = self.initial_state()
         y, _ = lattice_recurrent(
             S0.expand(B, *S0.shape), q, k, v, gamma, mu, c.variant, checkpoint_tokens=c.grad_checkpoint
@@ -209,23 +200,16 @@ class LatticeMixer(Mixer):
         return self._out(y, x)
 
     def prefill(self, x: torch.Tensor, state: dict[str, torch.Tensor], batch: StepBatch) -> torch.Tensor:
-        # The ops update the sessions' conv tails and S in their pool rows; the recurrence has no parallel form, so
-        # chunk_lattice is the exact token loop, batched over the packed sessions.
-        p, v, gamma, mu = self._project(x)
-        qk = chunk_lattice_qk_conv(
-            p, state["conv"], batch.state_indices, batch.cu_seqlens, *self._conv_params(),
-            cu_seqlens_cpu=batch.cu_seqlens_cpu,
-        )  # fmt: skip
-        q, k = self._heads(*qk)
-        y = chunk_lattice(
-            q, k, v, gamma, mu, state["S"], batch.state_indices, batch.cu_seqlens, self.cfg.variant,
+        # One op from the projections: the shared-tail convs, the q/k norm, the gates and the exact recurrence (no
+        # parallel form exists), advancing the sessions' conv tails and S in their pool rows.
+        p, v, step = self._project(x)
+        y = chunk_lattice_gated(
+            p, v, step, state["conv"], state["S"], batch.state_indices, batch.cu_seqlens, *self._op_args(),
             cu_seqlens_cpu=batch.cu_seqlens_cpu,
         )  # fmt: skip
         return self._out(y, x)
 
     def decode(self, x: torch.Tensor, state: dict[str, torch.Tensor], batch: StepBatch) -> torch.Tensor:
-        p, v, gamma, mu = self._project(x)
-        qk = fused_recurrent_lattice_qk_conv(p, state["conv"], batch.state_indices, *self._conv_params())
-        q, k = self._heads(*qk)
-        y = fused_recurrent_lattice(q, k, v, gamma, mu, state["S"], batch.state_indices, self.cfg.variant)
+        p, v, step = self._project(x)
+        y = fused_recurrent_lattice_gated(p, v, step, state["conv"], state["S"], batch.state_indices, *self._op_args())
         return self._out(y, x)

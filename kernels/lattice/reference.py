@@ -35,6 +35,7 @@ from __future__ import annotations
 from collections.abc import Callable
 
 import torch
+import torch.nn.functional as F
 from torch.utils.checkpoint import checkpoint
 
 from kvfree.kernels.common import state_math
@@ -418,6 +419,93 @@ def fused_recurrent_lattice_qk_conv(
 
     q, k = _shared_tail_convs(conv, p, state, state_indices, ((q_weight, q_bias), (k_weight, k_bias)))
     return q, k
+
+
+# -- the gated form: the layer's convs, q/k norm and gates folded into the op (what the layer serves with) --------
+def lattice_gates(step: torch.Tensor, num_heads: int, mu_min: float) -> torch.Tensor:
+    """Step logits `[..., H]` or `[..., 2H]` (with a forget gate) -> gamma `[..., H]` fp32 in the folded form:
+    sigmoid(s_h), divided by mu = max(sigmoid(s_{H+h}), mu_min) when there is a forget gate (spec §4.4: (gamma, mu)
+    and (gamma / mu, 1) give the same recurrence)."""
+    s = step.float()
+    gamma = torch.sigmoid(s[..., :num_heads])
+    if s.shape[-1] == 2 * num_heads:
+        gamma = gamma / torch.sigmoid(s[..., num_heads:]).clamp_min(mu_min)
+    return gamma
+
+
+def gated_heads(
+    q: torch.Tensor, k: torch.Tensor, step: torch.Tensor, num_heads: int, qk_l2: bool, mu_min: float
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Conv outputs q, k `[..., H*m]` and step logits -> (q, k `[..., H, m]`, fp32 and L2-normalised when qk_l2,
+    gamma `[..., H]`): the per-token inputs of the recurrence."""
+    q, k = q.unflatten(-1, (num_heads, -1)), k.unflatten(-1, (num_heads, -1))
+    if qk_l2:
+        q, k = F.normalize(q.float(), dim=-1, eps=1e-6), F.normalize(k.float(), dim=-1, eps=1e-6)
+    return q, k, lattice_gates(step, num_heads, mu_min)
+
+
+def chunk_lattice_gated(
+    p: torch.Tensor,
+    v: torch.Tensor,
+    step: torch.Tensor,
+    conv_state: torch.Tensor,
+    state: torch.Tensor,
+    state_indices: torch.Tensor,
+    cu_seqlens: torch.Tensor,
+    q_weight: torch.Tensor,
+    q_bias: torch.Tensor | None,
+    k_weight: torch.Tensor,
+    k_bias: torch.Tensor | None,
+    variant: str = "dec",
+    qk_l2: bool = True,
+    mu_min: float = 1e-4,
+    *,
+    cu_seqlens_cpu: torch.Tensor | list[int] | None = None,
+) -> torch.Tensor:
+    """The layer's prefill from its projections: `chunk_lattice_qk_conv`, `gated_heads`, then `chunk_lattice`.
+
+    Args:
+        p: `[T, H*m]` the shared q/k projection of N sequences' tokens, concatenated.  v: `[T, H, d]` values.
+        step: `[T, H]` step logits, or `[T, 2H]` step and forget-gate logits (see `lattice_gates`).
+        conv_state: `[S, K-1, H*m]` pool of conv tails; state: `[S, H, d, m]` fp32 pool of states. Rows
+            `state_indices` are continued and advanced in place; other rows are left untouched.
+        state_indices: `[N]` int32.  cu_seqlens: `[N+1]` int32 (device), from 0 to T.
+        q_weight, k_weight: `[H*m, K]` the two depthwise conv filters; q_bias, k_bias: `[H*m]` or None.
+        variant: "dec", "enc" or "sim".  qk_l2: L2-normalise q and k per head.  mu_min: the forget-gate clamp.
+        cu_seqlens_cpu: a host copy of cu_seqlens; copied from the device (a sync) when None.
+
+    Returns:
+        y: `[T, H, d]` fp32 (fp64 with an fp64 state), the read-outs `S_t q_t`.
+    """
+    H = v.shape[1]
+    qc, kc = chunk_lattice_qk_conv(p, conv_state, state_indices, cu_seqlens, q_weight, q_bias, k_weight, k_bias,
+                                   cu_seqlens_cpu=cu_seqlens_cpu)  # fmt: skip
+    q, k, gamma = gated_heads(qc, kc, step, H, qk_l2, mu_min)
+    return chunk_lattice(q, k, v, gamma, None, state, state_indices, cu_seqlens, variant, cu_seqlens_cpu=cu_seqlens_cpu)
+
+
+def fused_recurrent_lattice_gated(
+    p: torch.Tensor,
+    v: torch.Tensor,
+    step: torch.Tensor,
+    conv_state: torch.Tensor,
+    state: torch.Tensor,
+    state_indices: torch.Tensor,
+    q_weight: torch.Tensor,
+    q_bias: torch.Tensor | None,
+    k_weight: torch.Tensor,
+    k_bias: torch.Tensor | None,
+    variant: str = "dec",
+    qk_l2: bool = True,
+    mu_min: float = 1e-4,
+) -> torch.Tensor:
+    """One decode token per session from its projections (`chunk_lattice_gated`'s arguments with one token per
+    session: p `[B, H*m]`, v `[B, H, d]`, step `[B, H or 2H]`) -> y `[B, H, d]`; conv tails and states advance in
+    place."""
+    H = v.shape[1]
+    qc, kc = fused_recurrent_lattice_qk_conv(p, conv_state, state_indices, q_weight, q_bias, k_weight, k_bias)
+    q, k, gamma = gated_heads(qc, kc, step, H, qk_l2, mu_min)
+    return fused_recurrent_lattice(q, k, v, gamma, None, state, state_indices, variant)
 
 
 def orthonormal_columns(S: torch.Tensor) -> torch.Tensor:
