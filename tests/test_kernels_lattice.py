@@ -112,48 +112,55 @@ def test_fused_recurrent_lattice_matches_reference(poison, dtype, H, d, m, varia
     assert torch.equal(untouched(pool, idx), rest)
 
 
-def gated_inputs(g, n: int, H: int, d: int, m: int, K: int, dtype: torch.dtype, forget: bool, bias: bool) -> dict:
+def gated_inputs(
+    g, n: int, H: int, d: int, m: int, K: int, dtype: torch.dtype, forget: bool, bias: bool, post: str
+) -> dict:
     """The gated ops' inputs as the layer's projections give them: p, v and step logits in `dtype`, conv filters in
-    `dtype` (biases when `bias`)."""
+    `dtype` (biases when `bias`), and the post-gate (`post`: "none", "gate", or "norm": gate and head norm)."""
     p = torch.randn(n, H * m, generator=g)
     v = torch.randn(n, H, d, generator=g)
     step = torch.randn(n, 2 * H if forget else H, generator=g) + (torch.arange(2 * H if forget else H) >= H) * 3.0
     w = torch.randn(2, H * m, K, generator=g) / K**0.5
     b = torch.randn(2, H * m, generator=g) * 0.1 if bias else [None, None]
+    gate = torch.randn(n, H * d, generator=g) if post != "none" else None
+    norm_w = 1 + 0.3 * torch.randn(d, generator=g) if post == "norm" else None
     cast = lambda t: None if t is None else t.to(dtype).to(DEVICE)  # noqa: E731
-    return {"p": cast(p), "v": cast(v), "step": cast(step), "conv": (cast(w[0]), cast(b[0]), cast(w[1]), cast(b[1]))}
+    return {"p": cast(p), "v": cast(v), "step": cast(step), "conv": (cast(w[0]), cast(b[0]), cast(w[1]), cast(b[1])),
+            "post": (cast(gate), cast(norm_w), 1e-5)}  # fmt: skip
 
 
 def run_gated(mod, inp: dict, tails, pool, idx, cu, variant: str, qk_l2: bool) -> torch.Tensor:
     """`mod.chunk_lattice_gated` (cu given) or `mod.fused_recurrent_lattice_gated` on `inp`."""
     if cu is None:
         return mod.fused_recurrent_lattice_gated(inp["p"], inp["v"], inp["step"], tails, pool, idx, *inp["conv"],
-                                                 variant, qk_l2, 1e-4)  # fmt: skip
+                                                 variant, qk_l2, 1e-4, *inp["post"])  # fmt: skip
     return mod.chunk_lattice_gated(inp["p"], inp["v"], inp["step"], tails, pool, idx, cu, *inp["conv"], variant,
-                                   qk_l2, 1e-4)  # fmt: skip
+                                   qk_l2, 1e-4, *inp["post"])  # fmt: skip
 
 
 @pytest.mark.parametrize(
-    "dtype, K, forget, bias, qk_l2, variant, decode",
+    "dtype, K, forget, bias, qk_l2, variant, post, decode",
     [
-        (torch.float32, 4, True, True, True, "dec", False),  # the layer's defaults
-        (torch.float32, 3, False, False, True, "enc", False),
-        (torch.float32, 2, True, True, False, "dec", False),
-        (torch.float32, 1, True, False, True, "sim", False),  # no conv tail at all
-        (torch.bfloat16, 4, True, True, True, "dec", False),
-        (torch.float32, 4, True, True, True, "dec", True),
-        (torch.bfloat16, 3, False, True, True, "dec", True),
+        (torch.float32, 4, True, True, True, "dec", "norm", False),  # the layer's defaults
+        (torch.float32, 3, False, False, True, "enc", "none", False),
+        (torch.float32, 2, True, True, False, "dec", "gate", False),
+        (torch.float32, 1, True, False, True, "sim", "norm", False),  # no conv tail at all
+        (torch.bfloat16, 4, True, True, True, "dec", "norm", False),
+        (torch.float32, 4, True, True, True, "dec", "norm", True),
+        (torch.float32, 4, True, False, True, "dec", "none", True),
+        (torch.bfloat16, 3, False, True, True, "dec", "gate", True),
     ],
 )
-def test_gated_ops_match_reference(poison, dtype, K, forget, bias, qk_l2, variant, decode):
-    """The layer's convs, q/k norm and gates inside the kernel: outputs, states and conv tails as the reference
-    (conv ops, normalise, gates, recurrence), with sequences shorter than the tail (1 and 2 tokens: the new tail mixes
-    the old one with the new tokens), an empty one, and random (continued) tails."""
+def test_gated_ops_match_reference(poison, dtype, K, forget, bias, qk_l2, variant, post, decode):
+    """The layer's convs, q/k norm, gates and post-gate inside the kernel: outputs, states and conv tails as the
+    reference (conv ops, normalise, gates, recurrence, gelu gate and head norm), with sequences shorter than the tail
+    (1 and 2 tokens: the new tail mixes the old one with the new tokens), an empty one, and random (continued)
+    tails."""
     H, d, m = 2, 12, 8
     lens = [5] if decode else [1, 2, 0, 23, 4]
     n = 5 if decode else sum(lens)
-    g = seed("gated", dtype, K, forget, bias, qk_l2, variant, decode)
-    inp = gated_inputs(g, n, H, d, m, K, dtype, forget, bias)
+    g = seed("gated", dtype, K, forget, bias, qk_l2, variant, post, decode)
+    inp = gated_inputs(g, n, H, d, m, K, dtype, forget, bias, post)
     pool, idx = make_pool(g, 9, H, d, m, len(lens) if not decode else 5)
     tails = torch.randn(9, K - 1, H * m, generator=g).to(dtype).to(DEVICE)
     ref_pool, ref_tails = pool.to(f64), tails.to(f64)
@@ -162,12 +169,15 @@ def test_gated_ops_match_reference(poison, dtype, K, forget, bias, qk_l2, varian
 
     mod = lattice_step if decode else lattice_chunk
     y = run_gated(mod, inp, tails, pool, idx, cu, variant, qk_l2)
-    inp64 = {k: (tuple(None if t is None else t.to(f64) for t in v) if k == "conv" else v.to(f64))
-             for k, v in inp.items()}  # fmt: skip
+    inp64 = {k: (tuple(t.to(f64) if isinstance(t, torch.Tensor) else t for t in v) if isinstance(v, tuple)
+                 else v.to(f64)) for k, v in inp.items()}  # fmt: skip
     y_ref = run_gated(lattice_ref, inp64, ref_tails, ref_pool, idx, cu, variant, qk_l2)
 
     i = idx.long()
-    assert y.dtype == torch.float32 and y.shape == (n, H, d)
+    if post == "none":
+        assert y.dtype == torch.float32 and y.shape == (n, H, d)
+    else:
+        assert y.dtype == dtype and y.shape == (n, H * d)
     assert rel(y, y_ref) <= TOL[dtype]
     assert rel(pool[i], ref_pool[i]) <= TOL[dtype]
     if K > 1:

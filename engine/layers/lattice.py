@@ -162,9 +162,15 @@ class LatticeMixer(Mixer):
         """(conv_q weight, bias, conv_k weight, bias), in the order the q/k conv ops take them."""
         return self.conv_q.weight, self.conv_q.bias, self.conv_k.weight, self.conv_k.bias
 
-    def _op_args(self) -> tuple:
-        """The gated ops' trailing arguments: conv filters, variant, q/k norm and the forget-gate clamp."""
-        return (*self._conv_params(), self.cfg.variant, self.cfg.qk_norm == "l2", MU_MIN)
+    def _op_args(self, x: torch.Tensor) -> tuple:
+        """The gated ops' trailing arguments: conv filters, variant, q/k norm, the forget-gate clamp, and the post-gate
+        (its projection of x, the head norm's weight and eps) when the output norm is per head (or none), so the op
+        applies it; None under output_norm="rms", whose norm spans all heads (`_out` applies it)."""
+        c = self.cfg
+        post = (None, None, 1e-5)
+        if c.output_norm != "rms":
+            post = (self.g_proj(x), None if self.norm is None else self.norm.weight, c.norm_eps)
+        return (*self._conv_params(), c.variant, c.qk_norm == "l2", MU_MIN, *post)
 
     def _out(self, y: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
         """y `[..., H, d]` (fp32), x `[..., D]` -> `[..., D]`."""
@@ -200,16 +206,21 @@ class LatticeMixer(Mixer):
         return self._out(y, x)
 
     def prefill(self, x: torch.Tensor, state: dict[str, torch.Tensor], batch: StepBatch) -> torch.Tensor:
-        # One op from the projections: the shared-tail convs, the q/k norm, the gates and the exact recurrence (no
-        # parallel form exists), advancing the sessions' conv tails and S in their pool rows.
+        # One op from the projections: the shared-tail convs, the q/k norm, the gates, the exact recurrence (no
+        # parallel form exists) and the post-gate, advancing the sessions' conv tails and S in their pool rows.
         p, v, step = self._project(x)
-        y = chunk_lattice_gated(
-            p, v, step, state["conv"], state["S"], batch.state_indices, batch.cu_seqlens, *self._op_args(),
+        out = chunk_lattice_gated(
+            p, v, step, state["conv"], state["S"], batch.state_indices, batch.cu_seqlens, *self._op_args(x),
             cu_seqlens_cpu=batch.cu_seqlens_cpu,
         )  # fmt: skip
-        return self._out(y, x)
+        return self._finish(out, x)
 
     def decode(self, x: torch.Tensor, state: dict[str, torch.Tensor], batch: StepBatch) -> torch.Tensor:
         p, v, step = self._project(x)
-        y = fused_recurrent_lattice_gated(p, v, step, state["conv"], state["S"], batch.state_indices, *self._op_args())
-        return self._out(y, x)
+        out = fused_recurrent_lattice_gated(p, v, step, state["conv"], state["S"], batch.state_indices,
+                                            *self._op_args(x))  # fmt: skip
+        return self._finish(out, x)
+
+    def _finish(self, out: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
+        """The gated op's result -> `[..., D]`: o_proj of the post-gated `[..., H*d]`, or `_out` of y `[..., H, d]`."""
+        return self._out(out, x) if self.cfg.output_norm == "rms" else self.o_proj(out.to(self.o_proj.weight.dtype))

@@ -22,6 +22,7 @@ from kvfree.kernels.lattice.reference import (
     chunk_lattice_qk_conv,
     fused_recurrent_lattice_qk_conv,
     lattice_gates,
+    lattice_post_gate,
     lattice_recurrent,
     lattice_step,
     lattice_unnormalised_update,
@@ -37,6 +38,7 @@ __all__ = [
     "fused_recurrent_lattice_gated",
     "fused_recurrent_lattice_qk_conv",
     "lattice_gates",
+    "lattice_post_gate",
     "lattice_recurrent",
     "lattice_step",
     "lattice_unnormalised_update",
@@ -129,6 +131,9 @@ def chunk_lattice_gated(
     variant: str = "dec",
     qk_l2: bool = True,
     mu_min: float = 1e-4,
+    gate: torch.Tensor | None = None,
+    norm_weight: torch.Tensor | None = None,
+    eps: float = 1e-5,
     *,
     cu_seqlens_cpu: torch.Tensor | list[int] | None = None,
 ) -> torch.Tensor:
@@ -143,10 +148,13 @@ def chunk_lattice_gated(
         state_indices: `[N]` int32.  cu_seqlens: `[N+1]` int32 (device), from 0 to T.
         q_weight, k_weight: `[H*m, K]` the depthwise conv filters; q_bias, k_bias: `[H*m]` or None.
         variant: "dec", "enc" or "sim".  qk_l2: L2-normalise q and k per head.  mu_min: the forget-gate clamp.
+        gate: `[T, H*d]` the post-gate projection, or None.  norm_weight: `[d]` the head RMSNorm's weight, or None
+            (no norm).  eps: its epsilon.
         cu_seqlens_cpu: a host copy of cu_seqlens; copied from the device (a sync) when None.
 
     Returns:
-        y: `[T, H, d]` fp32 (fp64 with an fp64 state).
+        Without a gate, y: `[T, H, d]` fp32 (fp64 with an fp64 state); with one, gelu_tanh(gate) * rms_norm(y) * w
+        per head (`lattice_post_gate`): `[T, H*d]` in gate's dtype.
     """
     if _triton(v, state):
         from kvfree.kernels.lattice.chunk import chunk_lattice_gated as impl
@@ -154,7 +162,7 @@ def chunk_lattice_gated(
         impl = reference.chunk_lattice_gated
     return impl(
         p, v, step, conv_state, state, state_indices, cu_seqlens, q_weight, q_bias, k_weight, k_bias, variant,
-        qk_l2, mu_min, cu_seqlens_cpu=cu_seqlens_cpu,
+        qk_l2, mu_min, gate, norm_weight, eps, cu_seqlens_cpu=cu_seqlens_cpu,
     )  # fmt: skip
 
 
@@ -172,12 +180,16 @@ def fused_recurrent_lattice_gated(
     variant: str = "dec",
     qk_l2: bool = True,
     mu_min: float = 1e-4,
+    gate: torch.Tensor | None = None,
+    norm_weight: torch.Tensor | None = None,
+    eps: float = 1e-5,
 ) -> torch.Tensor:
     """One decode token per session from the layer's projections (`chunk_lattice_gated` with one token each:
-    p `[B, H*m]`, v `[B, H, d]`, step `[B, H or 2H]`) -> y `[B, H, d]`; tails and states advance in place."""
+    p `[B, H*m]`, v `[B, H, d]`, step `[B, H or 2H]`, gate `[B, H*d]`) -> y `[B, H, d]` fp32, or `[B, H*d]` in
+    gate's dtype with a gate; tails and states advance in place."""
     if _triton(v, state):
         from kvfree.kernels.lattice.fused_recurrent import fused_recurrent_lattice_gated as impl
     else:
         impl = reference.fused_recurrent_lattice_gated
     return impl(p, v, step, conv_state, state, state_indices, q_weight, q_bias, k_weight, k_bias, variant, qk_l2,
-                mu_min)  # fmt: skip
+                mu_min, gate, norm_weight, eps)  # fmt: skip

@@ -444,6 +444,19 @@ def gated_heads(
     return q, k, lattice_gates(step, num_heads, mu_min)
 
 
+def lattice_post_gate(
+    y: torch.Tensor, gate: torch.Tensor, norm_weight: torch.Tensor | None, eps: float
+) -> torch.Tensor:
+    """The layer's post-gate: y `[N, H, d]` -> gelu_tanh(gate) * rms_norm(y) * w over each head (w None: no norm),
+    computed in fp32, returned `[N, H*d]` in gate's dtype (fp64 kept for tests)."""
+    dt = torch.promote_types(y.dtype, torch.float32)
+    y = y.to(dt)
+    if norm_weight is not None:
+        y = y * torch.rsqrt(y.square().mean(-1, keepdim=True) + eps) * norm_weight.to(dt)
+    out = F.gelu(gate.to(dt), approximate="tanh") * y.flatten(-2)
+    return out if gate.dtype == torch.float64 else out.to(gate.dtype)
+
+
 def chunk_lattice_gated(
     p: torch.Tensor,
     v: torch.Tensor,
@@ -459,6 +472,9 @@ def chunk_lattice_gated(
     variant: str = "dec",
     qk_l2: bool = True,
     mu_min: float = 1e-4,
+    gate: torch.Tensor | None = None,
+    norm_weight: torch.Tensor | None = None,
+    eps: float = 1e-5,
     *,
     cu_seqlens_cpu: torch.Tensor | list[int] | None = None,
 ) -> torch.Tensor:
@@ -472,16 +488,20 @@ def chunk_lattice_gated(
         state_indices: `[N]` int32.  cu_seqlens: `[N+1]` int32 (device), from 0 to T.
         q_weight, k_weight: `[H*m, K]` the two depthwise conv filters; q_bias, k_bias: `[H*m]` or None.
         variant: "dec", "enc" or "sim".  qk_l2: L2-normalise q and k per head.  mu_min: the forget-gate clamp.
+        gate: `[T, H*d]` the post-gate projection, or None.  norm_weight: `[d]` the head RMSNorm's weight, or None
+            (no norm).  eps: its epsilon.
         cu_seqlens_cpu: a host copy of cu_seqlens; copied from the device (a sync) when None.
 
     Returns:
-        y: `[T, H, d]` fp32 (fp64 with an fp64 state), the read-outs `S_t q_t`.
+        Without a gate, y: `[T, H, d]` fp32 (fp64 with an fp64 state), the read-outs `S_t q_t`; with one,
+        `lattice_post_gate(y, gate, norm_weight, eps)`: `[T, H*d]` in gate's dtype.
     """
     H = v.shape[1]
     qc, kc = chunk_lattice_qk_conv(p, conv_state, state_indices, cu_seqlens, q_weight, q_bias, k_weight, k_bias,
                                    cu_seqlens_cpu=cu_seqlens_cpu)  # fmt: skip
     q, k, gamma = gated_heads(qc, kc, step, H, qk_l2, mu_min)
-    return chunk_lattice(q, k, v, gamma, None, state, state_indices, cu_seqlens, variant, cu_seqlens_cpu=cu_seqlens_cpu)
+    y = chunk_lattice(q, k, v, gamma, None, state, state_indices, cu_seqlens, variant, cu_seqlens_cpu=cu_seqlens_cpu)
+    return y if gate is None else lattice_post_gate(y, gate, norm_weight, eps)
 
 
 def fused_recurrent_lattice_gated(
@@ -498,14 +518,18 @@ def fused_recurrent_lattice_gated(
     variant: str = "dec",
     qk_l2: bool = True,
     mu_min: float = 1e-4,
+    gate: torch.Tensor | None = None,
+    norm_weight: torch.Tensor | None = None,
+    eps: float = 1e-5,
 ) -> torch.Tensor:
     """One decode token per session from its projections (`chunk_lattice_gated`'s arguments with one token per
-    session: p `[B, H*m]`, v `[B, H, d]`, step `[B, H or 2H]`) -> y `[B, H, d]`; conv tails and states advance in
-    place."""
+    session: p `[B, H*m]`, v `[B, H, d]`, step `[B, H or 2H]`, gate `[B, H*d]`) -> y `[B, H, d]` fp32, or `[B, H*d]`
+    in gate's dtype with a gate; conv tails and states advance in place."""
     H = v.shape[1]
     qc, kc = fused_recurrent_lattice_qk_conv(p, conv_state, state_indices, q_weight, q_bias, k_weight, k_bias)
     q, k, gamma = gated_heads(qc, kc, step, H, qk_l2, mu_min)
-    return fused_recurrent_lattice(q, k, v, gamma, None, state, state_indices, variant)
+    y = fused_recurrent_lattice(q, k, v, gamma, None, state, state_indices, variant)
+    return y if gate is None else lattice_post_gate(y, gate, norm_weight, eps)
 
 
 def orthonormal_columns(S: torch.Tensor) -> torch.Tensor:
