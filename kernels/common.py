@@ -39,13 +39,14 @@ def output_buffer(shape: tuple[int, ...], dtype: torch.dtype, device: torch.devi
 
 @contextlib.contextmanager
 def poisoned_outputs() -> Iterator[None]:
-    """Within this block every buffer a Triton op allocates starts as NaN, so an element a kernel forgot to write
-    shows up in the result (the device scripts' correctness checks)."""
+    """Within this block every buffer a Triton op allocates starts as NaN (integer buffers as their minimum), so an
+    element a kernel forgot to write shows up in the result (the device scripts' correctness checks)."""
     global output_buffer
     saved = output_buffer
 
     def nan_buffer(shape: tuple[int, ...], dtype: torch.dtype, device: torch.device) -> torch.Tensor:
-        return torch.full(shape, float("nan"), dtype=dtype, device=device)
+        fill = float("nan") if dtype.is_floating_point else torch.iinfo(dtype).min  # integers: a value no op writes
+        return torch.full(shape, fill, dtype=dtype, device=device)
 
     output_buffer = nan_buffer
     try:

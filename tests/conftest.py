@@ -92,15 +92,13 @@ def rel_err(a: torch.Tensor, b: torch.Tensor) -> float:
 
 
 @pytest.fixture
-def poison(monkeypatch):
-    """Every buffer a Triton op allocates (`kvfree.kernels.common.output_buffer`) starts as NaN, so an element a
-    kernel forgot to write shows up in its result."""
-    from kvfree.kernels import common
+def poison():
+    """Every buffer a Triton op allocates starts as NaN (integers as their minimum), so an element a kernel forgot to
+    write shows up in its result (`kvfree.kernels.common.poisoned_outputs`)."""
+    from kvfree.kernels.common import poisoned_outputs
 
-    def nan_buffer(shape, dtype, device):
-        return torch.full(shape, float("nan"), dtype=dtype, device=device)
-
-    monkeypatch.setattr(common, "output_buffer", nan_buffer)
+    with poisoned_outputs():
+        yield
 
 
 @pytest.fixture(autouse=True)

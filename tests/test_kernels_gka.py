@@ -10,9 +10,7 @@ must score the same through both paths.
 
 from __future__ import annotations
 
-import json
 import os
-from pathlib import Path
 
 import pytest
 import torch
@@ -24,18 +22,16 @@ if not torch.cuda.is_available():  # must precede the first import of a module t
 pytest.importorskip("triton")
 
 import kvfree.kernels.gka as gka_ops  # noqa: E402
-from kvfree.engine.loader import load_model  # noqa: E402
 from kvfree.kernels.gka import chunk as gka_chunk  # noqa: E402
 from kvfree.kernels.gka import fused_recurrent as gka_step  # noqa: E402
 from kvfree.kernels.gka import reference as gka_ref  # noqa: E402
-from tests.kernel_checks import DEVICE, cu_of, rel, run_layers, seed, untouched  # noqa: E402
+from tests.kernel_checks import DEVICE, assert_mqar_scores_the_same, cu_of, rel, run_layers, seed, untouched  # noqa: E402
 from tests.test_gka import OUT_TOL, make_model  # noqa: E402
 
 TOL = {torch.float32: 1e-4, torch.bfloat16: 1e-2}
 LENS = [1, 63, 64, 0, 65, 200]  # 1 token; one short of a chunk; a chunk; empty; one past it; several chunks
 RIDGE, ITERS = 0.02, 30
 f64 = torch.float64
-TRAINED = Path(__file__).resolve().parents[1] / "checkpoints" / "trained"
 
 
 def op_inputs(g, n: int, He: int, D: int, Dv: int, dtype: torch.dtype) -> list[torch.Tensor]:
@@ -205,14 +201,4 @@ def test_shipped_mqar_gka_checkpoint_scores_the_same_through_triton(monkeypatch)
     """checkpoints/trained/mqar-mamba2-gka on held-out MQAR sequences (M=8, gap=64: prefill, then teacher-forced
     decode) through the GKA Triton kernels scores what the reference scores, and what its report says. Its Mamba-2
     layers stay on the reference, to keep the interpreted run short."""
-    from kvfree.training.train import evaluate_batch
-
-    report = json.loads((TRAINED / "mqar-mamba2-gka" / "mqar.json").read_text())
-    model = load_model(TRAINED / "mqar-mamba2-gka", device=str(DEVICE))
-    monkeypatch.setenv("KVFREE_KERNELS", "reference")
-    scores = {"reference": evaluate_batch(model, num_pairs=8, gap=64, batch=4, index=0)}
-    monkeypatch.setattr(gka_ops, "use_triton", lambda device: True)
-    scores["triton"] = evaluate_batch(model, num_pairs=8, gap=64, batch=4, index=0)
-    assert scores["triton"] == scores["reference"]
-    correct, total = scores["triton"]
-    assert total > 0 and correct / total >= report["accuracy"]["M=8,gap=64"] - 0.01
+    assert_mqar_scores_the_same("mqar-mamba2-gka", gka_ops, monkeypatch)

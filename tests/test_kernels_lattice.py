@@ -10,9 +10,7 @@ tests/test_lattice.py, and the shipped MQAR checkpoint must score the same throu
 
 from __future__ import annotations
 
-import json
 import os
-from pathlib import Path
 
 import pytest
 import torch
@@ -24,16 +22,14 @@ if not torch.cuda.is_available():  # must precede the first import of a module t
 pytest.importorskip("triton")
 
 import kvfree.kernels.lattice as lattice_ops  # noqa: E402
-from kvfree.engine.loader import load_model  # noqa: E402
 from kvfree.kernels.lattice import chunk as lattice_chunk  # noqa: E402
 from kvfree.kernels.lattice import fused_recurrent as lattice_step  # noqa: E402
 from kvfree.kernels.lattice import reference as lattice_ref  # noqa: E402
-from tests.kernel_checks import DEVICE, cu_of, rel, run_layers, seed, untouched  # noqa: E402
+from tests.kernel_checks import DEVICE, assert_mqar_scores_the_same, cu_of, rel, run_layers, seed, untouched  # noqa: E402
 
 TOL = {torch.float32: 1e-4, torch.bfloat16: 1e-2}
 LENS = [5, 1, 0, 23, 2]  # several tokens; one; an empty sequence (state kept); a longer one; two
 f64 = torch.float64
-TRAINED = Path(__file__).resolve().parents[1] / "checkpoints" / "trained"
 
 
 def op_inputs(g, n: int, H: int, d: int, m: int, dtype: torch.dtype, forget: bool) -> list[torch.Tensor | None]:
@@ -264,14 +260,4 @@ def test_shipped_mqar_lattice_checkpoint_scores_the_same_through_triton(monkeypa
     """checkpoints/trained/mqar-mamba2-lattice on held-out MQAR sequences (M=8, gap=64: prefill, then teacher-forced
     decode) through the Lattice Triton kernel scores what the reference scores, and what its report says. Its Mamba-2
     layers stay on the reference, to keep the interpreted run short."""
-    from kvfree.training.train import evaluate_batch
-
-    report = json.loads((TRAINED / "mqar-mamba2-lattice" / "mqar.json").read_text())
-    model = load_model(TRAINED / "mqar-mamba2-lattice", device=str(DEVICE))
-    monkeypatch.setenv("KVFREE_KERNELS", "reference")
-    scores = {"reference": evaluate_batch(model, num_pairs=8, gap=64, batch=4, index=0)}
-    monkeypatch.setattr(lattice_ops, "use_triton", lambda device: True)
-    scores["triton"] = evaluate_batch(model, num_pairs=8, gap=64, batch=4, index=0)
-    assert scores["triton"] == scores["reference"]
-    correct, total = scores["triton"]
-    assert total > 0 and correct / total >= report["accuracy"]["M=8,gap=64"] - 0.01
+    assert_mqar_scores_the_same("mqar-mamba2-lattice", lattice_ops, monkeypatch)

@@ -286,10 +286,11 @@ def test_ops_dispatch_to_what_the_mode_says(monkeypatch, mode, want):
         for kind, mod in zip(("reference", "triton"), mods, strict=True):
             monkeypatch.setattr(mod, name, lambda *a, _k=kind, _n=name, **kw: called.append((_n, _k)))
     t = torch.zeros(1, device=DEVICE)
+    w = torch.zeros(1, 4, device=DEVICE)  # a conv filter of width 4 (width 1 always takes the reference)
     mamba2_ops.chunk_mamba2(t, t, t, t, t, t, t, t, t, t)
     mamba2_ops.fused_recurrent_mamba2(t, t, t, t, t, t, t, t, t)
-    conv_ops.chunk_causal_conv1d(t, t, t, t, t)
-    conv_ops.fused_recurrent_causal_conv1d(t, t, t, t)
+    conv_ops.chunk_causal_conv1d(t, t, t, t, w)
+    conv_ops.fused_recurrent_causal_conv1d(t, t, t, w)
     assert called == [
         ("chunk_mamba2", want),
         ("fused_recurrent_mamba2", want),

@@ -43,7 +43,7 @@ def chunk_causal_conv1d(
     Returns:
         y: `[T, C]` in x's dtype.
     """
-    if use_triton(x.device):
+    if weight.shape[1] >= 2 and use_triton(x.device):  # a width-1 filter has no tail: the reference's one multiply
         from .chunk import chunk_causal_conv1d as impl
     else:
         impl = reference.chunk_causal_conv1d
@@ -70,7 +70,7 @@ def fused_recurrent_causal_conv1d(
     Returns:
         y: `[B, C]` in x's dtype.
     """
-    if use_triton(x.device):
+    if weight.shape[1] >= 2 and use_triton(x.device):  # a width-1 filter has no tail: the reference's one multiply
         from .fused_recurrent import fused_recurrent_causal_conv1d as impl
     else:
         impl = reference.fused_recurrent_causal_conv1d
