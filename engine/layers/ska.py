@@ -17,7 +17,7 @@ from torch import nn
 from kvfree.engine.layers.base import Mixer, StateSpec
 from kvfree.engine.step_batch import StepBatch
 from kvfree.engine.strict_config import PositiveInt, StrictConfig
-from kvfree.kernels.ska import SKAState, chunk_ska, fused_recurrent_ska, ska_chunked, ska_empty_state
+from kvfree.kernels.ska import SKAState, chunk_ska, fused_recurrent_ska, ska_chunked, ska_empty_state, uses_triton
 
 _ACC = {"float32": torch.float32, "float64": torch.float64}
 
@@ -60,7 +60,6 @@ class SKAMixer(Mixer):
     """
 
     kind = "ska"
-    graph_blocker = "the chunk-boundary readout rebuild branches on the host (`enter.any()`), the Cholesky retry syncs"
     config_class = SKAConfig
 
     def __init__(self, hidden_size: int, cfg: SKAConfig) -> None:
@@ -98,6 +97,14 @@ class SKAMixer(Mixer):
             "J": StateSpec((H, P, r), dtype=torch.float32),
             "pos": StateSpec((), dtype=torch.int64),
         }
+
+    @property
+    def graph_blocker(self) -> str:  # type: ignore[override]
+        """Empty where decode runs the Triton kernels (the chunk-boundary rebuild and its Cholesky retries are
+        decided on the device); the PyTorch reference branches on the host (`enter.any()`, the retry check)."""
+        if uses_triton(None, self.acc_dtype, self.k_proj.weight.device):
+            return ""
+        return "decode runs the PyTorch reference (KVFREE_KERNELS, or no CUDA): its chunk-boundary rebuild syncs"
 
     # -- shared pieces -----------------------------------------------------------------------------------------
     def _proj(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
