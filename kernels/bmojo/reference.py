@@ -82,13 +82,20 @@ def innovation(y: torch.Tensor, y_buf: torch.Tensor, taps: int) -> tuple[torch.T
     Returns:
         eps: `[B, T]` fp32; new_buf: `[B, L, D]` fp32, the last L outputs (oldest first).
     """
-    L, D = y_buf.shape[1], y.shape[-1]
-    # e_t = y_t - sum_i alpha_i y_{t-i} is a depthwise causal conv with L+1 taps; taps older than k are zero.
-    weight = torch.zeros(D, L + 1, dtype=torch.float32, device=y.device)
-    weight[:, L - taps : L] = -1.0 / taps
-    weight[:, L] = 1.0
+    weight = innovation_weight(y.shape[-1], y_buf.shape[1], taps, y.device)
     err, new_buf = causal_conv1d(y.float(), weight, None, y_buf.float())
     return err.pow(2).mean(-1), new_buf
+
+
+def innovation_weight(d: int, buf_len: int, taps: int, device: torch.device) -> torch.Tensor:
+    """The innovation filter as depthwise causal-conv taps `[d, buf_len + 1]` fp32 (the last tap multiplies y_t).
+
+    e_t = y_t - sum_i alpha_i y_{t-i} is a depthwise causal conv with L+1 taps; taps older than k are zero.
+    """
+    weight = torch.zeros(d, buf_len + 1, dtype=torch.float32, device=device)
+    weight[:, buf_len - taps : buf_len] = -1.0 / taps
+    weight[:, buf_len] = 1.0
+    return weight
 
 
 def topm_index(eps: torch.Tensor, pos: torch.Tensor, valid: torch.Tensor, m: int) -> tuple[torch.Tensor, torch.Tensor]:
