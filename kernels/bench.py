@@ -4,10 +4,12 @@
     python -m kvfree.kernels.bench --smoke                  # the script itself, tiny sizes, CPU interpreter
     python -m kvfree.kernels.bench --op gka [--out DIR]     # Gated KalmaNet instead (kvfree.kernels.gka.check_device)
     python -m kvfree.kernels.bench --op lattice [--out DIR] # Lattice (kvfree.kernels.lattice.check_device)
+    python -m kvfree.kernels.bench --op ska [--out DIR]     # SKA (kvfree.kernels.ska.check_device)
+    python -m kvfree.kernels.bench --op bmojo [--out DIR]   # B'MOJO's memory (kvfree.kernels.bmojo.check_device)
 
-The ops with Triton kernels so far: Mamba-2 (SSD) and the short causal conv (below); Gated KalmaNet (`--op gka`:
-its checks, timings against fla's MesaNet kernels and a profile, in DIR/gka.json); Lattice (`--op lattice`: checks,
-op and whole-layer timings against the floor, in DIR/lattice.json).
+The ops with Triton kernels: Mamba-2 (SSD) and the short causal conv (below); Gated KalmaNet (`--op gka`: its
+checks, timings against fla's MesaNet kernels and a profile, in DIR/gka.json); Lattice, SKA and B'MOJO (`--op
+lattice|ska|bmojo`: checks at the papers' sizes, decode against the state floor, prefill, in DIR/<op>.json).
 
 (a) Correctness at real sizes against the float64 reference: H=16 P=128 N=128 (G=1 and G=H) and the mamba2-370m
     layer (H=32 P=64 N=128 G=1, conv width 2304); bf16 inputs (and one fp32 case), fp32 states in a 512-row pool at
@@ -49,7 +51,7 @@ from .common import poisoned_outputs
 
 f64 = torch.float64
 # Ops whose check script lives beside their kernels (kvfree.kernels.<op>.check_device), run by `--op <op>`.
-OTHER_OPS = ("gka", "lattice")
+OTHER_OPS = ("gka", "lattice", "ska", "bmojo")
 POOL = 512
 # The sizes; --smoke swaps in tiny ones to run the script itself on the CPU under TRITON_INTERPRET=1.
 REAL = {

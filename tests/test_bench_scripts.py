@@ -21,7 +21,9 @@ pytest.importorskip("triton")
         ("kvfree.kernels.bench", "kernels.json"),
         ("kvfree.kernels.norm.check_device", "norm.json"),
         ("kvfree.kernels.gka.check_device", "gka.json"),
+        ("kvfree.kernels.bmojo.check_device", "bmojo.json"),
         ("kvfree.kernels.lattice.check_device", "lattice.json"),
+        ("kvfree.kernels.ska.check_device", "ska.json"),
     ],
 )
 def test_kernel_bench_script_smoke(tmp_path, module, out_file):
