@@ -28,7 +28,7 @@ from kvfree.engine.strict_config import PositiveInt, StrictConfig
 from kvfree.kernels.lattice import (
     chunk_lattice_gated,
     fused_recurrent_lattice_gated,
-    lattice_recurrent,
+    lattice_forward,
     orthonormal_columns,
 )
 
@@ -54,7 +54,8 @@ class LatticeConfig(StrictConfig):
     # "head_rms": RMSNorm per head (weight shared by heads); "rms": over H*d; "none"
     output_norm: Literal["head_rms", "rms", "none"] = "head_rms"
     norm_eps: float = Field(1e-5, gt=0)
-    # Training only: recompute the token loop in segments of this many tokens in backward (0: store every step).
+    # Training on the PyTorch path: recompute the token loop in segments of this many tokens in backward (0: store
+    # every step). The Triton training kernel always checkpoints every 64 tokens.
     grad_checkpoint: int = Field(64, ge=0)
 
     @model_validator(mode="after")
@@ -200,9 +201,7 @@ class LatticeMixer(Mixer):
         if c.forget_gate:
             mu = torch.sigmoid(step[..., H:].float()).clamp_min(MU_MIN)
         S0 = self.initial_state()
-        y, _ = lattice_recurrent(
-            S0.expand(B, *S0.shape), q, k, v, gamma, mu, c.variant, checkpoint_tokens=c.grad_checkpoint
-        )
+        y, _ = lattice_forward(S0.expand(B, *S0.shape), q, k, v, gamma, mu, c.variant, c.grad_checkpoint)
         return self._out(y, x)
 
     def prefill(self, x: torch.Tensor, state: dict[str, torch.Tensor], batch: StepBatch) -> torch.Tensor:

@@ -8,7 +8,8 @@ the gates folded into the recurrence, from the layer's projections (one kernel l
 dispatch to the Triton kernel (one program per sequence and head walking its tokens with the state on chip) or the
 PyTorch reference by `kvfree.kernels.dispatch.use_triton` (`KVFREE_KERNELS`); float64 inputs or pools always take
 the reference, since the kernel computes in fp32. The convs dispatch inside `kvfree.kernels.conv`.
-`lattice_recurrent` and `lattice_step` are the plain math on batches of equal-length sequences (the training path).
+`lattice_recurrent` and `lattice_step` are the plain math on batches of equal-length sequences; `lattice_forward` is
+the training path, differentiable: the Triton forward and backward (`backward.py`) or `lattice_recurrent`.
 """
 
 from __future__ import annotations
@@ -37,6 +38,7 @@ __all__ = [
     "fused_recurrent_lattice",
     "fused_recurrent_lattice_gated",
     "fused_recurrent_lattice_qk_conv",
+    "lattice_forward",
     "lattice_gates",
     "lattice_post_gate",
     "lattice_recurrent",
@@ -193,3 +195,33 @@ def fused_recurrent_lattice_gated(
         impl = reference.fused_recurrent_lattice_gated
     return impl(p, v, step, conv_state, state, state_indices, q_weight, q_bias, k_weight, k_bias, variant, qk_l2,
                 mu_min, gate, norm_weight, eps)  # fmt: skip
+
+
+def lattice_forward(
+    S0: torch.Tensor,
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    gamma: torch.Tensor,
+    mu: torch.Tensor | None,
+    variant: str = "dec",
+    checkpoint_tokens: int = 0,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """The differentiable recurrence of B equal-length sequences (training), as `lattice_recurrent` computes it.
+
+    Args:
+        S0: `[B, H, d, m]` initial states with unit columns.  q, k: `[B, T, H, m]`.  v: `[B, T, H, d]`.
+        gamma: `[B, T, H]` step sizes.  mu: `[B, T, H]` forget gate or None (mu = 1).  variant: "dec", "enc", "sim".
+        checkpoint_tokens: the reference's recompute segment (the Triton path always checkpoints every 64 tokens).
+
+    Returns:
+        y: `[B, T, H, d]` and the final state `[B, H, d, m]`, in the state's compute dtype.
+
+    The Triton path runs the folded form (gamma / mu, mu = 1: the same function, spec §4.4; autograd differentiates
+    the division), forward and backward in one program per (sequence, head) each.
+    """
+    if _triton(q, S0):
+        from kvfree.kernels.lattice.backward import lattice_scan_train
+
+        return lattice_scan_train(S0, q, k, v, gamma if mu is None else gamma / mu, variant)
+    return lattice_recurrent(S0, q, k, v, gamma, mu, variant, checkpoint_tokens=checkpoint_tokens)
