@@ -68,3 +68,16 @@ def test_offline_bench_on_the_cpu(tmp_path):
     assert many["output_tokens"] == 18 and one["output_tokens"] == 6
     assert many["output_tokens_per_s"] > 0 and many["prefill_steps"] >= 2  # 120 prompt tokens in 64-token steps
     assert report["overlap"] is False and report["profile"] is None  # nothing to overlap or profile on a CPU
+
+
+def test_layer_bench_smoke(tmp_path):
+    """`python -m kvfree.engine.layer_bench --smoke`: a preset's layer built, decoded and prefilled on the CPU, and
+    its JSON written (the timings themselves mean nothing here)."""
+    out = tmp_path / "layer.json"
+    result = subprocess.run(
+        [sys.executable, "-m", "kvfree.engine.layer_bench", "--preset", "tiny-lattice", "--smoke", "--out", str(out)],
+        capture_output=True, text=True, timeout=300, cwd=tmp_path,
+    )  # fmt: skip
+    assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
+    report = json.loads(out.read_text())
+    assert report["kind"] == "lattice" and set(report["decode"]) == {"B1", "B3"} and report["prefill"]["2x16"]["ms"] > 0

@@ -12,8 +12,7 @@
     them, bf16 v; per step replayed from a CUDA graph, and eager) with a warp sweep, against its floor (the fp32 state
     read and written once, over a device-to-device copy's bandwidth measured in the same run); the prefill at B=1
     T=16384 and 8x4096 packed; the PyTorch reference at the same decode shapes and a shorter prefill (it is a Python
-    token loop); and the whole Lattice layer (projections, convs, norms, the op; bf16 weights, hidden 768) decoding
-    from a CUDA graph at B=1/64/256 and prefilling 8x4096, with a per-kernel device-time profile of each.
+    token loop). The whole layer is timed by `python -m kvfree.engine.layer_bench --preset lattice-110m`.
 
 Writes DIR/lattice.json, prints a short table last, and exits 1 when a check fails.
 """
@@ -46,7 +45,6 @@ from ..common import poisoned_outputs
 f64 = torch.float64
 REAL = {
     "Hdm": (12, 64, 64),
-    "hidden": 768,
     "pool": 512,
     "check_B": 64,
     "check_lens": [1, 700, 64, 3, 2000, 129],
@@ -57,7 +55,6 @@ REAL = {
 }
 SMOKE = {
     "Hdm": (2, 16, 8),
-    "hidden": 32,
     "pool": 12,
     "check_B": 5,
     "check_lens": [1, 17, 3],
@@ -195,63 +192,6 @@ def time_op(dev: torch.device, res: dict) -> None:
         say(f"prefill {tag}: {json.dumps(row)}")
 
 
-def lattice_layer(dev: torch.device):
-    """The Lattice mixer at lattice-110m's sizes (bf16 weights, forget gate folded as at load) and a state pool."""
-    from kvfree.engine.layers.lattice import LatticeConfig, LatticeMixer
-
-    H, d, m = SZ["Hdm"]
-    torch.manual_seed(0)
-    mixer = LatticeMixer(SZ["hidden"], LatticeConfig(num_heads=H, head_dim=d, num_slots=m)).to(dev, torch.bfloat16)
-    mixer.on_load()
-    specs = mixer.state_specs(0)
-    state = {n: torch.zeros(SZ["pool"], *s.shape, dtype=s.dtype or torch.bfloat16, device=dev)
-             for n, s in specs.items()}  # fmt: skip
-    mixer.reset_state(state, torch.arange(SZ["pool"], device=dev))
-    return mixer.eval(), state
-
-
-def time_layer(dev: torch.device, res: dict) -> None:
-    """The whole layer: decode from a CUDA graph (as the engine runs it), prefill eager; and where its time goes."""
-    from torch.profiler import ProfilerActivity, profile
-
-    from kvfree.engine.step_batch import StepBatch
-
-    mixer, state = lattice_layer(dev)
-    gen = torch.Generator(device=dev).manual_seed(3)
-    calls = {}
-    for B in SZ["decode_batches"]:
-        x = torch.randn(B, SZ["hidden"], generator=gen, device=dev).to(torch.bfloat16)
-        batch = StepBatch.decode(torch.randperm(SZ["pool"], device=dev)[:B].to(torch.int32))
-        fn = lambda x=x, batch=batch: mixer.decode(x, state, batch)  # noqa: E731
-        with torch.inference_mode():
-            row = {"eager_us": median_ms(fn, dev) * 1e3}
-            if dev.type == "cuda":
-                row["graph_us"] = graph_per_call_ms(fn) * 1e3
-        res["layer"][f"decode_B{B}"] = row
-        say(f"layer decode B={B}: {json.dumps(row)}")
-        calls[f"decode_B{B}"] = fn
-    lens = SZ["prefill_lens"][1]
-    T = sum(lens)
-    x = torch.randn(T, SZ["hidden"], generator=gen, device=dev).to(torch.bfloat16)
-    batch = StepBatch.prefill(torch.randperm(SZ["pool"], device=dev)[: len(lens)].to(torch.int32), lens)
-    fn = lambda: mixer.prefill(x, state, batch)  # noqa: E731
-    with torch.inference_mode():
-        ms = median_ms(fn, dev)
-    res["layer"][f"prefill_{len(lens)}x{lens[0]}"] = {"ms": ms, "Mtok_s": T / ms / 1e3}
-    say(f"layer prefill: {ms:.3f} ms, {T / ms / 1e3:.2f} M tokens/s")
-    calls["prefill"] = fn
-    if dev.type != "cuda":
-        return
-    for name in ("decode_B1", f"decode_B{max(SZ['decode_batches'])}", "prefill"):
-        with torch.inference_mode(), profile(activities=[ProfilerActivity.CUDA]) as prof:
-            for _ in range(3):
-                calls[name]()
-            sync()
-        per = {e.key[:60]: e.device_time_total / 3 for e in prof.key_averages() if e.device_time_total > 0}
-        res["profile"][name] = {k: round(v, 1) for k, v in sorted(per.items(), key=lambda kv: -kv[1])[:12]}
-        say(f"profile layer {name} (device us per call): {json.dumps(res['profile'][name])}")
-
-
 def table(res: dict) -> str:
     lines = [f"{res['device']}  torch {res['torch']}  triton {res['triton']}  HBM copy {res['hbm_copy_GBps']:.0f} GB/s"]
     bad = [k for k, v in res["checks"].items() if not v.get("ok")]
@@ -270,9 +210,6 @@ def table(res: dict) -> str:
     for k, v in res["prefill"].items():
         lines.append(f"  {k:20s} {v['default']['ms']:8.3f} {v['default']['Mtok_s']:8.3f}  "
                      + ", ".join(f"{c} {r['Mtok_s']:.3f}" for c, r in v.items() if c != "default"))  # fmt: skip
-    lines.append("layer (hidden 768, bf16): " + ", ".join(
-        f"{k} {v.get('graph_us', v.get('eager_us', 0)):.1f} us" if "ms" not in v else f"{k} {v['Mtok_s']:.2f} Mtok/s"
-        for k, v in res["layer"].items()))  # fmt: skip
     return "\n".join(lines)
 
 
@@ -293,16 +230,14 @@ def main(argv: list[str] | None = None) -> int:
                          "random slots; fp32 q, k (the layer's L2 norm), bf16 v, fp32 gates",
                    "decode": f"B in {list(SZ['decode_batches'])}",
                    "prefill": "B=1 T=16384 and 8x4096 packed (cu_seqlens)",
-                   "layer": f"LatticeMixer hidden {SZ['hidden']}, bf16 weights, mu folded",
                    "checks": f"decode B={SZ['check_B']}; prefill lens {SZ['check_lens']}"},
-        "checks": {}, "decode": {}, "prefill": {}, "layer": {}, "profile": {}, "errors": [],
+        "checks": {}, "decode": {}, "prefill": {}, "errors": [],
     }  # fmt: skip
     res["hbm_copy_GBps"] = (hbm_bandwidth(dev) or 1e9) / 1e9
     say(f"{res['device']}: HBM copy {res['hbm_copy_GBps']:.0f} GB/s")
     steps = [
         ("checks", lambda: check_correctness(dev, res)),
         ("op", lambda: time_op(dev, res)),
-        ("layer", lambda: time_layer(dev, res)),
     ]
     status = run_steps(steps, res, Path(a.out) / "lattice.json", RUN)
     print(table(res), flush=True)
