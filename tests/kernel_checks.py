@@ -66,19 +66,19 @@ def run_layers(model: HybridLM, prompts: list[list[int]], steps: int) -> torch.T
 
 
 
-def assert_mqar_scores_the_same(name: str, ops: ModuleType, monkeypatch) -> None:
+def assert_mqar_scores_the_same(name: str, ops: ModuleType, monkeypatch, batch: int = 4) -> None:
     """The shipped checkpoint `checkpoints/trained/<name>` on held-out MQAR sequences (M=8, gap=64: prefill, then
     teacher-forced decode) scores through the Triton kernels of `ops` (a `kvfree.kernels.<layer>` package, whose
     `use_triton` is forced on) exactly what it scores through the reference, and what its report says. The other
-    layers stay on the reference, to keep the interpreted run short."""
+    layers stay on the reference, to keep the interpreted run short; `batch` sequences of the held-out batch."""
     from kvfree.training.train import evaluate_batch
 
     report = json.loads((TRAINED / name / "mqar.json").read_text())
     model = load_model(TRAINED / name, device=str(DEVICE))
     monkeypatch.setenv("KVFREE_KERNELS", "reference")
-    scores = {"reference": evaluate_batch(model, num_pairs=8, gap=64, batch=4, index=0)}
+    scores = {"reference": evaluate_batch(model, num_pairs=8, gap=64, batch=batch, index=0)}
     monkeypatch.setattr(ops, "use_triton", lambda device: True)
-    scores["triton"] = evaluate_batch(model, num_pairs=8, gap=64, batch=4, index=0)
+    scores["triton"] = evaluate_batch(model, num_pairs=8, gap=64, batch=batch, index=0)
     assert scores["triton"] == scores["reference"]
     correct, total = scores["triton"]
     assert total > 0 and correct / total >= report["accuracy"]["M=8,gap=64"] - 0.01
