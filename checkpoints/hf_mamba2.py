@@ -14,31 +14,18 @@ Usage::
 
 from __future__ import annotations
 
-import json
+import functools
 import math
-import shutil
-import tempfile
 from pathlib import Path
 from typing import Any
 
 import torch
-from safetensors import SafetensorError
-from safetensors.torch import load_file
 
-from kvfree.checkpoints.format import (
-    CONFIG_FILE,
-    TOKENIZER_CONFIG_FILE,
-    TOKENIZER_FILE,
-    CheckpointError,
-    write_checkpoint,
-)
+from kvfree.checkpoints import hf_common
+from kvfree.checkpoints.format import CONFIG_FILE, CheckpointError
+from kvfree.checkpoints.hf_common import apply_plan, checked, refuse_missing, token_id
 
 SOURCE_NAME = "hf-mamba2"
-
-SAFETENSORS_FILE = "model.safetensors"
-SAFETENSORS_INDEX_FILE = "model.safetensors.index.json"
-BIN_FILE = "pytorch_model.bin"
-BIN_INDEX_FILE = "pytorch_model.bin.index.json"
 
 # Our mixer's largest useful chunk: the reference SSD materialises [H, L, L] decay masks per chunk.
 MAX_CHUNK_SIZE = 256
@@ -72,114 +59,15 @@ HF_DEFAULTS: dict[str, Any] = {
 _MIXER_PARAMS = ("dt_bias", "A_log", "D", "norm.weight", "out_proj.weight", "in_proj.weight")
 
 
-# -- reading the HF directory ------------------------------------------------------------------------------------
-def _read_json(path: Path) -> Any:
-    try:
-        return json.loads(path.read_text())
-    except json.JSONDecodeError as e:
-        raise CheckpointError(f"{path}: not valid JSON ({e})") from None
-    except OSError as e:
-        raise CheckpointError(f"{path}: cannot read ({e})") from None
-
-
-def _load_safetensors(path: Path) -> dict[str, torch.Tensor]:
-    try:
-        return load_file(path)
-    except (SafetensorError, OSError) as e:
-        raise CheckpointError(f"{path}: unreadable safetensors file ({e})") from None
-
-
-def _load_bin(path: Path) -> dict[str, torch.Tensor]:
-    try:
-        data = torch.load(path, map_location="cpu", weights_only=True)
-    except Exception as e:  # torch.load raises many kinds (pickle, zip, weights_only refusals)
-        raise CheckpointError(f"{path}: cannot load with torch.load(weights_only=True) ({e})") from None
-    if not isinstance(data, dict) or not all(isinstance(v, torch.Tensor) for v in data.values()):
-        raise CheckpointError(f"{path}: expected a state dict of tensor names to tensors")
-    # Tensors of a pickled state dict may share storage (tied weights); safetensors refuses to save shared storage.
-    return {str(k): v.clone() for k, v in data.items()}
-
-
-def _load_sharded(src: Path, index_name: str, load: Any) -> dict[str, torch.Tensor]:
-    index_path = src / index_name
-    index = _read_json(index_path)
-    weight_map = index.get("weight_map") if isinstance(index, dict) else None
-    if not isinstance(weight_map, dict) or not weight_map:
-        raise CheckpointError(f"{index_path}: missing or empty 'weight_map'")
-    tensors: dict[str, torch.Tensor] = {}
-    for shard in sorted(set(weight_map.values())):
-        shard_path = src / str(shard)
-        if not shard_path.is_file():
-            raise CheckpointError(f"{index_path}: lists shard {shard!r}, which is missing from {src}")
-        tensors.update(load(shard_path))
-    absent = [name for name in weight_map if name not in tensors]
-    if absent:
-        raise CheckpointError(f"{index_path}: tensor {absent[0]!r} is not in its shard {weight_map[absent[0]]!r}")
-    return tensors
-
-
-def load_hf_tensors(src: Path) -> dict[str, torch.Tensor]:
-    """All tensors of an HF checkpoint directory, from whichever weights format it holds."""
-    if (src / SAFETENSORS_FILE).is_file():
-        return _load_safetensors(src / SAFETENSORS_FILE)
-    if (src / SAFETENSORS_INDEX_FILE).is_file():
-        return _load_sharded(src, SAFETENSORS_INDEX_FILE, _load_safetensors)
-    if (src / BIN_FILE).is_file():
-        return _load_bin(src / BIN_FILE)
-    if (src / BIN_INDEX_FILE).is_file():
-        return _load_sharded(src, BIN_INDEX_FILE, _load_bin)
-    raise CheckpointError(
-        f"{src}: no weights found (looked for {SAFETENSORS_FILE}, {SAFETENSORS_INDEX_FILE}, {BIN_FILE}, "
-        f"{BIN_INDEX_FILE})"
-    )
-
-
 # -- config ------------------------------------------------------------------------------------------------------
-# transformers >= 5 writes non-finite floats in config.json as {"__float__": "Infinity"} (older versions: Infinity).
-_SPECIAL_FLOATS = {"Infinity": math.inf, "-Infinity": -math.inf, "NaN": math.nan}
-
-
-def decode_special_floats(obj: Any) -> Any:
-    """Undo transformers' JSON encoding of non-finite floats, recursively."""
-    if isinstance(obj, dict):
-        if set(obj) == {"__float__"} and obj["__float__"] in _SPECIAL_FLOATS:
-            return _SPECIAL_FLOATS[obj["__float__"]]
-        return {k: decode_special_floats(v) for k, v in obj.items()}
-    if isinstance(obj, list):
-        return [decode_special_floats(v) for v in obj]
-    return obj
-
-
 def _value(hf: dict[str, Any], key: str) -> Any:
     return hf.get(key, HF_DEFAULTS.get(key))
 
 
-def _positive_int(hf: dict[str, Any], key: str, where: Path) -> int:
-    value = _value(hf, key)
-    if isinstance(value, bool) or not isinstance(value, int) or value <= 0:
-        raise CheckpointError(f"{where}: key {key!r} must be a positive integer, got {value!r}")
-    return value
-
-
-def _positive_number(hf: dict[str, Any], key: str, where: Path) -> float:
-    value = _value(hf, key)
-    if isinstance(value, bool) or not isinstance(value, int | float) or not 0 < value < math.inf:
-        raise CheckpointError(f"{where}: key {key!r} must be a positive number, got {value!r}")
-    return value
-
-
-def _flag(hf: dict[str, Any], key: str, where: Path) -> bool:
-    value = _value(hf, key)
-    if not isinstance(value, bool):
-        raise CheckpointError(f"{where}: key {key!r} must be true or false, got {value!r}")
-    return value
-
-
-def _token_id(value: Any, vocab_size: int) -> int | None:
-    """An HF special-token id if it is a single int inside the vocabulary (lists and out-of-range ids are dropped)."""
-    if isinstance(value, int) and not isinstance(value, bool) and 0 <= value < vocab_size:
-        return value
-    return None
+# The shared value checks, reading HF's Mamba2Config defaults for keys config.json leaves out.
+_positive_int = functools.partial(hf_common.positive_int, defaults=HF_DEFAULTS)
+_positive_number = functools.partial(hf_common.positive_number, defaults=HF_DEFAULTS)
+_flag = functools.partial(hf_common.flag, defaults=HF_DEFAULTS)
 
 
 def _time_step_limit(hf: dict[str, Any], where: Path) -> list[float] | None:
@@ -256,7 +144,7 @@ def convert_config(hf: dict[str, Any], src: Path) -> dict[str, Any]:
         "mamba2": mamba2,
     }
     for key in ("bos_token_id", "eos_token_id", "pad_token_id"):
-        tid = _token_id(_value(hf, key), vocab_size)
+        tid = token_id(_value(hf, key), vocab_size)
         if tid is not None:
             config[key] = tid
     config["notes"] = {"converted_from": SOURCE_NAME, "source": str(src)}
@@ -301,16 +189,7 @@ def convert_tensors(hf_tensors: dict[str, torch.Tensor], config: dict[str, Any],
         if m["use_conv_bias"]:
             plan[prefix + "mixer.conv.bias"] = ((hf_prefix + "mixer.conv1d.bias",), shapes["conv.bias"])
 
-    out: dict[str, torch.Tensor] = {}
-    used: set[str] = set()
-    missing: list[str] = []
-    for ours, (candidates, shape) in plan.items():
-        hf_name = next((c for c in candidates if c in hf_tensors), None)
-        if hf_name is None:
-            missing.append(candidates[0])
-            continue
-        out[ours] = _checked(hf_tensors[hf_name], hf_name, shape, src)
-        used.add(hf_name)
+    out, used, missing = apply_plan(plan, hf_tensors, src)
     # conv1d.weight is [conv_dim, 1, K] in HF (nn.Conv1d, depthwise); ours is [conv_dim, K].
     for i in range(L):
         hf_name = f"backbone.layers.{i}.mixer.conv1d.weight"
@@ -320,69 +199,13 @@ def convert_tensors(hf_tensors: dict[str, torch.Tensor], config: dict[str, Any],
         t = hf_tensors[hf_name]
         if t.dim() == 3 and t.shape[1] == 1:
             t = t[:, 0, :]
-        out[f"layers.{i}.mixer.conv.weight"] = _checked(t, hf_name, (conv_dim, K), src)
+        out[f"layers.{i}.mixer.conv.weight"] = checked(t, hf_name, (conv_dim, K), src)
         used.add(hf_name)
-    if missing:
-        more = f" (and {len(missing) - 1} more: {', '.join(missing[1:6])}{', ...' if len(missing) > 6 else ''})"
-        raise CheckpointError(f"{src}: missing HF tensor {missing[0]!r}" + (more if len(missing) > 1 else ""))
-
+    refuse_missing(missing, src)
     ignorable = {"lm_head.weight"} if config["tie_word_embeddings"] else set()  # tied: a copy of the embedding
-    unexpected = sorted(k for k in hf_tensors if k not in used and k not in ignorable)
-    if unexpected:
-        raise CheckpointError(
-            f"{src}: unexpected HF tensor {unexpected[0]!r} ({len(unexpected)} in all) that this config's model "
-            "does not use; check num_hidden_layers, use_bias and use_conv_bias in config.json"
-        )
+    hf_common.refuse_unexpected(hf_tensors, used, ignorable, src,
+                                "check num_hidden_layers, use_bias and use_conv_bias in config.json")  # fmt: skip
     return out
-
-
-def _checked(t: torch.Tensor, hf_name: str, shape: tuple[int, ...], src: Path) -> torch.Tensor:
-    if tuple(t.shape) != shape:
-        raise CheckpointError(f"{src}: HF tensor {hf_name!r} has shape {tuple(t.shape)}, the config needs {shape}")
-    if not t.is_floating_point():
-        raise CheckpointError(f"{src}: HF tensor {hf_name!r} has dtype {t.dtype}, expected floating point")
-    return t.contiguous()
-
-
-# -- tokenizer ---------------------------------------------------------------------------------------------------
-def _token_for_id(tokenizer_file: Path, tid: int | None) -> str | None:
-    if tid is None:
-        return None
-    from tokenizers import Tokenizer  # only needed when a tokenizer_config.json must be written
-
-    try:
-        tok = Tokenizer.from_file(str(tokenizer_file))
-    except Exception as e:  # the tokenizers library raises a bare Exception on a bad file
-        raise CheckpointError(f"{tokenizer_file}: cannot load tokenizer ({e})") from None
-    return tok.id_to_token(tid)
-
-
-def _minimal_tokenizer_config(tokenizer_file: Path, config: dict[str, Any]) -> dict[str, Any]:
-    """A tokenizer_config.json for a tokenizer.json that came without one: special tokens only, no chat template."""
-    out: dict[str, Any] = {"tokenizer_class": "PreTrainedTokenizerFast"}
-    for key in ("bos", "eos", "pad"):
-        token = _token_for_id(tokenizer_file, config.get(f"{key}_token_id"))
-        if token is not None:
-            out[f"{key}_token"] = token
-    return out
-
-
-def _tokenizer_dir(src: Path, tokenizer_from: Path | None, config: dict[str, Any], staging: Path) -> Path:
-    """The directory to copy tokenizer.json and tokenizer_config.json from (`staging` if one had to be written)."""
-    tok_dir = tokenizer_from if tokenizer_from is not None else src
-    if tokenizer_from is not None and not tokenizer_from.is_dir():
-        raise CheckpointError(f"{tokenizer_from}: no such tokenizer directory")
-    if not (tok_dir / TOKENIZER_FILE).is_file():
-        raise CheckpointError(
-            f"{tok_dir}: missing {TOKENIZER_FILE}; pass a tokenizer directory holding {TOKENIZER_FILE} "
-            f"(and {TOKENIZER_CONFIG_FILE}) with --tokenizer / tokenizer_from"
-        )
-    if (tok_dir / TOKENIZER_CONFIG_FILE).is_file():
-        return tok_dir
-    shutil.copyfile(tok_dir / TOKENIZER_FILE, staging / TOKENIZER_FILE)
-    tok_config = _minimal_tokenizer_config(tok_dir / TOKENIZER_FILE, config)
-    (staging / TOKENIZER_CONFIG_FILE).write_text(json.dumps(tok_config, indent=2) + "\n")
-    return staging
 
 
 # -- entry point -------------------------------------------------------------------------------------------------
@@ -395,19 +218,4 @@ def convert_hf_mamba2(src: str | Path, dst: str | Path, tokenizer_from: str | Pa
     Returns `dst`. Raises CheckpointError naming the file, key or tensor when `src` cannot be converted; nothing is
     written to `dst` until every check has passed.
     """
-    src, dst = Path(src), Path(dst)
-    tok_src = Path(tokenizer_from) if tokenizer_from is not None else None
-    if not src.is_dir():
-        raise CheckpointError(f"{src}: no such HF checkpoint directory")
-    if not (src / CONFIG_FILE).is_file():
-        raise CheckpointError(f"{src}: missing {CONFIG_FILE}")
-    if dst.resolve() == src.resolve():
-        raise CheckpointError(f"{dst}: the destination must differ from the HF source directory")
-    hf_config = _read_json(src / CONFIG_FILE)
-    if not isinstance(hf_config, dict):
-        raise CheckpointError(f"{src / CONFIG_FILE}: expected a JSON object")
-    config = convert_config(decode_special_floats(hf_config), src)
-    with tempfile.TemporaryDirectory(prefix="kvfree-hf-mamba2-") as staging:
-        tok_dir = _tokenizer_dir(src, tok_src, config, Path(staging))
-        tensors = convert_tensors(load_hf_tensors(src), config, src)
-        return write_checkpoint(dst, config, tensors, tokenizer_from=tok_dir)
+    return hf_common.convert(src, dst, tokenizer_from, convert_config, convert_tensors)

@@ -87,8 +87,10 @@ def cmd_init_checkpoint(args: argparse.Namespace) -> int:
 
 def cmd_convert(args: argparse.Namespace) -> int:
     from kvfree.checkpoints.hf_mamba2 import convert_hf_mamba2
+    from kvfree.checkpoints.hf_qwen3 import convert_hf_qwen3
 
-    path = convert_hf_mamba2(args.src, args.dst, tokenizer_from=args.tokenizer)
+    converter = {"hf-mamba2": convert_hf_mamba2, "hf-qwen3": convert_hf_qwen3}[args.from_format]
+    path = converter(args.src, args.dst, tokenizer_from=args.tokenizer)
     print(f"converted {args.src} ({args.from_format}) to {path}")
     return 0
 
@@ -292,8 +294,8 @@ def build_parser() -> argparse.ArgumentParser:
         "--from",
         dest="from_format",
         required=True,
-        choices=["hf-mamba2"],
-        help="source format: hf-mamba2 = a Hugging Face Mamba2ForCausalLM directory",
+        choices=["hf-mamba2", "hf-qwen3"],
+        help="source format: hf-mamba2 / hf-qwen3 = a Hugging Face Mamba2ForCausalLM / Qwen3ForCausalLM directory",
     )
     p.add_argument("src", type=Path)
     p.add_argument("dst", type=Path)

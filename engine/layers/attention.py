@@ -7,10 +7,11 @@ from collections.abc import Iterator
 from contextlib import contextmanager
 
 import torch
-from pydantic import model_validator
+from pydantic import Field, model_validator
 from torch import nn
 
 from kvfree.engine.layers.base import ContextOverflowError, Mixer, StateSpec
+from kvfree.engine.layers.norms import RMSNorm
 from kvfree.engine.step_batch import StepBatch
 from kvfree.engine.strict_config import PositiveInt, StrictConfig
 from kvfree.kernels.attention import KVCacheFull, apply_rope, attend, chunk_attention, fused_recurrent_attention
@@ -25,6 +26,9 @@ class AttentionConfig(StrictConfig):
     rope_theta: float = 10000.0
     use_bias: bool = False
     window: PositiveInt | None = None
+    # Qwen3: an RMSNorm over head_dim (one weight shared by the heads) on every query and key head, before RoPE.
+    qk_norm: bool = False
+    qk_norm_eps: float = Field(1e-6, gt=0)
 
     @model_validator(mode="after")
     def _check(self) -> AttentionConfig:
@@ -36,7 +40,7 @@ class AttentionConfig(StrictConfig):
 
 
 class AttentionMixer(Mixer):
-    """Grouped-query attention with RoPE.
+    """Grouped-query attention with RoPE (and Qwen3's per-head q/k RMSNorm under `qk_norm`).
 
     Session state: `k`, `v` `[S, Hkv, D]` (activation dtype; keys stored already rotated) and `length` `[]` int64,
     the number of tokens the session has seen. Full attention has S = max_context entries indexed by position;
@@ -57,6 +61,8 @@ class AttentionMixer(Mixer):
         self.k_proj = nn.Linear(hidden_size, Hkv * D, bias=cfg.use_bias)
         self.v_proj = nn.Linear(hidden_size, Hkv * D, bias=cfg.use_bias)
         self.o_proj = nn.Linear(Hq * D, hidden_size, bias=cfg.use_bias)
+        self.q_norm = RMSNorm(D, cfg.qk_norm_eps) if cfg.qk_norm else None
+        self.k_norm = RMSNorm(D, cfg.qk_norm_eps) if cfg.qk_norm else None
         self.window = cfg.window
 
     def state_specs(self, max_context: int) -> dict[str, StateSpec]:
@@ -72,6 +78,8 @@ class AttentionMixer(Mixer):
         q = self.q_proj(x).unflatten(-1, (c.num_heads, c.head_dim))
         k = self.k_proj(x).unflatten(-1, (c.num_kv_heads, c.head_dim))
         v = self.v_proj(x).unflatten(-1, (c.num_kv_heads, c.head_dim))
+        if self.q_norm is not None:
+            q, k = self.q_norm(q), self.k_norm(k)
         return q, k, v
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
