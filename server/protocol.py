@@ -154,6 +154,9 @@ class AssistantMessage(RequestModel):
         default=None, validate_default=True, description="Calls the model made in this turn."
     )
     name: str | None = Field(default=None, description="Accepted for compatibility; not shown to the model.")
+    reasoning_content: str | None = Field(
+        default=None, description="The reasoning this reply came with (as returned); the chat template decides its use."
+    )
 
     @field_validator("tool_calls")
     @classmethod
@@ -680,7 +683,19 @@ class ChatCompletionMessage(ResponseModel):
 
     role: Literal["assistant"] = "assistant"
     content: str | None = Field(default=None, description="The text; null when the reply is only tool calls.")
+    reasoning_content: str | None = Field(
+        default=None, description="The model's thinking, for checkpoints that declare reasoning tags; else absent."
+    )
     tool_calls: list[ReplyToolCall] | None = None
+
+    # Without a reasoning part the field stays off the wire (OpenAI's message has no such field; `content` and
+    # `tool_calls` are still sent as nulls, as OpenAI's are). No return annotation: see `_OmitNone`.
+    @model_serializer(mode="wrap")
+    def _omit_absent_reasoning(self, handler: SerializerFunctionWrapHandler):
+        data = handler(self)
+        if data.get("reasoning_content") is None:
+            data.pop("reasoning_content", None)
+        return data
 
 
 class ChatCompletionChoice(ResponseModel):
@@ -727,6 +742,7 @@ class DeltaMessage(_OmitNone, ResponseModel):
 
     role: Literal["assistant"] | None = None
     content: str | None = None
+    reasoning_content: str | None = None
     tool_calls: list[DeltaToolCall] | None = None
 
 

@@ -55,6 +55,7 @@ from kvfree.server.protocol import (
     sse_event,
     usage_of,
 )
+from kvfree.server.reasoning import ReasoningFormat, ReasoningStreamParser
 from kvfree.server.tools import (
     ContentDelta,
     ToolCallFormat,
@@ -134,24 +135,27 @@ async def chat_completions(body: ChatCompletionRequest, request: Request, state:
     ctx = await _prepare(state, request, body, tok.encode(text), params, owner, "messages")
     fmt = ToolCallFormat.from_tokenizer_config(tok.config) if body.uses_tools else None
     allowed = accepted_tool_names(body.tools, choice)
+    thinking = ReasoningFormat.from_tokenizer_config(tok.config)
     timer = state.metrics.request_timer()
     outputs = await _run(ctx)
     if body.stream:
-        stream = _chat_stream(ctx, body, outputs, timer, request, fmt, allowed)
+        stream = _chat_stream(ctx, body, outputs, timer, request, fmt, allowed, thinking)
         return StreamingResponse(stream, media_type="text/event-stream")
     choices, cached = await _collect(ctx, outputs, timer)
     usage = _record(ctx, timer, request, sum(len(c.token_ids) for c in choices), cached, choices[0].finish_reason)
     result = []
     for i, c in enumerate(choices):
-        content, calls = c.text, []
+        reasoning, content = thinking.split(c.text) if thinking is not None else (None, c.text)
+        calls = []
         if fmt is not None:
-            content, calls = parse_tool_calls(c.text, fmt.start, fmt.end, allowed)
+            content, calls = parse_tool_calls(content, fmt.start, fmt.end, allowed)
         finish = "tool_calls" if calls else _finish(c.finish_reason)
         result.append(
             ChatCompletionChoice(
                 index=i,
                 message=ChatCompletionMessage(
-                    content=content if (content or not calls) else None, tool_calls=calls or None
+                    content=content if (content or not calls) else None, reasoning_content=reasoning,
+                    tool_calls=calls or None,
                 ),
                 logprobs=_chat_logprobs(tok, c.logprobs) if ctx.params.logprobs is not None else None,
                 finish_reason=finish,
@@ -215,11 +219,13 @@ def _chat_stream(
     request: Request,
     fmt: ToolCallFormat | None,
     allowed: frozenset[str] | None,
+    thinking: ReasoningFormat | None,
 ) -> AsyncIterator[str]:
     chunk_id = new_id("chatcmpl")
     tok = ctx.state.engine.tokenizer
     model = ctx.state.model_name
     parsers = [ToolCallStreamParser(fmt.start, fmt.end, allowed) for _ in range(ctx.n)] if fmt else None
+    thinkers = [ReasoningStreamParser(thinking) for _ in range(ctx.n)] if thinking else None
     tally = Tally()
 
     def chunk(index: int, delta: DeltaMessage, finish: str | None = None, logprobs=None) -> str:
@@ -235,8 +241,15 @@ def _chat_stream(
             want_logprobs = ctx.params.logprobs is not None and out.logprobs
             logprobs = _chat_logprobs(tok, out.logprobs) if want_logprobs else None
             deltas: list[DeltaMessage] = []
+            text = out.text
+            if thinkers is not None:  # the reasoning goes out as it comes; the content goes on to the tool parser
+                parts = thinkers[out.index].feed(text)
+                if out.finish_reason is not None:
+                    parts += thinkers[out.index].finish()
+                deltas += [DeltaMessage(reasoning_content=t) for kind, t in parts if kind == "reasoning"]
+                text = "".join(t for kind, t in parts if kind == "content")
             if parsers is not None:
-                found = parsers[out.index].feed(out.text)
+                found = parsers[out.index].feed(text)
                 if out.finish_reason is not None:
                     found += parsers[out.index].finish()
                 for event in found:
@@ -244,6 +257,9 @@ def _chat_stream(
                         deltas.append(DeltaMessage(content=event.text))
                     elif isinstance(event, DeltaToolCall):
                         deltas.append(DeltaMessage(tool_calls=[event]))
+            elif thinkers is not None:
+                if text:
+                    deltas.append(DeltaMessage(content=text))
             elif out.text and logprobs is None:  # the common chunk: text only
                 yield texts[out.index].event(out.text)
             elif out.text:

@@ -9,10 +9,12 @@ The checkpoints are built from `engine.presets.init_checkpoint` and then edited:
   untied LM head whose rows for non-printable bytes and most special tokens are zero, so greedy decoding emits
   printable ASCII, newlines, `<|endoftext|>` and `<|im_end|>` only. Replies then round-trip through text exactly,
   which session prefix reuse needs when a client sends the reply back in the next turn's history.
-- `make_tool_checkpoint` ("bigram"): every mixer's `out_proj` is zero, so the residual stream is the token's
+- `make_chain_checkpoint` ("bigram"): every mixer's `out_proj` is zero, so the residual stream is the token's
   embedding and the next-token logits depend on the previous token only; embedding and LM head are set so greedy
-  decoding after the generation prompt's newline writes `<tool_call>`, two added multi-character tokens holding
-  `{"name": "get_weather", "arguments": {"city": "Paris"}}`, `</tool_call>` and `<|im_end|>`.
+  decoding after the generation prompt's newline writes a fixed chain of tokens, then `<|im_end|>`.
+  `make_tool_checkpoint` writes `<tool_call>`, two added multi-character tokens holding
+  `{"name": "get_weather", "arguments": {"city": "Paris"}}`, `</tool_call>`; `make_thinking_checkpoint` a
+  `<think>` block, then an answer, with reasoning tags declared.
 """
 
 from __future__ import annotations
@@ -106,13 +108,16 @@ def _log_uniform(n: int, lo: float, hi: float, gen: torch.Generator) -> torch.Te
     return torch.exp(torch.rand(n, generator=gen) * (math.log(hi) - math.log(lo)) + math.log(lo))
 
 
-def make_tool_checkpoint(path: Path) -> Path:
-    """The bigram checkpoint that answers every chat with one `get_weather` tool call (module doc)."""
+def make_chain_checkpoint(path: Path, chain: list[str], tokenizer_config: dict[str, Any] | None = None) -> Path:
+    """A bigram checkpoint whose greedy reply after the generation prompt's newline is `chain` (each entry an added
+    token, or an existing special token such as `<tool_call>`), then `<|im_end|>` (module doc). `tokenizer_config`
+    entries are merged into its tokenizer_config.json."""
     init_checkpoint("tiny", path, seed=0)
     tok = build_byte_tokenizer()
-    tok.add_tokens(list(TOOL_PIECES))
+    assert len(set(chain)) == len(chain), "a bigram chain cannot repeat a token (it has one successor)"
+    tok.add_tokens([p for p in chain if tok.token_to_id(p) is None])
     tok.save(str(path / "tokenizer.json"))
-    a, b = (tok.token_to_id(p) for p in TOOL_PIECES)
+    ids = [10, *(tok.token_to_id(p) for p in chain), IM_END_ID]
     vocab = tok.get_vocab_size()
     raw = load_file(str(path / "model.safetensors"))
     hidden = raw["embed.weight"].shape[1]
@@ -121,12 +126,11 @@ def make_tool_checkpoint(path: Path) -> Path:
         if name.endswith("out_proj.weight"):
             out[name] = torch.zeros_like(out[name])
     # token -> its own residual direction -> the next token of the chain; every other token -> <|im_end|>.
-    chain = {10: TOOL_START_ID, TOOL_START_ID: a, a: b, b: TOOL_END_ID, TOOL_END_ID: IM_END_ID}
     embed = torch.zeros(vocab, hidden)
     embed[:, 0] = 1.0
     head = torch.zeros(vocab, hidden)
     head[IM_END_ID, 0] = 1.0
-    for dim, (token, following) in enumerate(chain.items(), start=1):
+    for dim, (token, following) in enumerate(zip(ids, ids[1:], strict=False), start=1):
         embed[token] = 0.0
         embed[token, dim] = 1.0
         head[following, dim] = 1.0
@@ -134,7 +138,24 @@ def make_tool_checkpoint(path: Path) -> Path:
     out["lm_head.weight"] = head
     out["norm.weight"] = torch.ones(hidden)
     _edit_checkpoint(path, {"tie_word_embeddings": False, "vocab_size": vocab}, out)
+    if tokenizer_config:
+        cfg_path = path / "tokenizer_config.json"
+        cfg_path.write_text(json.dumps(json.loads(cfg_path.read_text()) | tokenizer_config, indent=2))
     return path
+
+
+def make_tool_checkpoint(path: Path) -> Path:
+    """The bigram checkpoint that answers every chat with one `get_weather` tool call (module doc)."""
+    return make_chain_checkpoint(path, ["<tool_call>", *TOOL_PIECES, "</tool_call>"])
+
+
+# The thinking checkpoint's reply: a reasoning block, then the answer (two added tokens each side).
+THINK_CHAIN = ["<think>", "Paris is ", "in France.", "</think>", "\n\n", "It is in ", "France, Europe."]
+
+
+def make_thinking_checkpoint(path: Path) -> Path:
+    """A bigram checkpoint that thinks before it answers, with Qwen3's reasoning tags declared."""
+    return make_chain_checkpoint(path, THINK_CHAIN, {"reasoning_start": "<think>", "reasoning_end": "</think>"})
 
 
 # -- servers ------------------------------------------------------------------------------------------------------

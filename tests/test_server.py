@@ -32,6 +32,7 @@ from tests.server_fixtures import (
     ThreadServer,
     assert_openai_error,
     make_checkpoint,
+    make_thinking_checkpoint,
     make_tool_checkpoint,
     metric_value,
     serve,
@@ -61,6 +62,7 @@ def ckpts(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
         "tiny": make_checkpoint("tiny", root / "tiny"),
         "tiny-hybrid": make_checkpoint("tiny-hybrid", root / "tiny-hybrid"),
         "tool": make_tool_checkpoint(root / "tool"),
+        "thinking": make_thinking_checkpoint(root / "thinking"),
     }
 
 
@@ -396,6 +398,34 @@ def test_tool_call_parsed_non_streamed_and_streamed(tool_server):
     assert [c.finish_reason for c in r.choices] == ["tool_calls", "tool_calls"]
     for c in r.choices:
         _check_weather_call(c.message.tool_calls[0])
+
+
+def test_reasoning_is_split_out_non_streamed_and_streamed(ckpts):
+    """A checkpoint that declares reasoning tags (Qwen3's `<think>`): the thinking comes back as
+    `reasoning_content`, the answer as `content`, the same whether streamed or not; a client that sends the message
+    back with its reasoning is accepted."""
+    server = serve(ckpts["thinking"], "kvfree-thinking", max_sessions=2)
+    try:
+        client = server.openai()
+        messages = [{"role": "user", "content": "Where is Paris?"}]
+        r = client.chat.completions.create(model="kvfree-thinking", messages=messages, temperature=0)
+        message = r.choices[0].message
+        assert message.reasoning_content == "Paris is in France."
+        assert message.content == "It is in France, Europe." and r.choices[0].finish_reason == "stop"
+        reasoning, content = "", ""
+        for chunk in client.chat.completions.create(model="kvfree-thinking", messages=messages, temperature=0,
+                                                    stream=True):  # fmt: skip
+            for choice in chunk.choices:
+                reasoning += getattr(choice.delta, "reasoning_content", None) or ""
+                content += choice.delta.content or ""
+        assert (reasoning, content) == ("Paris is in France.", "It is in France, Europe.")
+        history = [*messages, {"role": "assistant", "content": message.content,
+                               "reasoning_content": message.reasoning_content},
+                   {"role": "user", "content": "And Rome?"}]  # fmt: skip
+        again = client.chat.completions.create(model="kvfree-thinking", messages=history, temperature=0)
+        assert again.choices[0].message.content == "It is in France, Europe."
+    finally:
+        server.stop()
 
 
 def test_tool_choice_none_named_and_history_with_tool_results(tool_server):

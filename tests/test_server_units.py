@@ -54,6 +54,7 @@ from kvfree.server.protocol import (
     sse_event,
     usage_of,
 )
+from kvfree.server.reasoning import ReasoningFormat, ReasoningStreamParser
 from kvfree.server.tools import (
     ContentDelta,
     ToolCallFormat,
@@ -866,3 +867,41 @@ def test_queued_outputs_of_one_choice_are_coalesced():
         (1, [3, 4], "de", None),
     ]
     assert merged[-1] is error and queue.empty()
+
+
+# -- reasoning ----------------------------------------------------------------------------------------------------
+THINK = ReasoningFormat("<think>", "</think>")
+
+
+@pytest.mark.parametrize(
+    "text, reasoning, content",
+    [
+        ("<think>\nsteps\n</think>\n\nthe answer", "\nsteps\n", "the answer"),
+        ("  <think>a</think>b", "a", "b"),
+        ("<think>cut off by max_tokens", "cut off by max_tokens", ""),
+        ("<think></think>\n\nx", "", "x"),
+        ("no thinking here", None, "no thinking here"),
+        ("an answer that mentions </think> but never opened it", None,
+         "an answer that mentions </think> but never opened it"),
+        ("<thin is not the tag", None, "<thin is not the tag"),
+        ("", None, ""),
+    ],
+)
+def test_reasoning_split_and_its_stream_agree_at_every_chunking(text, reasoning, content):
+    """`ReasoningFormat.split` on the whole reply; the stream parser gives the same reasoning and content however
+    the reply is cut into pieces (every split into two, and one character at a time), tags cut included."""
+    assert THINK.split(text) == (reasoning, content)
+    chunkings = [[text[:i], text[i:]] for i in range(len(text) + 1)] + [list(text)]
+    for pieces in chunkings:
+        parser = ReasoningStreamParser(THINK)
+        parts = [p for piece in pieces for p in parser.feed(piece)] + parser.finish()
+        got_reasoning = "".join(t for kind, t in parts if kind == "reasoning")
+        got_content = "".join(t for kind, t in parts if kind == "content")
+        assert (got_reasoning, got_content) == (reasoning or "", content), pieces
+        assert all(t for _, t in parts), "no empty parts"
+
+
+def test_reasoning_format_is_declared_by_the_checkpoint():
+    assert ReasoningFormat.from_tokenizer_config({}) is None
+    assert ReasoningFormat.from_tokenizer_config({"reasoning_start": "<think>"}) is None
+    assert ReasoningFormat.from_tokenizer_config({"reasoning_start": "<think>", "reasoning_end": "</think>"}) == THINK
