@@ -68,9 +68,9 @@ SMOKE = {
     "check_B": 5,
     "check_lens": [1, 7, 8, 9, 20],
     "decode_batches": (2,),  # (the interpreted rebuild is slow: one batch keeps the smoke run under a minute)
-    "prefill_lens": ([24], [12] * 2),
-    "reference_T": 24,
-    "drift_T": 32,
+    "prefill_lens": ([16], [8] * 2),
+    "reference_T": 16,
+    "drift_T": 16,
 }
 SZ = REAL
 RUN = RunLog()
