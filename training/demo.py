@@ -116,6 +116,17 @@ def read_rows(path: Path) -> list[dict[str, Any]]:
     return [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
 
 
+def pad_batch(rows: list[tuple[list[int], list[int]]], pad_id: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Encoded examples -> (ids `[B, T]` right-padded with pad_id, labels `[B, T]` padded with IGNORE)."""
+    T = max(len(ids) for ids, _ in rows)
+    ids = torch.full((len(rows), T), pad_id, dtype=torch.long)
+    labels = torch.full((len(rows), T), IGNORE, dtype=torch.long)
+    for b, (x, y) in enumerate(rows):
+        ids[b, : len(x)] = torch.tensor(x)
+        labels[b, : len(y)] = torch.tensor(y)
+    return ids, labels
+
+
 def batches(encoded: list[tuple[list[int], list[int]]], batch_size: int, start: int, seed: int, pad_id: int):
     """Endless (position, ids `[B, T]`, labels `[B, T]`) from a seeded shuffle, resuming at example `start`."""
     order = list(range(len(encoded)))
@@ -123,15 +134,8 @@ def batches(encoded: list[tuple[list[int], list[int]]], batch_size: int, start: 
     while True:
         epoch, at = divmod(pos, len(order))
         random.Random(seed + epoch).shuffle(order)
-        rows = [encoded[order[(at + i) % len(order)]] for i in range(batch_size)]
-        T = max(len(ids) for ids, _ in rows)
-        ids = torch.full((batch_size, T), pad_id, dtype=torch.long)
-        labels = torch.full((batch_size, T), IGNORE, dtype=torch.long)
-        for b, (x, y) in enumerate(rows):
-            ids[b, : len(x)] = torch.tensor(x)
-            labels[b, : len(y)] = torch.tensor(y)
         pos += batch_size
-        yield pos, ids, labels
+        yield pos, *pad_batch([encoded[order[(at + i) % len(order)]] for i in range(batch_size)], pad_id)
 
 
 # -- the loss --------------------------------------------------------------------------------------------------------
@@ -228,7 +232,7 @@ def held_out_loss(model: Any, encoded: list[tuple[list[int], list[int]]], pad_id
     causal LM)."""
     total, count = 0.0, 0
     for start in range(0, len(encoded), 8):
-        _, ids, labels = next(batches(encoded[start : start + 8], min(8, len(encoded) - start), 0, 0, pad_id))
+        ids, labels = pad_batch(encoded[start : start + 8], pad_id)
         ids = ids.to(device)
         logits = model(ids).logits if teacher else model(ids)
         target = labels[:, 1:].to(device)

@@ -25,17 +25,14 @@ the checkpoints, T/C states per head, instead of T states; the backward's scratc
 
 from __future__ import annotations
 
-import os
-
 import torch
 import triton
 import triton.language as tl
 
 from .. import common
-from .fused_recurrent import _lattice_update
+from .fused_recurrent import _lattice_update, tile_blocks
 from .reference import _NORM_FLOOR, VARIANTS
 
-INTERPRET = os.environ.get("TRITON_INTERPRET", "0") in ("1", "true", "True")
 SEGMENT = 64  # tokens between checkpoints (the backward's scratch holds one segment's states per program)
 
 
@@ -170,11 +167,6 @@ def _token_backward(q, k, v, gamma, dy, dq, dk, dv, dgamma, p_s, ds, b, t, i_h, 
     return ds_prev
 
 
-def _blocks(d: int, m: int) -> tuple[int, int, int]:
-    BD, BM = max(16, triton.next_power_of_2(d)), max(16, triton.next_power_of_2(m))
-    return BD, BM, 4 if BD * BM <= 64 * 64 else 8
-
-
 class LatticeScan(torch.autograd.Function):
     """The differentiable Triton recurrence (module docstring). Inputs contiguous `[B, T, H, *]` fp32 (v may be
     bf16), S0 `[B, H, d, m]` fp32; outputs y `[B, T, H, d]` and the final S, fp32."""
@@ -183,7 +175,7 @@ class LatticeScan(torch.autograd.Function):
     def forward(ctx, S0, q, k, v, gamma, variant: str):  # type: ignore[override]
         B, T, H, m = q.shape
         d = v.shape[-1]
-        BD, BM, warps = _blocks(d, m)
+        BD, BM, warps = tile_blocks(d, m)
         NC = triton.cdiv(T, SEGMENT)
         dev = q.device
         y = common.output_buffer((B, T, H, d), torch.float32, dev)
@@ -203,7 +195,7 @@ class LatticeScan(torch.autograd.Function):
         q, k, v, gamma, ckpt = ctx.saved_tensors
         B, T, H, m = q.shape
         d = v.shape[-1]
-        BD, BM, warps = _blocks(d, m)
+        BD, BM, warps = tile_blocks(d, m)
         NC = ckpt.shape[2]
         dev = q.device
         dy = torch.zeros(B, T, H, d, device=dev) if dy is None else dy.float().contiguous()

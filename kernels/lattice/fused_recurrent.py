@@ -319,11 +319,19 @@ def check_gated_shapes(v: torch.Tensor, state: torch.Tensor, gated: GatedArgs, v
         )
 
 
-def _blocks(d: int, m: int) -> tuple[int, int, int]:
+def tile_blocks(d: int, m: int) -> tuple[int, int, int]:
     """(BD, BM, warps): the state tile and 4 warps for it (32 registers per thread at 64 x 64; in the H100 sweep
     2 warps were 15% slower for prefill and 8 warps 1.6x slower)."""
     BD, BM = max(16, triton.next_power_of_2(d)), max(16, triton.next_power_of_2(m))
     return BD, BM, 4 if BD * BM <= 64 * 64 else 8
+
+
+def conv_pointers(gated: GatedArgs) -> tuple[torch.Tensor, ...]:
+    """(tail, wq, bq, wk, bk) as kernel arguments: an absent bias (HAS_BIAS is then False) and a K = 1 conv's
+    zero-size tail pool are never read, so stand-ins of a valid pointer take their place."""
+    wq, bq, wk, bk = gated.conv
+    tail = gated.tail if gated.tail.numel() else gated.p
+    return tail, wq, wq if bq is None else bq, wk, wk if bk is None else bk
 
 
 def scan_launch(
@@ -339,7 +347,7 @@ def scan_launch(
     """
     N, H, d = v.shape
     m = state.shape[-1]
-    BD, BM, warps = _blocks(d, m)
+    BD, BM, warps = tile_blocks(d, m)
     out_gate = 0 if gated is None or gated.gate is None else (2 if gated.norm_weight is not None else 1)
     y = common.output_buffer((N, H, d), torch.float32 if out_gate == 0 else gated.gate.dtype, v.device)
     if N == 0 or nseq == 0:
@@ -347,14 +355,12 @@ def scan_launch(
     q, k, gamma, mu = explicit if explicit is not None else (v, v, v, None)  # unread when the gates are inside
     mu_arg = gamma if mu is None else mu
     g = gated if gated is not None else GatedArgs(v, v, state, (v, None, v, None), False, 1.0)  # unread when None
-    wq, bq, wk, bk = g.conv
+    wq, bq, _, _ = g.conv
     K = wq.shape[-1] if gated is not None else 1
     gate = g.gate if g.gate is not None else v
-    # A K = 1 conv has no tail (a zero-size pool); a stand-in pointer keeps the unread argument valid.
-    tail = g.tail if g.tail.numel() else g.p
     _lattice_scan_kernel[(nseq, H)](
-        q, k, v, gamma, mu_arg, g.p, g.step, tail, wq, bq if bq is not None else wq, wk,
-        bk if bk is not None else wk, gate, g.norm_weight if g.norm_weight is not None else v, y, state,
+        q, k, v, gamma, mu_arg, g.p, g.step, *conv_pointers(g), gate,
+        g.norm_weight if g.norm_weight is not None else v, y, state,
         state_indices, cu_seqlens if cu_seqlens is not None else state_indices, float(g.mu_min), float(g.eps),
         q.stride(0), q.stride(1), k.stride(0), k.stride(1), v.stride(0), v.stride(1), gamma.stride(0),
         gamma.stride(1), mu_arg.stride(0), mu_arg.stride(1), g.p.stride(0), g.step.stride(0), g.tail.stride(0),
@@ -400,14 +406,13 @@ def gates_pass(
     gamma = common.output_buffer((T, H), torch.float32, dev)
     if T == 0:
         return q, k, gamma
-    wq, bq, wk, bk = gated.conv
-    tail = gated.tail if gated.tail.numel() else gated.p
+    wq, bq, _, _ = gated.conv
     BT = 16
     _lattice_gates_kernel[(len(lens), triton.cdiv(max(lens), BT), H)](
-        gated.p, gated.step, tail, wq, bq if bq is not None else wq, wk, bk if bk is not None else wk, q, k,
-        gamma, cu_seqlens, float(gated.mu_min), gated.p.stride(0), gated.step.stride(0), gated.tail.stride(0),
-        gated.tail.stride(1), state_indices, H=H, M=m, K=wq.shape[-1], BM=max(16, triton.next_power_of_2(m)), BT=BT,
-        HAS_MU=gated.step.shape[1] == 2 * H, QK_L2=bool(gated.qk_l2), HAS_BIAS=bq is not None, num_warps=2,
+        gated.p, gated.step, *conv_pointers(gated), q, k, gamma, cu_seqlens, float(gated.mu_min), gated.p.stride(0),
+        gated.step.stride(0), gated.tail.stride(0), gated.tail.stride(1), state_indices, H=H, M=m, K=wq.shape[-1],
+        BM=max(16, triton.next_power_of_2(m)), BT=BT, HAS_MU=gated.step.shape[1] == 2 * H, QK_L2=bool(gated.qk_l2),
+        HAS_BIAS=bq is not None, num_warps=2,
     )  # fmt: skip
     return q, k, gamma
 
