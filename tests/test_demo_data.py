@@ -21,6 +21,7 @@ from openai.types.chat.chat_completion_message_tool_call import Function
 from kvfree.engine.tokenizer import Tokenizer
 from kvfree.training.demo_data import Example, examples, recall_example, schemas_for, target_reply, tool_schemas
 from kvfree.training.demo_eval import evaluate_recall, evaluate_tools, score_tool_reply
+from tests.paths import TINY_CHECKPOINT
 from tests.server_fixtures import make_checkpoint, make_tool_checkpoint, serve
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -32,7 +33,7 @@ def test_examples_are_deterministic_for_a_seed():
     a = [asdict(e) for e in examples("train", 7, 30)]
     assert a == [asdict(e) for e in examples("train", 7, 30)]
     assert a != [asdict(e) for e in examples("train", 8, 30)]
-    assert {e["skill"] for e in a} == {"chat", "tools", "recall"}
+    assert {e["skill"] for e in a} == {"chat", "tools", "recall", "text"}
 
 
 def test_evaluation_schemas_and_facts_never_reach_the_training_split():
@@ -41,9 +42,12 @@ def test_evaluation_schemas_and_facts_never_reach_the_training_split():
     assert train | held == {s.name for s in tool_schemas()}
     shown_in_training = {t["function"]["name"] for e in examples("train", 0, 600) if e.tools for t in e.tools}
     assert shown_in_training <= train and len(shown_in_training) == len(train)
-    train_answers = {e.expected for e in examples("train", 0, 600, skills=("recall",))}
-    eval_answers = {e.expected for e in examples("eval", 0, 200, skills=("recall",))}
+    train_answers = {e.expected.lower() for e in examples("train", 0, 600, skills=("recall",))}
+    eval_answers = {e.expected.lower() for e in examples("eval", 0, 200, skills=("recall",))}
     assert train_answers and eval_answers and not train_answers & eval_answers
+    assert len(train_answers) > 300  # made up afresh, so answering means copying from the conversation
+    text_openers = {e.messages[0]["content"] for e in examples("eval", 0, 40, skills=("text",))}
+    assert not text_openers & {e.messages[0]["content"] for e in examples("train", 0, 400, skills=("text",))}
     with pytest.raises(ValueError, match="split"):
         examples("test", 0, 1)  # type: ignore[arg-type]
 
@@ -56,7 +60,7 @@ def test_expected_calls_are_valid_for_their_schemas():
 
 
 def test_chat_template_renders_the_tools_of_an_example():
-    tok = Tokenizer(ROOT / "checkpoints" / "default")
+    tok = Tokenizer(TINY_CHECKPOINT)
     ex = examples("eval", 0, 1, skills=("tools",))[0]
     text = tok.apply_chat_template(ex.messages, add_generation_prompt=True, tools=ex.tools)
     for tool in ex.tools:
@@ -120,7 +124,7 @@ def test_recall_examples_state_the_fact_first_and_ask_last():
 
 def test_target_replies_parse_back_through_the_server_tool_parser():
     """A tools example's target reply is exactly one call the server parses back to the expected call; a recall
-    target states the answer; chat has none (the teacher writes it)."""
+    target states the answer; chat and text have none (the teacher writes them)."""
     from kvfree.server.tools import parse_tool_calls
 
     for ex in examples("train", 5, 60):
@@ -144,7 +148,7 @@ def test_teacher_writes_the_training_data(tmp_path):
 
     from kvfree.training.demo_teacher import main as teacher_main
 
-    default = ROOT / "checkpoints" / "default"
+    default = TINY_CHECKPOINT
     config = json.loads((default / "tokenizer_config.json").read_text())
     tok = PreTrainedTokenizerFast(tokenizer_file=str(default / "tokenizer.json"), eos_token="<|im_end|>")
     tok.chat_template = config["chat_template"]
@@ -163,10 +167,10 @@ def test_teacher_writes_the_training_data(tmp_path):
         outs.append([json.loads(line) for line in out.read_text().splitlines()])
     rows = outs[0]
     assert outs[0] == outs[1] and len(rows) == 6
-    assert {r["skill"] for r in rows} == {"chat", "tools", "recall"}
+    assert {r["skill"] for r in rows} == {"chat", "tools", "recall", "text"}
     for row, ex in zip(rows, examples("train", 0, 6), strict=True):
         assert row["messages"] == ex.messages
-        if ex.skill == "chat":
+        if ex.skill in ("chat", "text"):
             assert row["source"] == "teacher" and isinstance(row["reply"], str)
         else:
             assert row["source"] == "known" and row["reply"] == target_reply(ex)

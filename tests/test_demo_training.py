@@ -21,7 +21,7 @@ from kvfree.training import demo
 transformers = pytest.importorskip("transformers")
 
 ARGS = ["--hidden", "64", "--layers", "4", "--n-train", "24", "--n-eval", "6", "--teacher-batch", "8",
-        "--max-new-tokens", "8", "--max-len", "768", "--batch-size", "4", "--warmup", "2", "--save-every", "2",
+        "--max-new-tokens", "8", "--max-len", "768", "--batch-tokens", "2048", "--warmup", "2", "--save-every", "2",
         "--log-every", "1", "--device", "cpu"]  # fmt: skip
 
 
@@ -91,11 +91,24 @@ def test_state_shards_round_trip(tmp_path, monkeypatch):
     assert demo.load_state(tmp_path, fresh, fresh_opt) is None
 
 
+def test_teacher_logits_are_taken_at_the_scored_positions_only(teacher):
+    """`teacher_scored_logits` runs the LM head on the scored rows: the same logits as the full forward there."""
+    model = transformers.AutoModelForCausalLM.from_pretrained(teacher).eval()
+    ids = torch.randint(0, 200, (2, 7))
+    labels = ids.clone()
+    labels[0, :4] = demo.IGNORE
+    labels[1, 5:] = demo.IGNORE
+    with torch.no_grad():
+        full = model(ids).logits[:, :-1][labels[:, 1:] != demo.IGNORE]
+    got = demo.teacher_scored_logits(model, ids, labels)
+    assert got.shape == (7, model.config.vocab_size) and torch.allclose(got, full, atol=1e-5)
+
+
 def test_distill_loss_is_cross_entropy_plus_kl_on_reply_tokens():
     g = torch.Generator().manual_seed(2)
     s, t = torch.randn(2, 5, 11, generator=g), torch.randn(2, 5, 11, generator=g)
     labels = torch.tensor([[demo.IGNORE, demo.IGNORE, 3, 4, 5], [demo.IGNORE, 1, 2, demo.IGNORE, demo.IGNORE]])
-    loss, parts = demo.distill_loss(s, t, labels, kl_weight=0.5)
+    loss, parts = demo.distill_loss(s, t[:, :-1][labels[:, 1:] != demo.IGNORE], labels, kl_weight=0.5)
     scored = [(0, 1, 3), (0, 2, 4), (0, 3, 5), (1, 0, 1), (1, 1, 2)]  # (row, position, next token)
     ce = sum(-torch.log_softmax(s[b, p], -1)[y] for b, p, y in scored) / len(scored)
     kl = sum(torch.sum(torch.softmax(t[b, p], -1) * (torch.log_softmax(t[b, p], -1) - torch.log_softmax(s[b, p], -1)))
@@ -118,8 +131,8 @@ def test_training_command_labels_distils_resumes_and_writes_a_servable_checkpoin
     assert steps == [1, 2, 3, 4, 5, 6]  # the second run continued the first one's log and count
     assert all(row["loss"] == row["loss"] and row["kl"] >= 0 for row in report["log"])  # finite, KL term on
     rows = [json.loads(line) for line in (out / "data" / "train.jsonl").read_text().splitlines()]
-    assert len(rows) == 24 and {r["skill"] for r in rows} == {"chat", "tools", "recall"}
-    assert {r["source"] for r in rows if r["skill"] == "chat"} == {"teacher"}
+    assert len(rows) == 24 and {r["skill"] for r in rows} == {"chat", "tools", "recall", "text"}
+    assert {r["source"] for r in rows if r["skill"] in ("chat", "text")} == {"teacher"}
     loss = report["held_out_loss"]
     assert loss["student"] > 0 and loss["teacher"] > 0
 

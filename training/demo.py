@@ -30,6 +30,8 @@ from __future__ import annotations
 import argparse
 import json
 import math
+import multiprocessing
+import os
 import random
 import sys
 import time
@@ -102,8 +104,12 @@ def prime_embedding(student: HybridLM, teacher_embedding: torch.Tensor) -> None:
 
 # -- data ------------------------------------------------------------------------------------------------------------
 def encode_example(tok: Tokenizer, row: dict[str, Any], max_len: int) -> tuple[list[int], list[int]] | None:
-    """A labelled example -> (token ids, labels): the prompt (messages and tools, with the generation prompt) then
-    the reply and the end of turn; labels are IGNORE on the prompt. None when it does not fit in `max_len`."""
+    """A labelled example -> (token ids, labels). Chat, tools, recall: the prompt (messages and tools, with the
+    generation prompt) then the reply and the end of turn, labels IGNORE on the prompt. Text: the opener and its
+    continuation as one plain text, every token labelled. None when it does not fit in `max_len`."""
+    if row["skill"] == "text":
+        ids = tok.encode(row["messages"][0]["content"] + row["reply"])
+        return (ids, list(ids)) if len(ids) <= max_len else None
     prompt = tok.apply_chat_template(row["messages"], tools=row.get("tools") or None, add_generation_prompt=True)
     ids = tok.encode(prompt)
     reply = tok.encode(row["reply"] + "<|im_end|>")
@@ -114,6 +120,32 @@ def encode_example(tok: Tokenizer, row: dict[str, Any], max_len: int) -> tuple[l
 
 def read_rows(path: Path) -> list[dict[str, Any]]:
     return [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
+
+
+_worker_tokenizer: Tokenizer | None = None
+
+
+def _start_worker(tok_dir: Path) -> None:
+    global _worker_tokenizer
+    _worker_tokenizer = Tokenizer(tok_dir)
+
+
+def _encode_in_worker(row: dict[str, Any], max_len: int) -> tuple[list[int], list[int]] | None:
+    assert _worker_tokenizer is not None
+    return encode_example(_worker_tokenizer, row, max_len)
+
+
+def encode_file(tok_dir: Path, path: Path, max_len: int) -> list[tuple[list[int], list[int]]]:
+    """Every example of a JSON-lines file that fits in `max_len`, encoded (`encode_example`) on all CPU cores:
+    rendering the chat template is most of the cost, and tens of thousands of examples take minutes on one core.
+    Forked workers only tokenize (they never touch the GPU the parent may hold)."""
+    rows = read_rows(path)
+    workers = min(16, os.cpu_count() or 1)
+    if workers == 1 or len(rows) < 1000:
+        _start_worker(tok_dir)
+        return [e for r in rows if (e := _encode_in_worker(r, max_len))]
+    with multiprocessing.get_context("fork").Pool(workers, _start_worker, (tok_dir,)) as pool:
+        return [e for e in pool.starmap(_encode_in_worker, [(r, max_len) for r in rows], chunksize=256) if e]
 
 
 def pad_batch(rows: list[tuple[list[int], list[int]]], pad_id: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -127,15 +159,31 @@ def pad_batch(rows: list[tuple[list[int], list[int]]], pad_id: int) -> tuple[tor
     return ids, labels
 
 
-def batches(encoded: list[tuple[list[int], list[int]]], batch_size: int, start: int, seed: int, pad_id: int):
-    """Endless (position, ids `[B, T]`, labels `[B, T]`) from a seeded shuffle, resuming at example `start`."""
+def batches(encoded: list[tuple[list[int], list[int]]], batch_tokens: int, start: int, seed: int, pad_id: int,
+            window: int = 512):  # fmt: skip
+    """Endless (position, ids `[B, T]`, labels `[B, T]`) from a seeded shuffle, resuming at example `start`.
+
+    Examples are taken `window` at a time in the shuffled order, sorted by length inside the window (so a batch
+    holds examples of similar length and little padding), cut into batches of at most `batch_tokens` padded
+    tokens, and those batches shuffled. `position` counts the examples consumed when the window is done, so a
+    resume repeats at most one window.
+    """
     order = list(range(len(encoded)))
-    pos = start
+    pos = start - start % window
     while True:
         epoch, at = divmod(pos, len(order))
-        random.Random(seed + epoch).shuffle(order)
-        pos += batch_size
-        yield pos, *pad_batch([encoded[order[(at + i) % len(order)]] for i in range(batch_size)], pad_id)
+        rng = random.Random(seed + epoch)
+        rng.shuffle(order)
+        chosen = sorted((order[(at + i) % len(order)] for i in range(window)), key=lambda j: len(encoded[j][0]))
+        cut: list[list[int]] = [[]]
+        for j in chosen:  # longest so far is this one: the list is sorted by length
+            if cut[-1] and (len(cut[-1]) + 1) * len(encoded[j][0]) > batch_tokens:
+                cut.append([])
+            cut[-1].append(j)
+        rng.shuffle(cut)
+        pos += window
+        for rows in cut:
+            yield pos, *pad_batch([encoded[j] for j in rows], pad_id)
 
 
 # -- the loss --------------------------------------------------------------------------------------------------------
@@ -143,21 +191,30 @@ def distill_loss(student_logits: torch.Tensor, teacher_logits: torch.Tensor | No
                  kl_weight: float) -> tuple[torch.Tensor, dict[str, float]]:  # fmt: skip
     """Next-token loss on the labelled positions: CE(labels) + kl_weight * KL(teacher || student), both in fp32.
 
-    student_logits, teacher_logits: `[B, T, V]` (position t predicts token t+1); labels `[B, T]` (IGNORE unscored).
+    student_logits `[B, T, V]` (position t predicts token t+1); labels `[B, T]` (IGNORE unscored); teacher_logits
+    `[N, V]`: the teacher's at the N scored positions, in order (`teacher_scored_logits`).
     """
-    logits = student_logits[:, :-1].float()
+    logits = student_logits[:, :-1]
     target = labels[:, 1:]
     scored = target != IGNORE
-    ce = F.cross_entropy(logits[scored], target[scored])
+    s_logits = logits[scored].float()
+    ce = F.cross_entropy(s_logits, target[scored])
     parts = {"ce": ce.item()}
     loss = ce
     if teacher_logits is not None and kl_weight > 0:
-        t_logp = F.log_softmax(teacher_logits[:, :-1][scored].float(), -1)
-        s_logp = F.log_softmax(logits[scored], -1)
-        kl = F.kl_div(s_logp, t_logp, log_target=True, reduction="batchmean")
+        t_logp = F.log_softmax(teacher_logits.float(), -1)
+        kl = F.kl_div(F.log_softmax(s_logits, -1), t_logp, log_target=True, reduction="batchmean")
         parts["kl"] = kl.item()
         loss = loss + kl_weight * kl
     return loss, parts
+
+
+@torch.no_grad()
+def teacher_scored_logits(teacher: Any, ids: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
+    """A Hugging Face causal LM's next-token logits `[N, V]` at the positions `distill_loss` scores (labels[:, 1:]
+    not IGNORE): the LM head runs on those rows only, not on every padded position."""
+    hidden = teacher.base_model(input_ids=ids).last_hidden_state[:, :-1]
+    return teacher.get_output_embeddings()(hidden[labels[:, 1:] != IGNORE])
 
 
 # -- resumable state -------------------------------------------------------------------------------------------------
@@ -242,25 +299,40 @@ def held_out_loss(model: Any, encoded: list[tuple[list[int], list[int]]], pad_id
     return total / max(count, 1)
 
 
-def run(a: argparse.Namespace) -> dict[str, Any]:
+def build_data(teacher: Any, a: argparse.Namespace, data: Path) -> None:
+    """`data/{train,eval}.jsonl`: the prompts labelled with the teacher's (or the known) replies; kept if there."""
     from kvfree.training.demo_data import examples
-    from kvfree.training.demo_teacher import Teacher, labelled
+    from kvfree.training.demo_teacher import labelled
 
-    started = time.time()
-    out = Path(a.out)
-    teacher = Teacher.load(a.teacher, a.device)
-    data = out / "data"
     for split, n in (("train", a.n_train), ("eval", a.n_eval)):
         path = data / f"{split}.jsonl"
         if not path.is_file():
             data.mkdir(parents=True, exist_ok=True)
             rows = labelled(teacher, examples(split, a.seed, n), a.teacher_batch, a.max_new_tokens, a.temperature)
-            path.write_text("".join(json.dumps(r, ensure_ascii=False) + "\n" for r in rows))
+            part = path.with_suffix(".part")  # renamed when whole: a run stopped midway leaves no half file
+            part.write_text("".join(json.dumps(r, ensure_ascii=False) + "\n" for r in rows))
+            part.rename(path)
+
+
+def run(a: argparse.Namespace) -> dict[str, Any]:
+    from kvfree.training.demo_teacher import Teacher
+
+    started = time.time()
+    out = Path(a.out)
+    on_gpu = a.device.startswith("cuda")
+    if on_gpu and a.memory_fraction < 1:  # two students share one GPU: each one's cache stays within its share
+        torch.cuda.set_per_process_memory_fraction(a.memory_fraction)
+    teacher = Teacher.load(a.teacher, a.device, torch.bfloat16 if on_gpu else torch.float32)
+    data = Path(a.data) if a.data else out / "data"
+    build_data(teacher, a, data)
     tok_dir = write_tokenizer(teacher.tokenizer, out / "tokenizer")
+    if a.data_only:
+        return {"data": str(data), "seconds": round(time.time() - started, 1)}
     tok = Tokenizer(tok_dir)
     eos_id = tok.token_to_id(tok.eos_token)
-    encoded = [e for r in read_rows(data / "train.jsonl") if (e := encode_example(tok, r, a.max_len))]
-    held = [e for r in read_rows(data / "eval.jsonl") if (e := encode_example(tok, r, a.max_len))]
+    encoded = encode_file(tok_dir, data / "train.jsonl", a.max_len)
+    held = encode_file(tok_dir, data / "eval.jsonl", a.max_len)
+    print(json.dumps({"train_examples": len(encoded), "seconds": round(time.time() - started, 1)}), flush=True)
 
     teacher_vocab = teacher.model.get_input_embeddings().weight.shape[0]
     if teacher_vocab != tok.vocab_size:  # the KL term and the priming compare the two vocabularies row by row
@@ -272,19 +344,26 @@ def run(a: argparse.Namespace) -> dict[str, Any]:
     prime_embedding(model, teacher.model.get_input_embeddings().weight)
     model.to(a.device).train()
     opt = torch.optim.AdamW(model.parameters(), lr=a.lr, betas=(0.9, 0.95), weight_decay=0.1)
-    meta = load_state(out / "state", model, opt) or {"step": 0, "position": 0, "log": []}
-    step, log = meta["step"], meta["log"]
-    use_bf16 = a.device.startswith("cuda")
-    stream = batches(encoded, a.batch_size, meta["position"], a.seed, eos_id)
-    position = meta["position"]
-    while step < a.steps and time.time() - started < a.time_limit:
+    meta = load_state(out / "state", model, opt) or {"step": 0, "position": 0, "log": [], "steps": a.steps,
+                                                     "requested_steps": a.steps, "tokens": 0, "train_seconds": 0.0}
+    step, log, steps = meta["step"], meta["log"], meta["steps"]
+    if meta["requested_steps"] != a.steps:  # resumed with a new --steps: it replaces the schedule's length
+        steps = a.steps
+    stream = batches(encoded, a.batch_tokens, meta["position"], a.seed, eos_id)
+    position, tokens, train_seconds = meta["position"], meta["tokens"], meta["train_seconds"]
+    timed_from, timed_step, rate_from = time.time(), step, 0.0
+
+    def progress(seconds: float) -> dict[str, Any]:
+        return {"step": step, "position": position, "log": log, "steps": steps, "requested_steps": a.steps,
+                "tokens": tokens, "train_seconds": seconds}  # fmt: skip
+
+    while step < steps and time.time() - started < a.time_limit:
         position, ids, labels = next(stream)
         ids, labels = ids.to(a.device), labels.to(a.device)
-        with torch.no_grad():
-            t_logits = teacher.model(ids).logits if a.kl_weight > 0 else None
+        t_logits = teacher_scored_logits(teacher.model, ids, labels) if a.kl_weight > 0 else None
         for group in opt.param_groups:
-            group["lr"] = lr_at(step, a.steps, a.lr, a.warmup)
-        with torch.autocast("cuda", torch.bfloat16, enabled=use_bf16):
+            group["lr"] = lr_at(step, steps, a.lr, a.warmup)
+        with torch.autocast("cuda", torch.bfloat16, enabled=on_gpu):
             logits = model(ids)
         loss, parts = distill_loss(logits, t_logits, labels, a.kl_weight)
         opt.zero_grad(set_to_none=True)
@@ -292,21 +371,35 @@ def run(a: argparse.Namespace) -> dict[str, Any]:
         torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
         opt.step()
         step += 1
+        tokens += ids.numel()
+        if a.time_budget and timed_step == 0 and step in (20, 70):
+            # The schedule's length from the rate measured over steps 20-70 (past compilation and warm-up): the run
+            # ends inside the budget; the report keeps the steps it chose.
+            if step == 20:
+                rate_from = time.time()
+            else:
+                rate = 50 / (time.time() - rate_from)
+                steps = min(steps, max(step + 1, int(step + rate * (a.time_budget - (time.time() - started)))))
+                print(json.dumps({"steps_per_second": round(rate, 2), "steps": steps}), flush=True)
         if step % a.log_every == 0 or step == 1:
-            log.append({"step": step, "loss": loss.item(), **parts, "seconds": round(time.time() - started, 1)})
+            log.append({"step": step, "loss": loss.item(), **parts, "lr": lr_at(step - 1, steps, a.lr, a.warmup),
+                        "tokens": tokens, "seconds": round(time.time() - started, 1)})  # fmt: skip
             print(json.dumps(log[-1]), flush=True)
-        if step % a.save_every == 0:
-            save_state(out / "state", model, opt, {"step": step, "position": position, "log": log})
-    save_state(out / "state", model, opt, {"step": step, "position": position, "log": log})
+        if step % a.save_every == 0 or step == steps:
+            save_state(out / "state", model, opt, progress(train_seconds + time.time() - timed_from))
+    train_seconds += time.time() - timed_from
+    save_state(out / "state", model, opt, progress(train_seconds))
 
     model.eval()
     params = sum(p.numel() for p in model.parameters())
+    with torch.autocast("cuda", torch.bfloat16, enabled=on_gpu):
+        losses = {"student": held_out_loss(model, held, eos_id, a.device),
+                  "teacher": held_out_loss(teacher.model, held, eos_id, a.device, teacher=True)}  # fmt: skip
     report: dict[str, Any] = {
-        "family": a.family, "step": step, "steps": a.steps, "done": step >= a.steps, "params": params,
+        "family": a.family, "step": step, "steps": steps, "done": step >= steps, "params": params,
         "bf16_bytes": 2 * params, "config": config.to_dict(), "train_examples": len(encoded),
-        "log": log, "held_out_examples": len(held),
-        "held_out_loss": {"student": held_out_loss(model, held, eos_id, a.device),
-                          "teacher": held_out_loss(teacher.model, held, eos_id, a.device, teacher=True)},
+        "tokens": tokens, "train_seconds": round(train_seconds, 1), "device": torch.cuda.get_device_name()
+        if on_gpu else "cpu", "args": vars(a), "log": log, "held_out_examples": len(held), "held_out_loss": losses,
     }  # fmt: skip
     if report["done"]:
         save_model(model.to(torch.bfloat16), out / "checkpoint", tokenizer_from=tok_dir)
@@ -318,27 +411,32 @@ def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--teacher", required=True, help="a Hugging Face model folder or a .gguf file")
     ap.add_argument("--out", required=True, help="run folder: data, tokenizer, state, checkpoint, report.json")
+    ap.add_argument("--data", default=None, help="the labelled data's folder (default OUT/data); share it between runs")
+    ap.add_argument("--data-only", action="store_true", help="build the data and the tokenizer, then stop")
     ap.add_argument("--family", choices=FAMILIES, default="echo")
-    ap.add_argument("--hidden", type=int, default=320)
+    ap.add_argument("--hidden", type=int, default=256)
     ap.add_argument("--layers", type=int, default=8)
-    ap.add_argument("--n-train", type=int, default=20000)
+    ap.add_argument("--n-train", type=int, default=24000)
     ap.add_argument("--n-eval", type=int, default=200)
-    ap.add_argument("--teacher-batch", type=int, default=32)
+    ap.add_argument("--teacher-batch", type=int, default=512)
     ap.add_argument("--max-new-tokens", type=int, default=128)
     ap.add_argument("--temperature", type=float, default=0.7, help="sampling temperature of the teacher's replies")
-    ap.add_argument("--max-len", type=int, default=1024, help="examples longer than this many tokens are skipped")
-    ap.add_argument("--batch-size", type=int, default=32)
-    ap.add_argument("--steps", type=int, default=20000)
-    ap.add_argument("--lr", type=float, default=1e-3)
+    ap.add_argument("--max-len", type=int, default=3072, help="examples longer than this many tokens are skipped")
+    ap.add_argument("--batch-tokens", type=int, default=16384, help="padded tokens per batch at most")
+    ap.add_argument("--steps", type=int, default=6000)
+    ap.add_argument("--time-budget", type=float, default=0.0,
+                    help="seconds; if set, the schedule's length is cut at step 70 to end within it")
+    ap.add_argument("--lr", type=float, default=2e-3)
     ap.add_argument("--warmup", type=int, default=200)
     ap.add_argument("--kl-weight", type=float, default=1.0)
     ap.add_argument("--save-every", type=int, default=500)
     ap.add_argument("--log-every", type=int, default=50)
     ap.add_argument("--time-limit", type=float, default=480.0, help="seconds; the state is saved before it runs out")
+    ap.add_argument("--memory-fraction", type=float, default=1.0, help="of the GPU's memory this process may use")
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     report = run(ap.parse_args(argv))
-    print(json.dumps({k: report[k] for k in ("family", "step", "done", "params", "held_out_loss")}))
+    print(json.dumps({k: report.get(k) for k in ("family", "step", "done", "params", "held_out_loss", "data")}))
     return 0
 
 

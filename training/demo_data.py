@@ -5,7 +5,9 @@
   calls for it, and the expected call (`{"name", "arguments"}`) to score a reply against; the schemas are built
   from a bank of domains and actions, and a fixed fifth of them is held out for evaluation;
 - **recall**: facts stated early in a conversation (a name, a number, a place, a code word), unrelated filler
-  turns, then a question whose answer is one fact.
+  turns (up to `max_filler_turns`, most of them short, a tail of long ones), then a question whose answer is one fact;
+- **text**: the opening words of a story or an essay, plain text without the chat template (the teacher continues
+  it), so that `kvfree generate` continues prose.
 
 Every example comes from `random.Random(seed)` alone (same seed, same examples, in any process), and the
 evaluation split never shares a tool schema or a fact value with the training split: `split="eval"` draws fact
@@ -112,19 +114,49 @@ def schemas_for(split: Split) -> list[ToolSchema]:
 
 # -- fact banks --------------------------------------------------------------------------------------------------------
 
-# (the fact as stated, the question, the answer as a sentence, the answer bank for training, and for evaluation)
-_FACTS: list[tuple[str, str, str, list[str], list[str]]] = [
-    ("My sister's name is {v}.", "What is my sister's name?", "Your sister's name is {v}.",
-     ["Ana", "Mira", "Jonas", "Tomas", "Ines", "Paulo", "Yara", "Emil"], ["Greta", "Omar", "Lucia", "Ravi", "Noor"]),
-    ("I parked on level {v}.", "Which level did I park on?", "You parked on level {v}.",
-     ["2", "3", "5", "7", "9", "11"], ["4", "6", "8", "12", "14"]),
-    ("The code word for today is {v}.", "What is the code word for today?", "Today's code word is {v}.",
-     ["amber", "falcon", "cobalt", "juniper", "marble"], ["saffron", "quartz", "willow", "ember", "tundra"]),
-    ("My flight leaves from gate {v}.", "Which gate does my flight leave from?", "It leaves from gate {v}.",
-     ["A4", "B12", "C7", "D2", "E9"], ["F3", "G14", "H6", "K1", "M8"]),
-    ("I was born in {v}.", "Where was I born?", "You were born in {v}.",
-     ["Porto", "Ghent", "Busan", "Cusco", "Tartu"], ["Split", "Fez", "Hobart", "Bergen", "Leon"]),
+# Training answers are made up from syllables and digits, thousands of them, so that the only way to answer is to
+# copy the fact from the conversation (a small bank would be memorised, and held-out values never produced).
+_SYLLABLES = ["ba", "ko", "ri", "mel", "dan", "su", "ta", "vo", "lin", "ne", "por", "ga", "zu", "fi", "ram", "te",
+              "lo", "shi", "ber", "ca", "mon", "de", "ya", "kel"]  # fmt: skip
+
+
+def _made_up_word(rng: random.Random, capital: bool) -> str:
+    word = "".join(rng.choice(_SYLLABLES) for _ in range(rng.randint(2, 3)))
+    return word.capitalize() if capital else word
+
+
+_TRAIN_VALUES = {
+    "name": lambda rng: _made_up_word(rng, True),
+    "number": lambda rng: str(rng.randint(1, 99)),
+    "word": lambda rng: _made_up_word(rng, False),
+    "gate": lambda rng: rng.choice("ABCDEFGHKLMNPRST") + str(rng.randint(1, 40)),
+    "place": lambda rng: _made_up_word(rng, True),
+}
+
+# (the fact as stated, the question, the answer as a sentence, the kind of value, the evaluation values)
+_FACTS: list[tuple[str, str, str, str, list[str]]] = [
+    ("My sister's name is {v}.", "What is my sister's name?", "Your sister's name is {v}.", "name",
+     ["Greta", "Omar", "Lucia", "Ravi", "Noor"]),
+    ("I parked on level {v}.", "Which level did I park on?", "You parked on level {v}.", "number",
+     ["104", "116", "128", "135", "142"]),
+    ("The code word for today is {v}.", "What is the code word for today?", "Today's code word is {v}.", "word",
+     ["saffron", "quartz", "willow", "ember", "tundra"]),
+    ("My flight leaves from gate {v}.", "Which gate does my flight leave from?", "It leaves from gate {v}.", "gate",
+     ["F53", "G64", "H76", "K81", "M98"]),
+    ("I was born in {v}.", "Where was I born?", "You were born in {v}.", "place",
+     ["Split", "Fez", "Hobart", "Bergen", "Leon"]),
 ]  # fmt: skip
+_EVAL_VALUES = {v.lower() for fact in _FACTS for v in fact[4]}
+
+
+def fact_value(rng: random.Random, kind: str, split: Split, eval_values: list[str]) -> str:
+    """An answer: one of the fact's evaluation values, or for training a made-up one that is none of them."""
+    if split == "eval":
+        return rng.choice(eval_values)
+    while (value := _TRAIN_VALUES[kind](rng)).lower() in _EVAL_VALUES:
+        pass
+    return value
+
 
 FILLER = [
     ("What is a good name for a cat?", "Maybe Pepper or Miso."),
@@ -144,7 +176,24 @@ _CHAT = [
     "What is one surprising fact about {topic}?",
     "Summarise what {topic} is in one sentence.",
 ]
-_TOPICS = ["rain", "bridges", "honey bees", "volcanoes", "chess", "the moon", "bread", "trains", "coral reefs", "ink"]
+_TOPICS = ["rain", "bridges", "honey bees", "volcanoes", "chess", "the moon", "bread", "trains", "coral reefs", "ink",
+           "clouds", "libraries", "bicycles", "tea", "maps", "owls", "glaciers", "music", "gardens", "lighthouses",
+           "deserts", "kites", "rivers", "penguins", "cheese", "clocks", "forests", "paper", "the ocean", "snow"]
+_CHAT += [
+    "Write a short poem about {topic}.",
+    "Why do people like {topic}?",
+    "Tell me a very short story about {topic}.",
+    "List two facts about {topic}.",
+    "Describe {topic} in three words.",
+]
+
+# Openers for plain-text continuation: (subject, what happens); the evaluation split uses its own subjects.
+_TEXT_OPENERS = ["Once upon a time", "Long ago, in a small village,", "The old man looked at", "Every morning,",
+                 "In the beginning", "It was a cold night when", "The history of", "My favourite place is",
+                 "Scientists have found that", "The little girl wanted"]
+_TEXT_SUBJECTS_TRAIN = ["a fox", "the baker", "a young sailor", "the king", "a robot", "two friends", "the teacher",
+                        "a lonely dragon", "the farmer", "a curious cat", "the river", "a painter"]
+_TEXT_SUBJECTS_EVAL = ["a shy giant", "the astronomer", "a tiny mouse", "the fisherman", "a clockmaker"]
 
 
 # -- examples ----------------------------------------------------------------------------------------------------------
@@ -192,8 +241,8 @@ def tool_example(rng: random.Random, split: Split) -> Example:
 
 
 def recall_example(rng: random.Random, split: Split, filler_turns: int) -> Example:
-    statement, question, sentence, train_values, eval_values = rng.choice(_FACTS)
-    answer = rng.choice(eval_values if split == "eval" else train_values)
+    statement, question, sentence, kind, eval_values = rng.choice(_FACTS)
+    answer = fact_value(rng, kind, split, eval_values)
     messages: list[dict[str, Any]] = [
         {"role": "system", "content": "You are a helpful assistant. Remember what the user tells you."},
         {"role": "user", "content": statement.format(v=answer)},
@@ -205,6 +254,22 @@ def recall_example(rng: random.Random, split: Split, filler_turns: int) -> Examp
     messages.append({"role": "user", "content": question})
     return Example(skill="recall", messages=messages, expected=answer, filler_turns=filler_turns,
                    answer=sentence.format(v=answer))  # fmt: skip
+
+
+def text_example(rng: random.Random, split: Split) -> Example:
+    """A plain-text opener (no chat template): `messages` holds it as one user message's content for the record;
+    training encodes the text itself."""
+    subjects = _TEXT_SUBJECTS_EVAL if split == "eval" else _TEXT_SUBJECTS_TRAIN
+    opener = f"{rng.choice(_TEXT_OPENERS)} {rng.choice(subjects)}"
+    return Example(skill="text", messages=[{"role": "user", "content": opener}])
+
+
+def filler_turns(rng: random.Random, most: int) -> int:
+    """How many filler exchanges a recall example gets: uniform up to 8 half the time, else log-uniform up to `most`
+    (short conversations teach the task, long ones teach holding the fact across many tokens)."""
+    if most <= 8 or rng.random() < 0.5:
+        return rng.randint(0, min(8, most))
+    return min(most, int(round(8 * (most / 8) ** rng.random())))
 
 
 def chat_example(rng: random.Random) -> Example:
@@ -225,8 +290,11 @@ def target_reply(
     return None
 
 
-def examples(split: Split, seed: int, n: int, skills: tuple[str, ...] = ("chat", "tools", "recall"),
-             max_filler_turns: int = 8) -> list[Example]:  # fmt: skip
+SKILLS = ("chat", "tools", "recall", "text")
+
+
+def examples(split: Split, seed: int, n: int, skills: tuple[str, ...] = SKILLS,
+             max_filler_turns: int = 96) -> list[Example]:  # fmt: skip
     """`n` examples of `split`, cycling through `skills`; the same for the same arguments in any process."""
     if split not in ("train", "eval"):
         raise ValueError(f"split must be 'train' or 'eval', got {split!r}")
@@ -237,11 +305,13 @@ def examples(split: Split, seed: int, n: int, skills: tuple[str, ...] = ("chat",
         if skill == "tools":
             out.append(tool_example(rng, split))
         elif skill == "recall":
-            out.append(recall_example(rng, split, rng.randint(0, max_filler_turns)))
+            out.append(recall_example(rng, split, filler_turns(rng, max_filler_turns)))
+        elif skill == "text":
+            out.append(text_example(rng, split))
         elif skill == "chat":
             out.append(chat_example(rng))
         else:
-            raise ValueError(f"unknown skill {skill!r}; expected chat, tools or recall")
+            raise ValueError(f"unknown skill {skill!r}; expected one of {SKILLS}")
     return out
 
 

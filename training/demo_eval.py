@@ -10,6 +10,11 @@
   prefilled into a session (`POST /v1/sessions`), then the question asked on that session: right when the reply
   contains the answer. Reported per N, with the tokens the session's state already held (`cached_tokens`).
 
+With `--teacher PATH` (a Hugging Face model folder or `.gguf`) the same requests are put to the teacher through
+transformers instead of a server, greedy: tools rendered with kvfree's chat template (the prompt the student sees)
+and its reply parsed by the server's own tool-call parser; recall with the teacher's own chat template, and lengths
+past its context window (`max_position_embeddings`) reported as beyond it rather than run.
+
 Prints a JSON report (and writes it with `--out`).
 """
 
@@ -134,6 +139,51 @@ def evaluate_recall(base_url: str, model: str, filler_tokens: list[int], per_len
     return out
 
 
+def evaluate_teacher(path: str, n: int, filler_tokens: list[int], per_length: int, seed: int = 0,
+                     max_tokens: int = 128) -> dict[str, Any]:  # fmt: skip
+    """The teacher's scores on the same held-out tool requests and recall conversations (see the module doc)."""
+    from types import SimpleNamespace
+
+    from kvfree.checkpoints.byte_tokenizer import CHAT_TEMPLATE
+    from kvfree.server.tools import parse_tool_calls
+    from kvfree.training.demo_teacher import Teacher
+
+    teacher = Teacher.load(path)
+    tok = teacher.tokenizer
+    scores = []
+    for ex in examples("eval", seed, n, skills=("tools",)):
+        prompt = tok.apply_chat_template(ex.messages, tools=ex.tools, chat_template=CHAT_TEMPLATE, tokenize=False,
+                                         add_generation_prompt=True)  # fmt: skip
+        (reply,) = teacher.generate([prompt], max_tokens)
+        names = {t["function"]["name"] for t in ex.tools or []}
+        _, calls = parse_tool_calls(reply, "<tool_call>", "</tool_call>", names)
+        wrapped = [SimpleNamespace(function=c.function) for c in calls]
+        scores.append(score_tool_reply("tool_calls" if calls else "stop", wrapped, ex))
+    count = max(1, len(scores))
+    report: dict[str, Any] = {"model": Path(path).name, "tools": {
+        "requests": len(scores), "right": sum(s.right for s in scores) / count,
+        "well_formed": sum(s.formed for s in scores) / count,
+        "right_function": sum(s.right_function for s in scores) / count,
+        "exact_arguments": sum(s.exact_arguments for s in scores) / count}, "recall": {}}  # fmt: skip
+    window = teacher.model.config.max_position_embeddings
+    rng = random.Random(f"kvfree-demo-recall/{seed}")
+    for tokens in filler_tokens:
+        if tokens + max_tokens > window:
+            report["recall"][str(tokens)] = {"right": None, "beyond_context": window}
+            continue
+        right = 0
+        for _ in range(per_length):
+            ex = recall_example(rng, "eval", filler_turns=0)
+            messages = ex.messages[:-1]
+            while len(tok.apply_chat_template([*messages, ex.messages[-1]], tokenize=True)) < tokens:
+                ask, reply = rng.choice(FILLER)
+                messages += [{"role": "user", "content": ask}, {"role": "assistant", "content": reply}]
+            (answer,) = teacher.replies([[*messages, ex.messages[-1]]], 16)
+            right += ex.expected.lower() in answer.lower()
+        report["recall"][str(tokens)] = {"right": right / max(1, per_length), "conversations": per_length}
+    return report
+
+
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--base-url", default="http://127.0.0.1:8000", help="the server, without /v1")
@@ -143,7 +193,11 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--recall-per-length", type=int, default=10)
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--out", type=Path, default=None, help="also write the report here")
+    ap.add_argument("--teacher", default=None, help="score this Hugging Face model / .gguf instead of a server")
     a = ap.parse_args(argv)
+    if a.teacher:
+        report = evaluate_teacher(a.teacher, a.n, a.filler_tokens, a.recall_per_length, a.seed)
+        return _print_report(report, a.out)
     client = openai.OpenAI(base_url=a.base_url + "/v1", api_key="unused", max_retries=0, timeout=600)
     model = a.model or client.models.list().data[0].id
     report = {
@@ -151,11 +205,15 @@ def main(argv: list[str] | None = None) -> int:
         "tools": evaluate_tools(client, model, examples("eval", a.seed, a.n, skills=("tools",))),
         "recall": evaluate_recall(a.base_url, model, a.filler_tokens, a.recall_per_length, a.seed),
     }
+    return _print_report(report, a.out)
+
+
+def _print_report(report: dict[str, Any], out: Path | None) -> int:
     text = json.dumps(report, indent=2)
     print(text)
-    if a.out is not None:
-        a.out.parent.mkdir(parents=True, exist_ok=True)
-        a.out.write_text(text + "\n")
+    if out is not None:
+        out.parent.mkdir(parents=True, exist_ok=True)
+        out.write_text(text + "\n")
     return 0
 
 
