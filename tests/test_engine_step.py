@@ -11,6 +11,7 @@ from kvfree.engine import LLM, SamplingParams
 from kvfree.engine.llm_engine import LLMEngine
 from kvfree.engine.scheduler import Request, RequestOutput, Scheduler
 from kvfree.engine.sessions import SessionManager
+from tests.paths import TINY_CHECKPOINT
 
 SCALAR_READS = {"aten._local_scalar_dense.default", "aten.item.default"}
 
@@ -38,7 +39,7 @@ class OpCounter(TorchDispatchMode):
 
 @pytest.fixture(scope="module")
 def llm() -> LLM:
-    return LLM(max_sessions=64)
+    return LLM(TINY_CHECKPOINT, max_sessions=64)
 
 
 def _engine(llm: LLM, overlap: bool, sessions: SessionManager | None = None) -> LLMEngine:
@@ -228,7 +229,7 @@ def test_a_request_no_slot_can_ever_be_freed_for_is_refused_not_kept_waiting():
     end their sessions can move to host memory to make room: then the sessionless request waits and runs."""
     from kvfree.engine.sessions import PoolExhausted
 
-    llm = LLM(max_sessions=2)
+    llm = LLM(TINY_CHECKPOINT, max_sessions=2)
     sessions = SessionManager(llm.pool, fingerprint="test", max_host_sessions=1)
     engine = _engine(llm, overlap=False, sessions=sessions)
     got: dict[str, list] = {}

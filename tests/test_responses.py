@@ -21,6 +21,7 @@ from kvfree.engine.session_store import DirectoryStore
 from kvfree.server.errors import APIError
 from kvfree.server.protocol import UserMessage
 from kvfree.server.responses import ResponsesRequest, ResponseStore, StoredResponse, response_id, response_object
+from tests.paths import TINY_CHECKPOINT
 from tests.server_fixtures import ThreadServer, assert_openai_error, make_checkpoint, make_tool_checkpoint, serve
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -93,9 +94,9 @@ def test_three_turns_continue_the_stored_state(server):
 
 
 def test_continuing_reuses_the_state_even_when_the_reply_text_does_not_encode_back():
-    """The embedded default (random weights) writes bytes that are not UTF-8: its reply's text does not encode back
+    """A random checkpoint writes bytes that are not UTF-8: its reply's text does not encode back
     to its tokens. A continuation still extends the stored tokens, so the whole history is cached."""
-    srv = serve(ROOT / "checkpoints" / "default", "kvfree-default", max_sessions=4)
+    srv = serve(TINY_CHECKPOINT, "kvfree-default", max_sessions=4)
     try:
         client = srv.openai()
         kw = {"model": "kvfree-default", "instructions": "Be brief.", "max_output_tokens": 12, "temperature": 0}

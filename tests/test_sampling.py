@@ -11,6 +11,7 @@ import torch
 from kvfree.engine import LLM, SamplingParams
 from kvfree.engine.sampling import MAX_TOP_LOGPROBS, SamplingRows, apply_penalties, filter_logits, sample
 from kvfree.engine.sequence import Sequence
+from tests.paths import TINY_CHECKPOINT
 
 # -- helpers -------------------------------------------------------------------------------------------------------
 
@@ -408,7 +409,7 @@ GREEDY_LEN = 30
 
 @pytest.fixture(scope="module")
 def llm() -> LLM:
-    return LLM(device="cpu")
+    return LLM(TINY_CHECKPOINT, device="cpu")
 
 
 @pytest.fixture(scope="module")

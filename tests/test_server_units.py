@@ -64,8 +64,9 @@ from kvfree.server.tools import (
     template_messages,
     template_tools,
 )
+from tests.paths import TINY_CHECKPOINT
 
-CHECKPOINT = Path(__file__).resolve().parents[1] / "checkpoints" / "default"
+CHECKPOINT = TINY_CHECKPOINT
 MSGS = [{"role": "user", "content": "hi"}]
 TOOL_F = {"type": "function", "function": {"name": "get_weather", "parameters": {"type": "object"}}}
 TOOL_G = {"type": "function", "function": {"name": "get_time"}}
@@ -881,8 +882,11 @@ THINK = ReasoningFormat("<think>", "</think>")
         ("<think>cut off by max_tokens", "cut off by max_tokens", ""),
         ("<think></think>\n\nx", "", "x"),
         ("no thinking here", None, "no thinking here"),
-        ("an answer that mentions </think> but never opened it", None,
-         "an answer that mentions </think> but never opened it"),
+        (
+            "an answer that mentions </think> but never opened it",
+            None,
+            "an answer that mentions </think> but never opened it",
+        ),
         ("<thin is not the tag", None, "<thin is not the tag"),
         ("", None, ""),
     ],
