@@ -56,6 +56,7 @@ def cmd_generate(args: argparse.Namespace) -> int:
         temperature=args.temperature,
         top_p=args.top_p,
         top_k=args.top_k,
+        repetition_penalty=args.repetition_penalty,
         seed=args.seed,
         stop=args.stop or [],
     )
@@ -185,6 +186,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--temperature", type=float, default=0.8, help="0 for greedy")
     p.add_argument("--top-p", type=float, default=0.95)
     p.add_argument("--top-k", type=int, default=0, help="0 disables")
+    p.add_argument("--repetition-penalty", type=float, default=1.0, help="> 1 discourages repeating tokens; 1 is off")
     p.add_argument("--seed", type=int, default=None)
     p.add_argument("--stop", action="append", help="a stop string (repeatable)")
     p.add_argument("--chat", action="store_true", help="wrap the prompt in the checkpoint's chat template")

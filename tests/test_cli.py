@@ -12,11 +12,12 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-from kvfree.checkpoints import CONFIG_FILE, TOKENIZER_CONFIG_FILE, TOKENIZER_FILE, WEIGHTS_FILE
+from kvfree.checkpoints import CONFIG_FILE, TOKENIZER_CONFIG_FILE, TOKENIZER_FILE, WEIGHTS_FILE, default_checkpoint_path
 from kvfree.cli import main
 from kvfree.engine import LLM, SamplingParams
 from kvfree.engine.loader import load_model
 from kvfree.engine.presets import init_checkpoint, preset_config
+from kvfree.engine.tokenizer import Tokenizer
 
 REPO = Path(__file__).resolve().parents[1]
 
@@ -33,7 +34,17 @@ def test_generate_in_process(capsys, default_greedy):
     assert out.startswith("Hello")
     assert out == "Hello" + default_greedy + "\n"
     assert "tokens/s" in err
-    assert "prompt 5 tokens" in err and "device=cpu" in err
+    prompt_tokens = len(Tokenizer(default_checkpoint_path()).encode("Hello"))
+    assert f"prompt {prompt_tokens} tokens" in err and "device=cpu" in err
+
+
+def test_generate_repetition_penalty(capsys, tmp_path):
+    ckpt = init_checkpoint("tiny", tmp_path / "tiny", seed=1)
+    argv = ["generate", "abc", "-m", str(ckpt), "--max-tokens", "12", "--temperature", "0"]
+    assert main([*argv, "--repetition-penalty", "1.5"]) == 0
+    out = capsys.readouterr().out
+    params = SamplingParams(temperature=0, repetition_penalty=1.5, max_tokens=12)
+    assert out == "abc" + LLM(ckpt, device="cpu").generate("abc", params)[0].text + "\n"
 
 
 def test_generate_stop_string_in_process(capsys, default_greedy):

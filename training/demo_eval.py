@@ -175,9 +175,14 @@ def evaluate_teacher(path: str, n: int, filler_tokens: list[int], per_length: in
         for _ in range(per_length):
             ex = recall_example(rng, "eval", filler_turns=0)
             messages = ex.messages[:-1]
-            while len(tok.apply_chat_template([*messages, ex.messages[-1]], tokenize=True)) < tokens:
-                ask, reply = rng.choice(FILLER)
-                messages += [{"role": "user", "content": ask}, {"role": "assistant", "content": reply}]
+            def length(history: list[dict[str, Any]]) -> int:
+                text = tok.apply_chat_template(history, tokenize=False)
+                return len(tok(text, add_special_tokens=False)["input_ids"])
+
+            while length([*messages, ex.messages[-1]]) < tokens:
+                for _ in range(8):  # eight exchanges between counts: the count re-reads the whole conversation
+                    ask, reply = rng.choice(FILLER)
+                    messages += [{"role": "user", "content": ask}, {"role": "assistant", "content": reply}]
             (answer,) = teacher.replies([[*messages, ex.messages[-1]]], 16)
             right += ex.expected.lower() in answer.lower()
         report["recall"][str(tokens)] = {"right": right / max(1, per_length), "conversations": per_length}
