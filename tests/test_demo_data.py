@@ -174,3 +174,18 @@ def test_teacher_writes_the_training_data(tmp_path):
             assert row["source"] == "teacher" and isinstance(row["reply"], str)
         else:
             assert row["source"] == "known" and row["reply"] == target_reply(ex)
+
+
+def test_teacher_replies_are_read_for_calls_in_the_exact_format():
+    """`tool_calls_in` (scoring the teacher outside the server) takes each tagged JSON call with a string name and
+    object arguments, and nothing else; a right call then scores as the server's parse of it would."""
+    from kvfree.training.demo_eval import tool_calls_in
+
+    paris = {"name": "get_weather", "arguments": {"city": "Paris"}}
+    ex = Example("tools", [], [WEATHER_TOOL], paris, 0, WEATHER_PARAMS)
+    text = 'Sure. <tool_call>{"name": "get_weather", "arguments": {"city": "Paris"}}</tool_call>'
+    calls = tool_calls_in(text)
+    assert len(calls) == 1 and score_tool_reply("tool_calls", calls, ex).exact_arguments
+    for bad in ("<tool_call>not json</tool_call>", '<tool_call>{"name": 3, "arguments": {}}</tool_call>',
+                '<tool_call>{"name": "f", "arguments": "x"}</tool_call>', '{"name": "f", "arguments": {}}'):  # fmt: skip
+        assert tool_calls_in(bad) == []

@@ -12,7 +12,7 @@
 
 With `--teacher PATH` (a Hugging Face model folder or `.gguf`) the same requests are put to the teacher through
 transformers instead of a server, greedy: tools rendered with kvfree's chat template (the prompt the student sees)
-and its reply parsed by the server's own tool-call parser; recall with the teacher's own chat template, and lengths
+and its reply parsed by `tool_calls_in` (the format exactly); recall with the teacher's own chat template, and lengths
 past its context window (`max_position_embeddings`) reported as beyond it rather than run.
 
 Prints a JSON report (and writes it with `--out`).
@@ -23,6 +23,7 @@ from __future__ import annotations
 import argparse
 import json
 import random
+import re
 import sys
 from dataclasses import dataclass
 from pathlib import Path
@@ -139,13 +140,32 @@ def evaluate_recall(base_url: str, model: str, filler_tokens: list[int], per_len
     return out
 
 
+_CALL = re.compile(r"<tool_call>(.*?)</tool_call>", re.DOTALL)
+
+
+def tool_calls_in(text: str) -> list[Any]:
+    """The calls in a reply outside the server, shaped as the SDK returns them (`.function.name`, `.function.arguments`
+    as a JSON string): each `<tool_call>{"name": ..., "arguments": {...}}</tool_call>` whose JSON has a string name and
+    an object of arguments. Stricter than the server's parser (`server/tools.py`, which `training` must not import):
+    anything else in the tags is not a call."""
+    from types import SimpleNamespace
+
+    calls = []
+    for body in _CALL.findall(text):
+        try:
+            call = json.loads(body)
+        except ValueError:
+            continue
+        if isinstance(call, dict) and isinstance(call.get("name"), str) and isinstance(call.get("arguments"), dict):
+            function = SimpleNamespace(name=call["name"], arguments=json.dumps(call["arguments"]))
+            calls.append(SimpleNamespace(function=function))
+    return calls
+
+
 def evaluate_teacher(path: str, n: int, filler_tokens: list[int], per_length: int, seed: int = 0,
                      max_tokens: int = 128) -> dict[str, Any]:  # fmt: skip
     """The teacher's scores on the same held-out tool requests and recall conversations (see the module doc)."""
-    from types import SimpleNamespace
-
     from kvfree.checkpoints.byte_tokenizer import CHAT_TEMPLATE
-    from kvfree.server.tools import parse_tool_calls
     from kvfree.training.demo_teacher import Teacher
 
     teacher = Teacher.load(path)
@@ -155,10 +175,8 @@ def evaluate_teacher(path: str, n: int, filler_tokens: list[int], per_length: in
         prompt = tok.apply_chat_template(ex.messages, tools=ex.tools, chat_template=CHAT_TEMPLATE, tokenize=False,
                                          add_generation_prompt=True)  # fmt: skip
         (reply,) = teacher.generate([prompt], max_tokens)
-        names = {t["function"]["name"] for t in ex.tools or []}
-        _, calls = parse_tool_calls(reply, "<tool_call>", "</tool_call>", names)
-        wrapped = [SimpleNamespace(function=c.function) for c in calls]
-        scores.append(score_tool_reply("tool_calls" if calls else "stop", wrapped, ex))
+        calls = tool_calls_in(reply)
+        scores.append(score_tool_reply("tool_calls" if calls else "stop", calls, ex))
     count = max(1, len(scores))
     report: dict[str, Any] = {"model": Path(path).name, "tools": {
         "requests": len(scores), "right": sum(s.right for s in scores) / count,
