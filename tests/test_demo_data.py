@@ -186,6 +186,6 @@ def test_teacher_replies_are_read_for_calls_in_the_exact_format():
     text = 'Sure. <tool_call>{"name": "get_weather", "arguments": {"city": "Paris"}}</tool_call>'
     calls = tool_calls_in(text)
     assert len(calls) == 1 and score_tool_reply("tool_calls", calls, ex).exact_arguments
-    for bad in ("<tool_call>not json</tool_call>", '<tool_call>{"name": 3, "arguments": {}}</tool_call>',
-                '<tool_call>{"name": "f", "arguments": "x"}</tool_call>', '{"name": "f", "arguments": {}}'):  # fmt: skip
-        assert tool_calls_in(bad) == []
+    bad = ["<tool_call>not json</tool_call>", '<tool_call>{"name": 3, "arguments": {}}</tool_call>',
+           '<tool_call>{"name": "f", "arguments": "x"}</tool_call>', '{"name": "f", "arguments": {}}']  # fmt: skip
+    assert all(tool_calls_in(text) == [] for text in bad)
