@@ -1,13 +1,14 @@
 """`python -m kvfree.training.demo`: distil the `kvfree-demo` student from a teacher, resumable across device calls.
 
     python -m kvfree.training.demo --teacher smol/SmolLM2-135M-Instruct.Q4_1.gguf --out runs/demo \\
-        [--family echo|mamba2] [--n-train 20000] [--steps 20000] [--time-limit 480] [--device cuda]
+        [--family echo|mamba2] [--n-train 32000] [--steps 6000 | --time-budget 540] [--time-limit 600]
 
-Run the same command again to continue: each stage writes its result under `--out` and is skipped when it is there,
-and training resumes from its last saved state.
+`training/demo_all.sh` runs it for the Echo student and its Mamba-2 twin side by side on one GPU (how the shipped
+`checkpoints/default/` was made: BENCHMARKS.md, "kvfree-demo"). Run the same command again to continue: each stage
+writes its result under `--out` and is skipped when it is there, and training resumes from its last saved state.
 
 1. **Data** (`OUT/data/{train,eval}.jsonl`): `demo_data.examples` labelled by `demo_teacher.labelled` (the teacher's
-   chat replies, sampled; the known right tool-use and recall replies).
+   chat replies and text continuations, sampled; the known right tool-use and recall replies).
 2. **Tokenizer** (`OUT/tokenizer/`): the teacher's own `tokenizer.json` (written by `tokenizers`, so the student and
    the teacher share token ids and the KL term compares the same vocabulary) with kvfree's ChatML template, which
    lists tools in the system turn and writes calls as `<tool_call>{json}</tool_call>` (plain text tags: the server
@@ -416,7 +417,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--family", choices=FAMILIES, default="echo")
     ap.add_argument("--hidden", type=int, default=256)
     ap.add_argument("--layers", type=int, default=8)
-    ap.add_argument("--n-train", type=int, default=24000)
+    ap.add_argument("--n-train", type=int, default=32000)
     ap.add_argument("--n-eval", type=int, default=200)
     ap.add_argument("--teacher-batch", type=int, default=512)
     ap.add_argument("--max-new-tokens", type=int, default=128)
