@@ -183,9 +183,11 @@ def refuse_missing(missing: list[str], src: Path) -> None:
         raise CheckpointError(f"{src}: missing HF tensor {missing[0]!r}" + (more if len(missing) > 1 else ""))
 
 
-def refuse_unexpected(hf_tensors: dict[str, torch.Tensor], used: set[str], ignorable: set[str], src: Path,
+def refuse_unexpected(hf_tensors: dict[str, torch.Tensor], used: set[str], tied: bool, src: Path,
                       hint: str) -> None:  # fmt: skip
-    """Raise naming the first HF tensor that the converted model would not use (`hint` says which keys to check)."""
+    """Raise naming the first HF tensor that the converted model would not use (`hint` says which keys to check).
+    With tied embeddings an `lm_head.weight` is allowed: it is a copy of the embedding."""
+    ignorable = {"lm_head.weight"} if tied else set()
     unexpected = sorted(k for k in hf_tensors if k not in used and k not in ignorable)
     if unexpected:
         raise CheckpointError(

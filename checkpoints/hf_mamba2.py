@@ -202,8 +202,7 @@ def convert_tensors(hf_tensors: dict[str, torch.Tensor], config: dict[str, Any],
         out[f"layers.{i}.mixer.conv.weight"] = checked(t, hf_name, (conv_dim, K), src)
         used.add(hf_name)
     refuse_missing(missing, src)
-    ignorable = {"lm_head.weight"} if config["tie_word_embeddings"] else set()  # tied: a copy of the embedding
-    hf_common.refuse_unexpected(hf_tensors, used, ignorable, src,
+    hf_common.refuse_unexpected(hf_tensors, used, config["tie_word_embeddings"], src,
                                 "check num_hidden_layers, use_bias and use_conv_bias in config.json")  # fmt: skip
     return out
 

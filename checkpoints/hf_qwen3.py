@@ -145,8 +145,7 @@ def convert_tensors(hf_tensors: dict[str, torch.Tensor], config: dict[str, Any],
             plan[f"{ours}mlp.{name}.weight"] = ((f"{hf}mlp.{name}.weight",), shapes[name])
     out, used, missing = apply_plan(plan, hf_tensors, src)
     refuse_missing(missing, src)
-    ignorable = {"lm_head.weight"} if config["tie_word_embeddings"] else set()  # tied: a copy of the embedding
-    hf_common.refuse_unexpected(hf_tensors, used, ignorable, src,
+    hf_common.refuse_unexpected(hf_tensors, used, config["tie_word_embeddings"], src,
                                 "check num_hidden_layers and attention_bias in config.json")  # fmt: skip
     return out
 

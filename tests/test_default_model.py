@@ -41,8 +41,9 @@ def test_tokenizer_round_trips_and_template_renders_tools():
     ex = examples("eval", 0, 1, skills=("tools",))[0]
     prompt = tok.apply_chat_template(ex.messages, tools=ex.tools, add_generation_prompt=True)
     assert prompt.startswith("<|im_start|>system\nYou can call these tools.")
-    for tool in ex.tools:
-        assert json.dumps(tool["function"]) in prompt or tool["function"]["name"] in prompt
+    for tool in ex.tools:  # each tool's schema, as JSON, in the system turn
+        assert f'"name": "{tool["function"]["name"]}"' in prompt
+        assert all(f'"{p}"' in prompt for p in tool["function"]["parameters"]["properties"])
     assert prompt.endswith(f"{ex.messages[-1]['content']}<|im_end|>\n<|im_start|>assistant\n")
 
 

@@ -81,6 +81,11 @@ def evaluate_tools(client: openai.OpenAI, model: str, cases: list[Example], max_
         )
         choice = r.choices[0]
         scores.append(score_tool_reply(choice.finish_reason, choice.message.tool_calls, ex))
+    return summarise(scores)
+
+
+def summarise(scores: list[ToolScore]) -> dict[str, Any]:
+    """The shares of replies that are right, well-formed, call the right function, and have the exact arguments."""
     n = max(1, len(scores))
     return {
         "requests": len(scores),
@@ -177,12 +182,7 @@ def evaluate_teacher(path: str, n: int, filler_tokens: list[int], per_length: in
         (reply,) = teacher.generate([prompt], max_tokens)
         calls = tool_calls_in(reply)
         scores.append(score_tool_reply("tool_calls" if calls else "stop", calls, ex))
-    count = max(1, len(scores))
-    report: dict[str, Any] = {"model": Path(path).name, "tools": {
-        "requests": len(scores), "right": sum(s.right for s in scores) / count,
-        "well_formed": sum(s.formed for s in scores) / count,
-        "right_function": sum(s.right_function for s in scores) / count,
-        "exact_arguments": sum(s.exact_arguments for s in scores) / count}, "recall": {}}  # fmt: skip
+    report: dict[str, Any] = {"model": Path(path).name, "tools": summarise(scores), "recall": {}}
     window = teacher.model.config.max_position_embeddings
     rng = random.Random(f"kvfree-demo-recall/{seed}")
     for tokens in filler_tokens:
