@@ -79,16 +79,13 @@ def _layer_kinds(hf: dict[str, Any], n: int, where: Path) -> list[str]:
     return [kinds[t] for t in types]
 
 
-def convert_config(hf: dict[str, Any], src: Path) -> dict[str, Any]:
-    """Translate an HF `Qwen3Config` dict into our `ModelConfig` dict (engine/config.py's schema)."""
-    where = src / CONFIG_FILE
-    if hf.get("model_type") != "qwen3":
-        raise CheckpointError(f"{where}: model_type is {hf.get('model_type')!r}, expected 'qwen3' (Qwen3ForCausalLM)")
+def base_config(hf: dict[str, Any], where: Path) -> tuple[dict[str, Any], dict[str, Any]]:
+    """The parts of our config that every Qwen3-based model shares, from an HF config dict: (the model-wide config
+    without `layers`, the attention sub-config). Also used by hybrid-model-factory's Qwen3 hybrids (hf_hmf)."""
     if hf.get("hidden_act", "silu") != "silu":
         raise CheckpointError(f"{where}: hidden_act is {hf['hidden_act']!r}; only 'silu' is supported")
     vocab = _positive_int(hf, "vocab_size", where)
     hidden = _positive_int(hf, "hidden_size", where)
-    layers = _positive_int(hf, "num_hidden_layers", where)
     heads = _positive_int(hf, "num_attention_heads", where)
     kv_heads = _positive_int(hf, "num_key_value_heads", where)
     head_dim = _positive_int({"head_dim": hf.get("head_dim") or hidden // heads}, "head_dim", where)
@@ -98,51 +95,76 @@ def convert_config(hf: dict[str, Any], src: Path) -> dict[str, Any]:
     attention = {"num_heads": heads, "num_kv_heads": kv_heads, "head_dim": head_dim,
                  "rope_theta": _rope_theta(hf, where), "use_bias": _flag(hf, "attention_bias", where),
                  "qk_norm": True, "qk_norm_eps": eps}  # fmt: skip
-    kinds = _layer_kinds(hf, layers, where)
     config: dict[str, Any] = {
         "vocab_size": vocab,
         "hidden_size": hidden,
-        "layers": kinds,
         "norm_eps": eps,
         "tie_word_embeddings": _flag(hf, "tie_word_embeddings", where),
         "mlp": {"intermediate_size": _positive_int(hf, "intermediate_size", where)},
     }
-    if "attention" in kinds:
-        config["attention"] = attention
-    if "swa" in kinds:
-        config["swa"] = attention | {"window": _positive_int(hf, "sliding_window", where)}
     for key in ("bos_token_id", "eos_token_id", "pad_token_id"):
         tid = token_id(hf.get(key), vocab)
         if tid is not None:
             config[key] = tid
+    return config, attention
+
+
+def convert_config(hf: dict[str, Any], src: Path) -> dict[str, Any]:
+    """Translate an HF `Qwen3Config` dict into our `ModelConfig` dict (engine/config.py's schema)."""
+    where = src / CONFIG_FILE
+    if hf.get("model_type") != "qwen3":
+        raise CheckpointError(f"{where}: model_type is {hf.get('model_type')!r}, expected 'qwen3' (Qwen3ForCausalLM)")
+    config, attention = base_config(hf, where)
+    kinds = _layer_kinds(hf, _positive_int(hf, "num_hidden_layers", where), where)
+    config["layers"] = kinds
+    if "attention" in kinds:
+        config["attention"] = attention
+    if "swa" in kinds:
+        config["swa"] = attention | {"window": _positive_int(hf, "sliding_window", where)}
     config["notes"] = {"converted_from": SOURCE_NAME, "source": str(src)}
     return config
 
 
-def convert_tensors(hf_tensors: dict[str, torch.Tensor], config: dict[str, Any], src: Path) -> dict[str, torch.Tensor]:
-    """Rename HF tensors to our HybridLM state-dict names, checking that each is there and fits."""
+def model_plan(config: dict[str, Any]) -> Plan:
+    """The tensors outside the blocks: embedding, final norm and (untied) LM head."""
     D, V = config["hidden_size"], config["vocab_size"]
-    a = config.get("attention") or config["swa"]
-    Hq, Hkv, hd = a["num_heads"], a["num_kv_heads"], a["head_dim"]
-    inter = config["mlp"]["intermediate_size"]
     plan: Plan = {"embed.weight": (("model.embed_tokens.weight",), (V, D)),
                   "norm.weight": (("model.norm.weight",), (D,))}  # fmt: skip
     if not config["tie_word_embeddings"]:
         plan["lm_head.weight"] = (("lm_head.weight",), (V, D))
-    shapes = {"q_proj": (Hq * hd, D), "k_proj": (Hkv * hd, D), "v_proj": (Hkv * hd, D), "o_proj": (D, Hq * hd),
-              "gate_proj": (inter, D), "up_proj": (inter, D), "down_proj": (D, inter)}  # fmt: skip
-    for i in range(len(config["layers"])):
-        hf, ours = f"model.layers.{i}.", f"layers.{i}."
-        plan[ours + "norm.weight"] = ((hf + "input_layernorm.weight",), (D,))
-        plan[ours + "mlp_norm.weight"] = ((hf + "post_attention_layernorm.weight",), (D,))
-        for name in _ATTN:
-            plan[f"{ours}mixer.{name}.weight"] = ((f"{hf}self_attn.{name}.weight",), shapes[name])
-            if a["use_bias"]:
-                plan[f"{ours}mixer.{name}.bias"] = ((f"{hf}self_attn.{name}.bias",), shapes[name][:1])
-        for name in ("q_norm", "k_norm"):
-            plan[f"{ours}mixer.{name}.weight"] = ((f"{hf}self_attn.{name}.weight",), (hd,))
-        for name in _MLP:
-            plan[f"{ours}mlp.{name}.weight"] = ((f"{hf}mlp.{name}.weight",), shapes[name])
+    return plan
+
+
+def block_plan(plan: Plan, config: dict[str, Any], i: int) -> None:
+    """Add block i's two norms and SwiGLU MLP to `plan`."""
+    D, inter = config["hidden_size"], config["mlp"]["intermediate_size"]
+    hf, ours = f"model.layers.{i}.", f"layers.{i}."
+    plan[ours + "norm.weight"] = ((hf + "input_layernorm.weight",), (D,))
+    plan[ours + "mlp_norm.weight"] = ((hf + "post_attention_layernorm.weight",), (D,))
+    shapes = {"gate_proj": (inter, D), "up_proj": (inter, D), "down_proj": (D, inter)}
+    for name in _MLP:
+        plan[f"{ours}mlp.{name}.weight"] = ((f"{hf}mlp.{name}.weight",), shapes[name])
+
+
+def attention_plan(plan: Plan, config: dict[str, Any], a: dict[str, Any], i: int, hf_module: str) -> None:
+    """Add block i's attention (sub-config `a`, HF module `model.layers.{i}.{hf_module}`) to `plan`."""
+    D, Hq, Hkv, hd = config["hidden_size"], a["num_heads"], a["num_kv_heads"], a["head_dim"]
+    shapes = {"q_proj": (Hq * hd, D), "k_proj": (Hkv * hd, D), "v_proj": (Hkv * hd, D), "o_proj": (D, Hq * hd)}
+    hf, ours = f"model.layers.{i}.{hf_module}.", f"layers.{i}.mixer."
+    for name in _ATTN:
+        plan[f"{ours}{name}.weight"] = ((f"{hf}{name}.weight",), shapes[name])
+        if a["use_bias"]:
+            plan[f"{ours}{name}.bias"] = ((f"{hf}{name}.bias",), shapes[name][:1])
+    for name in ("q_norm", "k_norm"):
+        plan[f"{ours}{name}.weight"] = ((f"{hf}{name}.weight",), (hd,))
+
+
+def convert_tensors(hf_tensors: dict[str, torch.Tensor], config: dict[str, Any], src: Path) -> dict[str, torch.Tensor]:
+    """Rename HF tensors to our HybridLM state-dict names, checking that each is there and fits."""
+    plan = model_plan(config)
+    for i, kind in enumerate(config["layers"]):
+        block_plan(plan, config, i)
+        attention_plan(plan, config, config[kind], i, "self_attn")
     out, used, missing = apply_plan(plan, hf_tensors, src)
     refuse_missing(missing, src)
     hf_common.refuse_unexpected(hf_tensors, used, config["tie_word_embeddings"], src,

@@ -87,10 +87,11 @@ def cmd_init_checkpoint(args: argparse.Namespace) -> int:
 
 
 def cmd_convert(args: argparse.Namespace) -> int:
+    from kvfree.checkpoints.hf_hmf import convert_hmf
     from kvfree.checkpoints.hf_mamba2 import convert_hf_mamba2
     from kvfree.checkpoints.hf_qwen3 import convert_hf_qwen3
 
-    converter = {"hf-mamba2": convert_hf_mamba2, "hf-qwen3": convert_hf_qwen3}[args.from_format]
+    converter = {"hf-mamba2": convert_hf_mamba2, "hf-qwen3": convert_hf_qwen3, "hmf": convert_hmf}[args.from_format]
     path = converter(args.src, args.dst, tokenizer_from=args.tokenizer)
     print(f"converted {args.src} ({args.from_format}) to {path}")
     return 0
@@ -296,8 +297,9 @@ def build_parser() -> argparse.ArgumentParser:
         "--from",
         dest="from_format",
         required=True,
-        choices=["hf-mamba2", "hf-qwen3"],
-        help="source format: hf-mamba2 / hf-qwen3 = a Hugging Face Mamba2ForCausalLM / Qwen3ForCausalLM directory",
+        choices=["hf-mamba2", "hf-qwen3", "hmf"],
+        help="source format: hf-mamba2 / hf-qwen3 = a Hugging Face Mamba2ForCausalLM / Qwen3ForCausalLM directory; "
+        "hmf = a hybrid-model-factory hybrid_qwen3 directory (Qwen3 with GKA or SWA layers)",
     )
     p.add_argument("src", type=Path)
     p.add_argument("dst", type=Path)

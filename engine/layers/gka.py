@@ -1,5 +1,9 @@
 """The Gated KalmaNet mixer (docs/design/gka.md §3): gated linear attention whose query is first replaced by a
-ridge-regression solution `(H_t + a ||H_t||_F I)^-1 q_t`, computed by a fixed number of Chebyshev steps."""
+ridge-regression solution `(H_t + a ||H_t||_F I)^-1 q_t`, computed by a fixed number of Chebyshev steps.
+
+The layer is hybrid-model-factory's (hmf) form (docs/design/hmf.md): query, key and value projections may have fewer
+heads than the state, expanded by repetition (grouped-query style) or by a low-rank projection added to it.
+"""
 
 from __future__ import annotations
 
@@ -7,7 +11,7 @@ import math
 
 import torch
 import torch.nn.functional as F
-from pydantic import Field
+from pydantic import Field, model_validator
 from torch import nn
 
 from kvfree.engine.layers.base import Mixer, StateSpec
@@ -22,14 +26,24 @@ _BETA_EPS = 1e-6  # k, v <- (beta + 1e-6) k, v (docs/design/gka.md §3 step 5)
 
 
 class GKAConfig(StrictConfig):
-    """Gated KalmaNet (docs/design/gka.md). Query, key and value heads are equal (no GQA head expansion).
+    """Gated KalmaNet (docs/design/gka.md). Field names follow hybrid-model-factory's `gka_config.py` where one
+    exists, to ease conversion.
 
-    Field names follow hybrid-model-factory's `gka_config.py` where one exists, to ease conversion.
+    Heads: the state, the gates and the output have `num_heads` (He) heads; the q, k and v projections may have
+    fewer (`num_q_heads` etc., each dividing He), expanded to He by repeating each head He/Hx times in place (head
+    e reads head e // (He/Hx), as hmf's and grouped-query attention's repeat). With `kv_proj_rank`, k and v are
+    instead expanded by a low-rank projection (SiLU between its two halves) added to that repeat, or to a learned
+    He x Hx mixing of the heads under `kv_learnable_residual`.
     """
 
-    num_heads: PositiveInt  # He: heads of q, k, v, the gates and the state
+    num_heads: PositiveInt  # He: heads of the state, the gates and the output
     head_dim: PositiveInt  # D: query/key width per head (H is D x D per head)
     value_head_dim: PositiveInt | None = None  # Dv: value width per head; None means head_dim
+    num_q_heads: PositiveInt | None = None  # Hq: query projection heads; None means He
+    num_k_heads: PositiveInt | None = None  # Hk: key projection heads; None means He
+    num_v_heads: PositiveInt | None = None  # Hv: value projection heads; None means He
+    kv_proj_rank: PositiveInt | None = None  # rank of the low-rank k/v head expansion; None: plain repeat
+    kv_learnable_residual: bool = False  # the expansion's residual is a learned head mixing, not a repeat
     conv_kernel: PositiveInt = 4  # K: short-conv taps on q, k (and v)
     chunk_size: PositiveInt = 64  # C: tokens per chunk of the parallel prefill
     # r: Chebyshev iterations. A serving knob (`--set gka.num_iter=10`), but it changes the function the model
@@ -42,19 +56,59 @@ class GKAConfig(StrictConfig):
     use_alpha_connection: bool = True  # q' = q + alpha (x - q); False means alpha = 1 (pure ridge solution)
     use_gate: bool = True  # output gate: RMSNorm(o) * w * SiLU(W_g x); False: RMSNorm(o) * w
     gla_rescale: bool = True  # output scale D^-1/2
+    use_forgetting_gate: bool = True  # False: nothing decays (g = 0)
+    # False means the ridge regression is skipped (hmf's num_iter = 0): q' = q. Run as alpha = 0 (q' = q + 0 (x - q)).
+    use_solver: bool = True
 
     @property
     def v_head_dim(self) -> int:
         return self.head_dim if self.value_head_dim is None else self.value_head_dim
 
+    @property
+    def q_heads(self) -> int:
+        return self.num_q_heads or self.num_heads
+
+    @property
+    def k_heads(self) -> int:
+        return self.num_k_heads or self.num_heads
+
+    @property
+    def v_heads(self) -> int:
+        return self.num_v_heads or self.num_heads
+
+    @model_validator(mode="after")
+    def _check_heads(self) -> GKAConfig:
+        for name, n in (("num_q_heads", self.q_heads), ("num_k_heads", self.k_heads), ("num_v_heads", self.v_heads)):
+            if self.num_heads % n:
+                raise ValueError(f"{name}: {n} must divide num_heads ({self.num_heads})")
+        if max(self.q_heads, self.k_heads, self.v_heads) != self.num_heads:
+            raise ValueError(f"num_heads: {self.num_heads} must be the largest of the q, k and v head counts")
+        if self.kv_learnable_residual and self.kv_proj_rank is None:
+            raise ValueError(
+                "kv_learnable_residual: needs kv_proj_rank (the residual belongs to the low-rank expansion)"
+            )
+        return self
+
+
+class LowRankLinear(nn.Module):
+    """y = linearB(SiLU(linearA(x))): a rank-r projection (hmf's `LinearLowRank` with its SiLU)."""
+
+    def __init__(self, in_features: int, out_features: int, rank: int) -> None:
+        super().__init__()
+        self.linearA = nn.Linear(in_features, rank, bias=False)
+        self.linearB = nn.Linear(rank, out_features, bias=False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.linearB(F.silu(self.linearA(x)))
+
 
 class GKAMixer(Mixer):
-    """q, k, v projections -> one short causal conv over q|k|v (+ SiLU) -> per-head L2 norm of q, k -> write gate
-    beta on k and v -> forget gate (Mamba-2 style), alpha gate -> GKA state math (kernels.gka) -> per-head RMSNorm
-    (one weight shared by all heads) times SiLU(output gate) -> out projection.
+    """q, k, v projections -> one short causal conv over q|k|v (+ SiLU) -> heads expanded to He -> per-head L2 norm
+    of q, k -> write gate beta on k and v -> forget gate (Mamba-2 style), alpha gate -> GKA state math (kernels.gka)
+    -> per-head RMSNorm (one weight shared by all heads) times SiLU(output gate) -> out projection.
 
-    Heads: He query = key = value heads (no GQA). Session state: `conv` `[K-1, 2 He D + He Dv]` (activation
-    dtype; `2 He D` without the v conv), `h` `[He, D, D]` and `s` `[He, D, Dv]` (fp32; docs/design/gka.md §5.1).
+    Session state: `conv` `[K-1, Hq D + Hk D + Hv Dv]` (activation dtype; without the v conv, no v part), `h`
+    `[He, D, D]` and `s` `[He, D, Dv]` (fp32; docs/design/gka.md §5.1).
     """
 
     kind = "gka"
@@ -64,11 +118,20 @@ class GKAMixer(Mixer):
         super().__init__()
         self.cfg = cfg
         He, D, Dv = cfg.num_heads, cfg.head_dim, cfg.v_head_dim
-        self.q_proj = nn.Linear(hidden_size, He * D, bias=False)
-        self.k_proj = nn.Linear(hidden_size, He * D, bias=False)
-        self.v_proj = nn.Linear(hidden_size, He * Dv, bias=False)
-        self.conv_dim = 2 * He * D + (He * Dv if cfg.use_v_conv else 0)
+        self.q_proj = nn.Linear(hidden_size, cfg.q_heads * D, bias=False)
+        self.k_proj = nn.Linear(hidden_size, cfg.k_heads * D, bias=False)
+        self.v_proj = nn.Linear(hidden_size, cfg.v_heads * Dv, bias=False)
+        self.qk_split = [cfg.q_heads * D, cfg.k_heads * D]
+        self.conv_dim = sum(self.qk_split) + (cfg.v_heads * Dv if cfg.use_v_conv else 0)
         self.conv = ShortConv(self.conv_dim, cfg.conv_kernel, bias=False)
+        self.proj_k = self.proj_v = None
+        self.k_rep = self.v_rep = None
+        if cfg.kv_proj_rank is not None:
+            self.proj_k = LowRankLinear(cfg.k_heads * D, He * D, cfg.kv_proj_rank)
+            self.proj_v = LowRankLinear(cfg.v_heads * Dv, He * Dv, cfg.kv_proj_rank)
+            if cfg.kv_learnable_residual:
+                self.k_rep = nn.Parameter(_repeat_matrix(He, cfg.k_heads))
+                self.v_rep = nn.Parameter(_repeat_matrix(He, cfg.v_heads))
         self.a_proj = nn.Linear(hidden_size, He, bias=False)  # forget-gate input
         self.A_log = nn.Parameter(torch.empty(He))
         self.dt_bias = nn.Parameter(torch.empty(He))
@@ -105,11 +168,28 @@ class GKAMixer(Mixer):
     # -- shared pieces of the training and serving paths -------------------------------------------------------
     def _project(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor | None]:
         """x `[..., d]` -> the short conv's input `[..., conv_dim]` (q|k|v, or q|k without the v conv) and, without
-        the v conv, the raw v projection `[..., He Dv]` (else None)."""
+        the v conv, the raw v projection `[..., Hv Dv]` (else None)."""
         q, k, v = self.q_proj(x), self.k_proj(x), self.v_proj(x)
         if self.cfg.use_v_conv:
             return torch.cat([q, k, v], dim=-1), None
         return torch.cat([q, k], dim=-1), v
+
+    def _expand(
+        self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor
+    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """q `[..., Hq D]`, k `[..., Hk D]`, v `[..., Hv Dv]` -> q, k `[..., He, D]`, v `[..., He, Dv]`."""
+        c = self.cfg
+        He, D, Dv = c.num_heads, c.head_dim, c.v_head_dim
+        q = _repeat_heads(q.unflatten(-1, (c.q_heads, D)), He)
+        k_heads, v_heads = k.unflatten(-1, (c.k_heads, D)), v.unflatten(-1, (c.v_heads, Dv))
+        if self.k_rep is not None:  # a learned mixing of the heads
+            k_res = torch.einsum("eh,...hd->...ed", self.k_rep.to(k.dtype), k_heads)
+            v_res = torch.einsum("eh,...hd->...ed", self.v_rep.to(v.dtype), v_heads)
+        else:
+            k_res, v_res = _repeat_heads(k_heads, He), _repeat_heads(v_heads, He)
+        if self.proj_k is None:
+            return q, k_res, v_res
+        return q, self.proj_k(k).unflatten(-1, (He, D)) + k_res, self.proj_v(v).unflatten(-1, (He, Dv)) + v_res
 
     def _op_inputs(
         self, conv_out: torch.Tensor, v: torch.Tensor | None, x: torch.Tensor
@@ -118,28 +198,33 @@ class GKAMixer(Mixer):
         q, k `[..., He, D]`, v `[..., He, Dv]` (q, k L2-normalised; k, v scaled by the write gate) in x's dtype,
         and g, alpha `[..., He]` in fp32 (fp64 for fp64 reference runs).
 
-        q, k, v are computed in fp32 and handed over in the activation dtype, as every other mixer's op inputs: a
-        bf16 model's prefill then runs its dots on tensor cores in tf32, an fp32 model's at fp32 accuracy (the op
-        does its state math in fp32 either way). The gates stay fp32: a decay is exponentiated, and bf16's three
-        digits there would bend the memory of a long context."""
-        c = self.cfg
-        He, D, Dv = c.num_heads, c.head_dim, c.v_head_dim
+        The head expansion runs in the activation dtype (as hmf's); then q, k, v are computed in fp32 and handed
+        over in the activation dtype, as every other mixer's op inputs: a bf16 model's prefill then runs its dots
+        on tensor cores in tf32, an fp32 model's at fp32 accuracy (the op does its state math in fp32 either way).
+        The gates stay fp32: a decay is exponentiated, and bf16's three digits there would bend the memory of a
+        long context."""
         if v is None:
-            q, k, v = conv_out.split([He * D, He * D, He * Dv], dim=-1)
+            q, k, v = conv_out.split([*self.qk_split, conv_out.shape[-1] - sum(self.qk_split)], dim=-1)
         else:
-            q, k = conv_out.split([He * D, He * D], dim=-1)
+            q, k = conv_out.split(self.qk_split, dim=-1)
+        q, k, v = self._expand(q, k, v)
         f = torch.promote_types(x.dtype, torch.float32)  # fp32 gate/state math (fp64 for fp64 reference runs)
-        q = q.to(f).unflatten(-1, (He, D))
-        k = k.to(f).unflatten(-1, (He, D))
-        v = v.to(f).unflatten(-1, (He, Dv))
+        q, k, v = q.to(f), k.to(f), v.to(f)
         q = q / (q.norm(dim=-1, keepdim=True) + _L2_EPS)
         k = k / (k.norm(dim=-1, keepdim=True) + _L2_EPS)
         if self.b_proj is not None:
             beta = torch.sigmoid(self.b_proj(x).to(f)).unsqueeze(-1) + _BETA_EPS
             k, v = k * beta, v * beta
-        g = -torch.exp(self.A_log.to(f)) * F.softplus(self.a_proj(x).to(f) + self.dt_bias.to(f))
-        # Without the alpha-connection alpha = 1: the pure ridge solution.
-        alpha = torch.sigmoid(self.alpha_proj(x).to(f)) if self.alpha_proj is not None else torch.ones_like(g)
+        if self.cfg.use_forgetting_gate:
+            g = -torch.exp(self.A_log.to(f)) * F.softplus(self.a_proj(x).to(f) + self.dt_bias.to(f))
+        else:
+            g = q.new_zeros(q.shape[:-1])
+        if not self.cfg.use_solver:
+            alpha = torch.zeros_like(g)  # q' = q + 0 (solution - q): the solve is skipped in effect
+        elif self.alpha_proj is not None:
+            alpha = torch.sigmoid(self.alpha_proj(x).to(f))
+        else:
+            alpha = torch.ones_like(g)  # without the alpha-connection, the pure ridge solution
         return q.to(x.dtype), k.to(x.dtype), v.to(x.dtype), g, alpha
 
     def _op_params(self) -> dict:
@@ -188,3 +273,13 @@ class GKAMixer(Mixer):
         q, k, v, g, alpha = self._op_inputs(self.conv.decode(conv_in, state["conv"], batch, activation="silu"), v, x)
         o = fused_recurrent_gka(q, k, v, g, alpha, state["h"], state["s"], batch.state_indices, **self._op_params())
         return self._out(o, x)
+
+
+def _repeat_heads(x: torch.Tensor, heads: int) -> torch.Tensor:
+    """`[..., Hx, D]` -> `[..., heads, D]`, head e reading head e // (heads / Hx) (grouped-query repeat)."""
+    return x if x.shape[-2] == heads else x.repeat_interleave(heads // x.shape[-2], dim=-2)
+
+
+def _repeat_matrix(heads: int, source_heads: int) -> torch.Tensor:
+    """The `[heads, source_heads]` 0/1 matrix of `_repeat_heads` (the learnable residual's initial value)."""
+    return torch.eye(source_heads).repeat_interleave(heads // source_heads, dim=0)

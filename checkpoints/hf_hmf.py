@@ -1,0 +1,225 @@
+"""Convert a hybrid-model-factory (hmf) `hybrid_qwen3` checkpoint directory into kvfree's native checkpoint format.
+
+hmf (awslabs/hybrid-model-factory) primes Qwen3 models by replacing some attention layers with recurrent ones
+(published as e.g. `amazon/GKA-primed-HQwen3-8B-Instruct`). Its config.json is Qwen3's plus
+`hybrid_override_pattern`, one symbol per layer separated by "-" (e.g. "*-GKA-*-GKA"), and one sub-config per layer
+kind (`gka_config`, `swa_config`, ...). Every block is Qwen3's (pre-norm, SwiGLU MLP, RMSNorm); the symbols map to
+kvfree mixers:
+
+| hmf | module in the checkpoint | kvfree kind |
+|---|---|---|
+| `*` | `self_attn` (Qwen3 attention: GQA, q/k RMSNorm, RoPE) | `attention` (its KV cache grows with context) |
+| `SWA` | `swa` (the same with `swa_config.window_size`) | `swa` |
+| `GKA` | `gka` (Gated KalmaNet, `gka_config`) | `gka` with q/k/v head counts and low-rank k/v expansion |
+
+hmf's other recurrent layers (`M2` Mamba-2, `BMF` B'MOJO-F, `GDN` Gated DeltaNet) are refused with an error naming
+the layer, as are its training-stage layers (`GKA*`, `*DA`, ...: the attention-plus-recurrent pairs of layer-wise
+distillation) and any unknown symbol or sub-config key. docs/design/hmf.md records how hmf's GKA maps onto kvfree's
+(and where hmf's code, the paper and kvfree's gka.md differ).
+
+Usage::
+
+    kvfree convert --from hmf path/to/GKA-primed-HQwen3-8B-Instruct path/to/kvfree-checkpoint
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from kvfree.checkpoints import hf_common
+from kvfree.checkpoints.format import CONFIG_FILE, CheckpointError
+from kvfree.checkpoints.hf_common import Plan, apply_plan, refuse_missing
+from kvfree.checkpoints.hf_qwen3 import _positive_int, attention_plan, base_config, block_plan, model_plan
+
+SOURCE_NAME = "hmf"
+# symbol -> (kvfree kind, the block's HF module name)
+LAYER_KINDS: dict[str, tuple[str, str]] = {
+    "*": ("attention", "self_attn"),
+    "SWA": ("swa", "swa"),
+    "GKA": ("gka", "gka"),
+}
+_NOT_YET = {"M2": "Mamba-2", "BMF": "B'MOJO-F", "GDN": "Gated DeltaNet"}
+_TRAINING_ONLY = ("*DA", "M2*", "BMF*", "GDN*", "GKA*", "SWA*", "GDN>GKA")
+# hmf's `HybridGKAConfig` fields and their defaults (hmf's layers/hybrid_dataclasses.py).
+GKA_DEFAULTS: dict[str, Any] = {
+    "use_alpha_connection": True, "use_v_conv": True, "use_forgetting_gate": True, "gla_rescale": True,
+    "solver_type": "chebyshev", "bp_lambda": True, "num_iter": 30, "ridge_strength": 0.02, "use_gate": True,
+    "conv_size": 4, "norm_eps": 1e-6, "use_forgetting_gate_kk": True, "use_beta_gate": True, "chunk_size": 64,
+    "kv_proj_rank": None, "kv_learnable_residual": False,
+}  # fmt: skip
+_GKA_FLAGS = ("use_alpha_connection", "use_v_conv", "use_forgetting_gate", "gla_rescale", "bp_lambda", "use_gate",
+              "use_forgetting_gate_kk", "use_beta_gate", "kv_learnable_residual")  # fmt: skip
+
+
+def layer_symbols(hf: dict[str, Any], n: int, where: Path) -> list[str]:
+    """The pattern's symbol for each of the n layers (`hybrid_override_pattern`, else `layer_types`)."""
+    pattern = hf.get("hybrid_override_pattern")
+    if pattern is not None:
+        if not isinstance(pattern, str):
+            raise CheckpointError(f"{where}: hybrid_override_pattern must be a string like '*-GKA-*', got {pattern!r}")
+        symbols = pattern.split("-")
+    else:
+        symbols = hf.get("layer_types")
+        if not isinstance(symbols, list):
+            raise CheckpointError(f"{where}: needs hybrid_override_pattern (e.g. '*-GKA-*-GKA'), one symbol a layer")
+    if len(symbols) != n:
+        raise CheckpointError(f"{where}: hybrid_override_pattern has {len(symbols)} layers, num_hidden_layers is {n}")
+    for i, sym in enumerate(symbols):
+        if sym in LAYER_KINDS:
+            continue
+        if sym in _NOT_YET:
+            raise CheckpointError(
+                f"{where}: layer {i} is {sym!r} (hmf's {_NOT_YET[sym]}), which kvfree cannot serve yet; "
+                f"supported: {sorted(LAYER_KINDS)}"
+            )
+        if sym in _TRAINING_ONLY:
+            raise CheckpointError(
+                f"{where}: layer {i} is {sym!r}, a training-stage layer of hmf's layer-wise distillation; convert "
+                "the final checkpoint (its pattern holds only *, SWA, GKA, ...)"
+            )
+        raise CheckpointError(f"{where}: layer {i} has unknown layer type {sym!r}; known: {sorted(LAYER_KINDS)}")
+    return symbols
+
+
+def gka_config(hf: dict[str, Any], attention: dict[str, Any], where: Path) -> dict[str, Any]:
+    """Our `gka` sub-config from hmf's `gka_config` (plus the vLLM plugin's `gka_overrides`) and the attention
+    shape the GKA layers were primed from: query heads = attention heads, key and value heads = KV heads."""
+    raw = hf.get("gka_config") or {}
+    if not isinstance(raw, dict):
+        raise CheckpointError(f"{where}: gka_config must be an object, got {raw!r}")
+    raw = raw | (hf.get("gka_overrides") or {})
+    unknown = sorted(set(raw) - set(GKA_DEFAULTS))
+    if unknown:
+        raise CheckpointError(f"{where}: unknown gka_config key {unknown[0]!r} (known: {sorted(GKA_DEFAULTS)})")
+    c = GKA_DEFAULTS | raw
+    for key in _GKA_FLAGS:
+        hf_common.flag(c, key, where)
+    if c["solver_type"] != "chebyshev":
+        raise CheckpointError(f"{where}: gka_config.solver_type is {c['solver_type']!r}; only 'chebyshev' exists")
+    if not c["use_forgetting_gate_kk"] and c["use_forgetting_gate"]:
+        raise CheckpointError(
+            f"{where}: gka_config.use_forgetting_gate_kk = false (the key covariance never decays while the state "
+            "does) is not supported: kvfree's GKA kernels decay both with one gate"
+        )
+    num_iter = c["num_iter"]
+    if not isinstance(num_iter, int) or isinstance(num_iter, bool) or num_iter < 0:
+        raise CheckpointError(f"{where}: gka_config.num_iter must be an integer >= 0, got {num_iter!r}")
+    Hq, Hkv = attention["num_heads"], attention["num_kv_heads"]
+    out = {
+        "num_heads": max(Hq, Hkv), "head_dim": attention["head_dim"], "num_q_heads": Hq, "num_k_heads": Hkv,
+        "num_v_heads": Hkv, "conv_kernel": hf_common.positive_int(c, "conv_size", where),
+        "chunk_size": hf_common.positive_int(c, "chunk_size", where), "num_iter": max(num_iter, 1),
+        "use_solver": num_iter > 0, "ridge_strength": float(hf_common.positive_number(c, "ridge_strength", where)),
+        "norm_eps": float(hf_common.positive_number(c, "norm_eps", where)),
+    }  # fmt: skip
+    for key in ("use_v_conv", "use_beta_gate", "use_alpha_connection", "use_gate", "gla_rescale",
+                "use_forgetting_gate"):  # fmt: skip
+        out[key] = c[key]
+    # hmf applies the low-rank expansion only where some head count is expanded; elsewhere its weights go unused.
+    if c["kv_proj_rank"] is not None and Hkv < out["num_heads"]:
+        out["kv_proj_rank"] = hf_common.positive_int(c, "kv_proj_rank", where)
+        out["kv_learnable_residual"] = c["kv_learnable_residual"]
+    return out
+
+
+def convert_config(hf: dict[str, Any], src: Path) -> dict[str, Any]:
+    """Translate an hmf `HybridQwen3Config` dict into our `ModelConfig` dict (engine/config.py's schema)."""
+    where = src / CONFIG_FILE
+    if hf.get("model_type") != "hybrid_qwen3":
+        raise CheckpointError(
+            f"{where}: model_type is {hf.get('model_type')!r}, expected 'hybrid_qwen3' (hmf's HybridQwen3ForCausalLM)"
+        )
+    config, attention = base_config(hf, where)
+    symbols = layer_symbols(hf, _positive_int(hf, "num_hidden_layers", where), where)
+    config["layers"] = [LAYER_KINDS[s][0] for s in symbols]
+    if "*" in symbols:
+        config["attention"] = attention
+    if "SWA" in symbols:
+        swa = hf.get("swa_config")
+        if not isinstance(swa, dict) or set(swa) != {"window_size"}:
+            raise CheckpointError(f"{where}: SWA layers need swa_config = {{'window_size': N}}, got {swa!r}")
+        config["swa"] = attention | {"window": hf_common.positive_int(swa, "window_size", where)}
+    if "GKA" in symbols:
+        config["gka"] = gka_config(hf, attention, where)
+    config["notes"] = {"converted_from": SOURCE_NAME, "source": str(src), "pattern": "-".join(symbols)}
+    return config
+
+
+def _gka_tensors(
+    hf_tensors: dict[str, torch.Tensor], config: dict[str, Any], i: int, src: Path
+) -> tuple[Plan, dict[str, torch.Tensor], set[str]]:
+    """Block i's GKA: a plan for the one-to-one tensors, and the short conv, whose three hmf convolutions (q, k, v:
+    `[C, 1, K]` each) become our one conv over q|k|v `[Cq + Ck + Cv, K]`. Returns (plan, tensors made, HF names
+    used)."""
+    g = config["gka"]
+    D, He, hd, K = config["hidden_size"], g["num_heads"], g["head_dim"], g["conv_kernel"]
+    dims = {"q": g["num_q_heads"] * hd, "k": g["num_k_heads"] * hd, "v": g["num_v_heads"] * hd}
+    hf, ours = f"model.layers.{i}.gka.", f"layers.{i}.mixer."
+    shapes = {"q_proj": (dims["q"], D), "k_proj": (dims["k"], D), "v_proj": (dims["v"], D), "a_proj": (He, D),
+              "o_proj": (D, He * hd)}  # fmt: skip
+    if g["use_gate"]:
+        shapes["g_proj"] = (He * hd, D)
+    plan: Plan = {f"{ours}{n}.weight": ((f"{hf}{n}.weight",), shape) for n, shape in shapes.items()}
+    for name in ("b_proj", "alpha_proj"):
+        if g["use_beta_gate" if name == "b_proj" else "use_alpha_connection"]:
+            plan[f"{ours}{name}.weight"] = ((f"{hf}{name}.weight",), (He, D))
+            plan[f"{ours}{name}.bias"] = ((f"{hf}{name}.bias",), (He,))
+    plan[ours + "A_log"] = ((hf + "A_log",), (He,))
+    plan[ours + "dt_bias"] = ((hf + "dt_bias",), (He,))
+    plan[ours + "norm.weight"] = ((hf + "o_norm.weight",), (hd,))
+    if "kv_proj_rank" in g:
+        r = g["kv_proj_rank"]
+        for x in ("k", "v"):
+            plan[f"{ours}proj_{x}.linearA.weight"] = ((f"{hf}proj_{x}.linearA.weight",), (r, dims[x]))
+            plan[f"{ours}proj_{x}.linearB.weight"] = ((f"{hf}proj_{x}.linearB.weight",), (He * hd, r))
+            if g["kv_learnable_residual"]:
+                plan[f"{ours}{x}_rep"] = ((f"{hf}{x}_rep",), (He, g[f"num_{x}_heads"]))
+    convs = ("q", "k", "v") if g["use_v_conv"] else ("q", "k")
+    parts, used, missing = [], set(), []
+    for x in convs:
+        name = f"{hf}{x}_conv1d.weight"
+        if name not in hf_tensors:
+            missing.append(name)
+            continue
+        parts.append(hf_common.checked(hf_tensors[name], name, (dims[x], 1, K), src)[:, 0])
+        used.add(name)
+    refuse_missing(missing, src)
+    return plan, {ours + "conv.weight": torch.cat(parts)}, used
+
+
+def convert_tensors(hf_tensors: dict[str, torch.Tensor], config: dict[str, Any], src: Path) -> dict[str, torch.Tensor]:
+    """Rename and reshape hmf's tensors into our HybridLM state dict, checking that each is there and fits."""
+    plan, made, used = model_plan(config), {}, set()
+    for i, kind in enumerate(config["layers"]):
+        block_plan(plan, config, i)
+        if kind == "gka":
+            gka_plan, tensors, conv_used = _gka_tensors(hf_tensors, config, i, src)
+            plan |= gka_plan
+            made |= tensors
+            used |= conv_used
+            # hmf builds the low-rank expansion even where no head count is expanded, and never runs it there.
+            if "kv_proj_rank" not in config["gka"]:
+                prefix = f"model.layers.{i}.gka."
+                used |= {
+                    n for n in hf_tensors if n.startswith(prefix + "proj_") or n in (prefix + "k_rep", prefix + "v_rep")
+                }
+        else:
+            attention_plan(plan, config, config[kind], i, LAYER_KINDS["*" if kind == "attention" else "SWA"][1])
+    out, plan_used, missing = apply_plan(plan, hf_tensors, src)
+    refuse_missing(missing, src)
+    hf_common.refuse_unexpected(hf_tensors, used | plan_used, config["tie_word_embeddings"], src,
+                                "check hybrid_override_pattern and the layer sub-configs in config.json")  # fmt: skip
+    return out | made
+
+
+def convert_hmf(src: str | Path, dst: str | Path, tokenizer_from: str | Path | None = None) -> Path:
+    """Convert the hmf `hybrid_qwen3` directory `src` into a native checkpoint directory `dst`.
+
+    The tokenizer files (tokenizer.json and tokenizer_config.json with Qwen3's chat template) come from
+    `tokenizer_from` when given, else from `src`. Returns `dst`. Raises CheckpointError naming the file, key, layer
+    or tensor when `src` cannot be converted; nothing is written to `dst` until every check has passed.
+    """
+    return hf_common.convert(src, dst, tokenizer_from, convert_config, convert_tensors)
