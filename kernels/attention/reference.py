@@ -267,6 +267,19 @@ def fused_recurrent_attention(
     # wrapped, and RoPE already encodes the positions, so entry order does not matter.
     used = min(longest + 1, k_cache.shape[1])
     mask = torch.arange(used, device=q.device)[None, :] < (n + 1)[:, None]
-    out = attend(q[:, None], k_cache[idx, :used], v_cache[idx, :used], mask[:, None, :])[:, 0]
+    out = _attend_one(q, k_cache[idx, :used], v_cache[idx, :used], mask)
     length.index_copy_(0, idx, n + 1)
     return out
+
+
+def _attend_one(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+    """One query per session, grouped-query without copying keys: q `[B, Hq, D]`, k, v `[B, S, Hkv, D]`, mask
+    `[B, S]` -> `[B, Hq, D]` in q's dtype. Scores and softmax in fp32 (a `[B, Hq, S]` tensor: small for one query),
+    where `attend`'s repeat of the keys for every query head would copy the whole gathered cache Hq/Hkv times."""
+    B, Hq, D = q.shape
+    Hkv = k.shape[2]
+    qg = q.unflatten(1, (Hkv, Hq // Hkv)).float()  # [B, Hkv, G, D]
+    scores = torch.einsum("bhgd,bshd->bhgs", qg, k.float()) * D**-0.5
+    scores = scores.masked_fill(~mask[:, None, None, :], float("-inf"))
+    out = torch.einsum("bhgs,bshd->bhgd", torch.softmax(scores, dim=-1), v.float())
+    return out.flatten(1, 2).to(q.dtype)
