@@ -1,0 +1,141 @@
+"""Decode throughput at long context: as many sessions as fit in GPU memory, each holding N tokens of context.
+
+A primed hybrid (hmf's Qwen3 with half of its attention layers replaced) keeps a KV cache in its attention layers,
+so its session state grows with context and the number of sessions that fit shrinks. This benchmark builds a model
+(a checkpoint, or random weights in hmf's Qwen3-8B GKA shape), and for each context length fills a state pool with
+as many sessions as fit, their states set as after N tokens (random keys, values and recurrent states: a decode
+step reads them whatever they hold), then times batched decode steps over all of them. It writes a JSON with
+the sessions, the bytes per session, the step time, tokens/s and the floor (bytes a step must read over the HBM
+bandwidth measured in the same run).
+
+    python -m kvfree.engine.context_bench --hmf-8b-gka --contexts 16384 32768 65536 131072
+"""
+
+from __future__ import annotations
+
+import argparse
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from kvfree.checkpoints.hf_hmf import convert_config
+from kvfree.engine.config import ModelConfig
+from kvfree.engine.loader import load_model
+from kvfree.engine.model import HybridLM
+from kvfree.engine.state_pool import StatePool
+from kvfree.engine.step_batch import StepBatch
+from kvfree.kernels.benchmarking import environment, hbm_bandwidth, median_ms, write_json
+
+# hmf's GKA-primed Qwen3-8B (amazon/GKA-primed-HQwen3-8B-Instruct): Qwen3-8B's shape, every other layer GKA.
+HMF_QWEN3_8B_GKA: dict[str, Any] = {
+    "model_type": "hybrid_qwen3", "vocab_size": 151936, "hidden_size": 4096, "intermediate_size": 12288,
+    "num_hidden_layers": 36, "num_attention_heads": 32, "num_key_value_heads": 8, "head_dim": 128,
+    "rms_norm_eps": 1e-6, "rope_theta": 1000000.0, "tie_word_embeddings": False, "max_position_embeddings": 131072,
+    "hybrid_override_pattern": "-".join(["*", "GKA"] * 18), "gka_config": {},
+}  # fmt: skip
+
+
+def random_model(config: ModelConfig, device: torch.device, dtype: torch.dtype) -> HybridLM:
+    """Random weights built directly on `device` in `dtype` (an 8B model in fp32 on the host would be 32 GB)."""
+    default = torch.get_default_dtype()
+    torch.set_default_dtype(dtype)
+    try:
+        with torch.device(device):
+            model = HybridLM(config)
+            for layer in model.layers:
+                layer.mixer.reset_parameters()
+    finally:
+        torch.set_default_dtype(default)
+    for layer in model.layers:
+        layer.mixer.on_load()
+    return model.eval()
+
+
+def fill(pool: StatePool, context: int, gen: torch.Generator) -> None:
+    """Every session's state as after `context` tokens: lengths set, entries random (never zeros)."""
+    for state in pool.tensors:
+        for name, t in state.items():
+            if t.is_floating_point():
+                for row in range(t.shape[0]):  # row by row: a whole pool's fp32 randn would not fit beside it
+                    t[row].copy_(torch.randn(t[row].shape, generator=gen, device=t.device, dtype=t.dtype) * 0.1)
+            elif name == "length":
+                t.fill_(context)
+
+
+def bench_context(model: HybridLM, context: int, steps: int, memory_fraction: float, max_sessions: int,
+                  bandwidth: float | None) -> dict[str, Any]:  # fmt: skip
+    """The row of one context length: sessions that fit, bytes per session, step time, tokens/s, floor."""
+    device = model.device
+    probe = StatePool(model, capacity=1, max_context=context + steps + 1)
+    per_session = probe.bytes_per_session()
+    per_token = probe.bytes_per_token()
+    del probe
+    torch.cuda.empty_cache()
+    free, _ = torch.cuda.mem_get_info(device)
+    # The rest is for the step's activations and the attention gather (a copy of one layer's keys and values).
+    sessions = min(max_sessions, int(free * memory_fraction / per_session))
+    row: dict[str, Any] = {"context": context, "sessions": sessions, "bytes_per_session": per_session,
+                           "bytes_per_token": per_token}  # fmt: skip
+    if sessions < 1:
+        row["error"] = "not one session fits"
+        return row
+    pool = StatePool(model, capacity=sessions, max_context=context + steps + 1)
+    slots = [pool.alloc() for _ in range(sessions)]
+    fill(pool, context, torch.Generator(device=device).manual_seed(context))
+    ids = torch.randint(0, model.config.vocab_size, (sessions,), device=device)
+    batch = StepBatch.decode(slots, device)
+
+    def step() -> None:
+        for state in pool.tensors:  # decode appends one token: keep every session at `context` tokens
+            if "length" in state:
+                state["length"].fill_(context)
+        model.decode(ids, pool.tensors, batch)
+
+    with torch.inference_mode():
+        row["step_ms"] = median_ms(step, device)
+    row["tokens_per_s"] = sessions / row["step_ms"] * 1e3
+    weights = sum(p.numel() * p.element_size() for p in model.parameters())
+    row["bytes_per_step"] = weights + sessions * per_session
+    if bandwidth:
+        row["floor_ms"] = row["bytes_per_step"] / bandwidth * 1e3
+        row["x_floor"] = row["step_ms"] / row["floor_ms"]
+    return row
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(prog="python -m kvfree.engine.context_bench", description=__doc__,
+                                 formatter_class=argparse.RawDescriptionHelpFormatter)  # fmt: skip
+    src = ap.add_mutually_exclusive_group(required=True)
+    src.add_argument("--checkpoint", type=Path, help="a kvfree checkpoint directory")
+    src.add_argument("--hmf-8b-gka", action="store_true", help="random weights in hmf's GKA Qwen3-8B shape")
+    ap.add_argument("--contexts", type=int, nargs="+", default=[16384, 32768, 65536, 131072])
+    ap.add_argument("--steps", type=int, default=8, help="decode steps the pool leaves room for")
+    ap.add_argument("--memory-fraction", type=float, default=0.6, help="share of free GPU memory for the pool")
+    ap.add_argument("--max-sessions", type=int, default=1024)
+    ap.add_argument("--out", type=Path, default=Path("docs/bench/hmf-8b-gka-context.json"))
+    args = ap.parse_args(argv)
+    device, dtype = torch.device("cuda"), torch.bfloat16
+    if args.checkpoint is not None:
+        model, name = load_model(args.checkpoint, device=device, dtype=dtype), str(args.checkpoint)
+    else:
+        config = ModelConfig.from_dict(convert_config(HMF_QWEN3_8B_GKA, Path("hmf-qwen3-8b-gka")))
+        model, name = random_model(config, device, dtype), "hmf GKA-primed Qwen3-8B shape, random weights"
+    bandwidth = hbm_bandwidth(device)
+    rows = []
+    for n in args.contexts:
+        rows.append(bench_context(model, n, args.steps, args.memory_fraction, args.max_sessions, bandwidth))
+        torch.cuda.empty_cache()  # the last context's pool
+    params = sum(p.numel() for p in model.parameters())
+    write_json(args.out, {"model": name, "parameters": params, "layers": model.config.layers,
+                          "hbm_bytes_per_s": bandwidth, "env": environment(device), "rows": rows})  # fmt: skip
+    print(f"{'context':>8} {'sessions':>8} {'MB/session':>10} {'step ms':>8} {'tok/s':>8} {'x floor':>7}")
+    for r in rows:
+        ms, tps, x = r.get("step_ms", float("nan")), r.get("tokens_per_s", 0), r.get("x_floor", 0)
+        mb = r["bytes_per_session"] / 1e6
+        print(f"{r['context']:>8} {r['sessions']:>8} {mb:>10.1f} {ms:>8.1f} {tps:>8.0f} {x:>7.1f}")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
