@@ -11,8 +11,10 @@ kvfree mixers:
 | `*` | `self_attn` (Qwen3 attention: GQA, q/k RMSNorm, RoPE) | `attention` (its KV cache grows with context) |
 | `SWA` | `swa` (the same with `swa_config.window_size`) | `swa` |
 | `GKA` | `gka` (Gated KalmaNet, `gka_config`) | `gka` with q/k/v head counts and low-rank k/v expansion |
+| `M2` | `mamba` (Mamba-2 primed from attention, `mamba2_config`) | `mamba2` with B/C norms, x and B expanded |
+| `BMF` | `bmojo_f` (`bmojo_attn` + `gka` or `mamba`, `bmojo_config`) | `bmojo_f` (engine/layers/bmojo_f.py) |
 
-hmf's other recurrent layers (`M2` Mamba-2, `BMF` B'MOJO-F, `GDN` Gated DeltaNet) are refused with an error naming
+hmf's Gated DeltaNet (`GDN`) is refused with an error naming
 the layer, as are its training-stage layers (`GKA*`, `*DA`, ...: the attention-plus-recurrent pairs of layer-wise
 distillation) and any unknown symbol or sub-config key. docs/design/hmf.md records how hmf's GKA maps onto kvfree's
 (and where hmf's code, the paper and kvfree's gka.md differ).
@@ -40,8 +42,10 @@ LAYER_KINDS: dict[str, tuple[str, str]] = {
     "*": ("attention", "self_attn"),
     "SWA": ("swa", "swa"),
     "GKA": ("gka", "gka"),
+    "M2": ("mamba2", "mamba"),
+    "BMF": ("bmojo_f", "bmojo_f"),
 }
-_NOT_YET = {"M2": "Mamba-2", "BMF": "B'MOJO-F", "GDN": "Gated DeltaNet"}
+_NOT_YET = {"GDN": "Gated DeltaNet"}
 _TRAINING_ONLY = ("*DA", "M2*", "BMF*", "GDN*", "GKA*", "SWA*", "GDN>GKA")
 # hmf's `HybridGKAConfig` fields and their defaults (hmf's layers/hybrid_dataclasses.py).
 GKA_DEFAULTS: dict[str, Any] = {
@@ -125,6 +129,50 @@ def gka_config(hf: dict[str, Any], attention: dict[str, Any], where: Path) -> di
     return out
 
 
+def mamba2_config(hf: dict[str, Any], attention: dict[str, Any], where: Path) -> dict[str, Any]:
+    """Our `mamba2` sub-config for hmf's Mamba-2 layer (Mamba-in-the-Llama form, primed from the attention it
+    replaces): one head per query head, head and state width = head_dim, B and C of each head its own group (C from
+    the queries, x and B from the KV heads, repeated to the query heads), B/C RMSNorm under `use_qk_norm`.
+
+    kvfree's mixer takes x and B already repeated: the converter repeats their in_proj rows and conv channels
+    (the conv is depthwise, so repeating before it equals hmf's repeat after it)."""
+    raw = hf.get("mamba2_config") or {}
+    if not isinstance(raw, dict):
+        raise CheckpointError(f"{where}: mamba2_config must be an object, got {raw!r}")
+    unknown = sorted(set(raw) - {"use_qk_norm", "use_pos_emb"})
+    if unknown:
+        raise CheckpointError(f"{where}: unknown mamba2_config key {unknown[0]!r} (known: use_qk_norm, use_pos_emb)")
+    c = {"use_qk_norm": True, "use_pos_emb": False} | raw
+    if hf_common.flag(c, "use_pos_emb", where):
+        raise CheckpointError(f"{where}: mamba2_config.use_pos_emb = true (RoPE on B and C) is not supported yet")
+    H, D = attention["num_heads"], attention["head_dim"]
+    return {"num_heads": H, "head_dim": D, "state_size": D, "n_groups": H, "conv_kernel": 4, "use_bias": False,
+            "use_conv_bias": True, "norm_eps": 1e-5, "bc_norm": hf_common.flag(c, "use_qk_norm", where),
+            "bc_norm_eps": 1e-6}  # fmt: skip
+
+
+def bmojo_f_config(hf: dict[str, Any], attention: dict[str, Any], where: Path) -> dict[str, Any]:
+    """Our `bmojo_f` sub-config from hmf's `bmojo_config` (window_size W, tie_attn_weights, ssm_mixer) and the
+    fading layer's own sub-config (`gka_config` or `mamba2_config`)."""
+    raw = hf.get("bmojo_config") or {}
+    if not isinstance(raw, dict):
+        raise CheckpointError(f"{where}: bmojo_config must be an object, got {raw!r}")
+    known = {"window_size": 2048, "tie_attn_weights": True, "ssm_mixer": "mamba2"}
+    unknown = sorted(set(raw) - set(known))
+    if unknown:
+        raise CheckpointError(f"{where}: unknown bmojo_config key {unknown[0]!r} (known: {sorted(known)})")
+    c = known | raw
+    mixer = str(c["ssm_mixer"]).lower()
+    fading = {"gka": "gka", "gated_kalmanet": "gka", "mamba2": "mamba2"}.get(mixer)
+    if fading is None:
+        raise CheckpointError(f"{where}: bmojo_config.ssm_mixer {c['ssm_mixer']!r} is not supported (gka, mamba2)")
+    sub = gka_config(hf, attention, where) if fading == "gka" else mamba2_config(hf, attention, where)
+    return {"num_heads": attention["num_heads"], "num_kv_heads": attention["num_kv_heads"],
+            "head_dim": attention["head_dim"], "window": hf_common.positive_int(c, "window_size", where),
+            "rope_theta": attention["rope_theta"], "qk_norm_eps": attention["qk_norm_eps"],
+            "tie_attn_weights": hf_common.flag(c, "tie_attn_weights", where), f"fading_{fading}": sub}  # fmt: skip
+
+
 def convert_config(hf: dict[str, Any], src: Path) -> dict[str, Any]:
     """Translate an hmf `HybridQwen3Config` dict into our `ModelConfig` dict (engine/config.py's schema)."""
     where = src / CONFIG_FILE
@@ -144,20 +192,22 @@ def convert_config(hf: dict[str, Any], src: Path) -> dict[str, Any]:
         config["swa"] = attention | {"window": hf_common.positive_int(swa, "window_size", where)}
     if "GKA" in symbols:
         config["gka"] = gka_config(hf, attention, where)
+    if "M2" in symbols:
+        config["mamba2"] = mamba2_config(hf, attention, where)
+    if "BMF" in symbols:
+        config["bmojo_f"] = bmojo_f_config(hf, attention, where)
     config["notes"] = {"converted_from": SOURCE_NAME, "source": str(src), "pattern": "-".join(symbols)}
     return config
 
 
 def _gka_tensors(
-    hf_tensors: dict[str, torch.Tensor], config: dict[str, Any], i: int, src: Path
+    hf_tensors: dict[str, torch.Tensor], config: dict[str, Any], g: dict[str, Any], hf: str, ours: str, src: Path
 ) -> tuple[Plan, dict[str, torch.Tensor], set[str]]:
     """Block i's GKA: a plan for the one-to-one tensors, and the short conv, whose three hmf convolutions (q, k, v:
-    `[C, 1, K]` each) become our one conv over q|k|v `[Cq + Ck + Cv, K]`. Returns (plan, tensors made, HF names
-    used)."""
-    g = config["gka"]
+    `[C, 1, K]` each) become our one conv over q|k|v `[Cq + Ck + Cv, K]`. `g` is the GKA sub-config, `hf` and
+    `ours` the module prefixes. Returns (plan, tensors made, HF names used)."""
     D, He, hd, K = config["hidden_size"], g["num_heads"], g["head_dim"], g["conv_kernel"]
     dims = {"q": g["num_q_heads"] * hd, "k": g["num_k_heads"] * hd, "v": g["num_v_heads"] * hd}
-    hf, ours = f"model.layers.{i}.gka.", f"layers.{i}.mixer."
     shapes = {"q_proj": (dims["q"], D), "k_proj": (dims["k"], D), "v_proj": (dims["v"], D), "a_proj": (He, D),
               "o_proj": (D, He * hd)}  # fmt: skip
     if g["use_gate"]:
@@ -190,24 +240,106 @@ def _gka_tensors(
     return plan, {ours + "conv.weight": torch.cat(parts)}, used
 
 
+def _repeat_rows(t: torch.Tensor, heads: int, groups: int) -> torch.Tensor:
+    """Rows of `heads` heads -> each head's rows repeated `groups` times in place (head e reads head e // groups)."""
+    return t.unflatten(0, (heads, -1)).repeat_interleave(groups, dim=0).flatten(0, 1)
+
+
+def _mamba2_tensors(
+    hf_tensors: dict[str, torch.Tensor], config: dict[str, Any], m: dict[str, Any], hf: str, ours: str, src: Path
+) -> tuple[dict[str, torch.Tensor], set[str]]:
+    """Block i's hmf Mamba-2 as our `mamba2` mixer: x and B (KV heads) repeated to the query heads in the input
+    projection and the conv. `m` is the Mamba-2 sub-config, `hf` and `ours` the module prefixes. Returns
+    (tensors, HF names used)."""
+    H, D, hidden = m["num_heads"], m["head_dim"], config["hidden_size"]
+    d_in = H * D
+    # The KV-head count is not in our config (the mixer sees x and B repeated): read it off in_proj's rows.
+    rows = hf_tensors[hf + "in_proj.weight"].shape[0] if hf + "in_proj.weight" in hf_tensors else 2 * d_in + H
+    d_xb = (rows - 2 * d_in - H) // 2
+    if d_xb <= 0 or d_xb % D or H % (d_xb // D):
+        raise CheckpointError(f"{src}: HF tensor {hf}in_proj.weight has {rows} rows, not z, x, B, C, dt for {H} heads")
+    Hkv = d_xb // D
+    g = H // Hkv
+    shapes = {"in_proj.weight": (2 * d_in + 2 * d_xb + H, hidden), "conv1d.weight": (2 * d_xb + d_in, 1, 4),
+              "conv1d.bias": (2 * d_xb + d_in,), "dt_bias": (H,), "A_log": (H,), "D": (H,), "norm.weight": (d_in,),
+              "out_proj.weight": (hidden, d_in)}  # fmt: skip
+    if m["bc_norm"]:
+        shapes |= {"B_norm.weight": (D,), "C_norm.weight": (D,)}
+    missing = [hf + n for n in shapes if hf + n not in hf_tensors]
+    refuse_missing(missing, src)
+    t = {n: hf_common.checked(hf_tensors[hf + n], hf + n, shape, src) for n, shape in shapes.items()}
+
+    def expand(rows: torch.Tensor, offset: int) -> torch.Tensor:  # [z]? x B C [dt]: x and B repeated
+        head, x, B, rest = rows.split([offset, d_xb, d_xb, rows.shape[0] - offset - 2 * d_xb])
+        return torch.cat([head, _repeat_rows(x, Hkv, g), _repeat_rows(B, Hkv, g), rest])
+
+    out = {
+        ours + "in_proj.weight": expand(t["in_proj.weight"], d_in),
+        ours + "conv.weight": expand(t["conv1d.weight"][:, 0], 0),
+        ours + "conv.bias": expand(t["conv1d.bias"], 0),
+        ours + "out_proj.weight": t["out_proj.weight"],
+        ours + "norm.weight": t["norm.weight"],
+    }
+    for name in ("dt_bias", "A_log", "D") + (("B_norm.weight", "C_norm.weight") if m["bc_norm"] else ()):
+        out[ours + name] = t[name]
+    return out, {hf + n for n in shapes}
+
+
+def _recurrent_tensors(
+    hf_tensors: dict[str, torch.Tensor],
+    config: dict[str, Any],
+    kind: str,
+    sub: dict[str, Any],
+    hf: str,
+    ours: str,
+    src: Path,
+) -> tuple[Plan, dict[str, torch.Tensor], set[str]]:
+    """A GKA or Mamba-2 layer (`kind`, sub-config `sub`) at HF prefix `hf`, ours `ours`: (plan, made, used)."""
+    if kind == "mamba2":
+        made, used = _mamba2_tensors(hf_tensors, config, sub, hf, ours, src)
+        return {}, made, used
+    plan, made, used = _gka_tensors(hf_tensors, config, sub, hf, ours, src)
+    if "kv_proj_rank" not in sub:  # hmf builds the low-rank expansion even where no head is expanded; never runs it
+        used |= {n for n in hf_tensors if n.startswith((hf + "proj_", hf + "k_rep", hf + "v_rep"))}
+    return plan, made, used
+
+
+def _bmojo_f_plan(plan: Plan, config: dict[str, Any], i: int) -> None:
+    """Block i's B'MOJO-F attention projections and norms (the fading path's too when untied)."""
+    b, D = config["bmojo_f"], config["hidden_size"]
+    Hq, Hkv, hd = b["num_heads"], b["num_kv_heads"], b["head_dim"]
+    shapes = {"q_proj": (Hq * hd, D), "k_proj": (Hkv * hd, D), "v_proj": (Hkv * hd, D)}
+    hf, ours = f"model.layers.{i}.bmojo_f.bmojo_attn.", f"layers.{i}.mixer."
+    paths = [("", "attn.")] + ([] if b["tie_attn_weights"] else [("_", "attn_fading.")])
+    for suffix, path in paths:
+        for name, shape in shapes.items():
+            plan[f"{ours}{path}{name}.weight"] = ((f"{hf}{name}{suffix}.weight",), shape)
+        for name in ("q_norm", "k_norm"):
+            plan[f"{ours}{path}{name}.weight"] = ((f"{hf}{name}{suffix}.weight",), (hd,))
+    plan[ours + "o_proj.weight"] = ((hf + "o_proj.weight",), (D, Hq * hd))
+
+
 def convert_tensors(hf_tensors: dict[str, torch.Tensor], config: dict[str, Any], src: Path) -> dict[str, torch.Tensor]:
     """Rename and reshape hmf's tensors into our HybridLM state dict, checking that each is there and fits."""
     plan, made, used = model_plan(config), {}, set()
     for i, kind in enumerate(config["layers"]):
         block_plan(plan, config, i)
-        if kind == "gka":
-            gka_plan, tensors, conv_used = _gka_tensors(hf_tensors, config, i, src)
-            plan |= gka_plan
-            made |= tensors
-            used |= conv_used
-            # hmf builds the low-rank expansion even where no head count is expanded, and never runs it there.
-            if "kv_proj_rank" not in config["gka"]:
-                prefix = f"model.layers.{i}.gka."
-                used |= {
-                    n for n in hf_tensors if n.startswith(prefix + "proj_") or n in (prefix + "k_rep", prefix + "v_rep")
-                }
+        ours = f"layers.{i}.mixer."
+        if kind in ("gka", "mamba2"):
+            hf = f"model.layers.{i}.{'gka' if kind == 'gka' else 'mamba'}."
+            layer = _recurrent_tensors(hf_tensors, config, kind, config[kind], hf, ours, src)
+        elif kind == "bmojo_f":
+            b = config["bmojo_f"]
+            fading = "gka" if "fading_gka" in b else "mamba2"
+            hf = f"model.layers.{i}.bmojo_f.{'gka' if fading == 'gka' else 'mamba'}."
+            layer = _recurrent_tensors(hf_tensors, config, fading, b[f"fading_{fading}"], hf, ours + "ssm.", src)
+            _bmojo_f_plan(plan, config, i)
         else:
             attention_plan(plan, config, config[kind], i, LAYER_KINDS["*" if kind == "attention" else "SWA"][1])
+            continue
+        plan |= layer[0]
+        made |= layer[1]
+        used |= layer[2]
     out, plan_used, missing = apply_plan(plan, hf_tensors, src)
     refuse_missing(missing, src)
     hf_common.refuse_unexpected(hf_tensors, used | plan_used, config["tie_word_embeddings"], src,

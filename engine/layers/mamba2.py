@@ -11,7 +11,7 @@ from torch import nn
 
 from kvfree.engine.layers.base import Mixer, StateSpec
 from kvfree.engine.layers.conv import ShortConv
-from kvfree.engine.layers.norms import GatedRMSNorm
+from kvfree.engine.layers.norms import GatedRMSNorm, RMSNorm
 from kvfree.engine.step_batch import StepBatch
 from kvfree.engine.strict_config import PositiveInt, StrictConfig
 from kvfree.kernels.mamba2 import chunk_mamba2, fused_recurrent_mamba2, ssd_chunked
@@ -32,6 +32,10 @@ class Mamba2Config(StrictConfig):
     # Clamp applied to dt after softplus; None means (0, inf) as in HF.
     time_step_limit: list[float] | None = None
     norm_eps: float = 1e-5
+    # hybrid-model-factory's Mamba-2 (primed from Qwen3 attention): an RMSNorm over each group's N channels of B and
+    # of C before the conv, one weight of N for each (as Qwen3's k_norm / q_norm on its heads).
+    bc_norm: bool = False
+    bc_norm_eps: float = 1e-6
 
     @model_validator(mode="after")
     def _check(self) -> Mamba2Config:
@@ -67,6 +71,8 @@ class Mamba2Mixer(Mixer):
         self.A_log = nn.Parameter(torch.empty(H))
         self.D = nn.Parameter(torch.empty(H))
         self.norm = GatedRMSNorm(self.d_inner, group_size=self.d_inner // G, eps=cfg.norm_eps)
+        self.B_norm = RMSNorm(N, cfg.bc_norm_eps) if cfg.bc_norm else None
+        self.C_norm = RMSNorm(N, cfg.bc_norm_eps) if cfg.bc_norm else None
         self.out_proj = nn.Linear(self.d_inner, hidden_size, bias=cfg.use_bias)
         self._A_cache: tuple[tuple, torch.Tensor] | None = None
         self.reset_parameters()
@@ -101,7 +107,14 @@ class Mamba2Mixer(Mixer):
 
     def _project(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """x `[..., D]` -> gate `[..., d_inner]`, xBC `[..., conv_dim]` (before the conv), raw dt `[..., H]`."""
-        return self.in_proj(x).split([self.d_inner, self.conv_dim, self.cfg.num_heads], dim=-1)
+        gate, xbc, dt = self.in_proj(x).split([self.d_inner, self.conv_dim, self.cfg.num_heads], dim=-1)
+        if self.B_norm is not None:
+            c = self.cfg
+            xs, B, C = xbc.split([self.d_inner, c.n_groups * c.state_size, c.n_groups * c.state_size], dim=-1)
+            B = self.B_norm(B.unflatten(-1, (c.n_groups, c.state_size))).flatten(-2)
+            C = self.C_norm(C.unflatten(-1, (c.n_groups, c.state_size))).flatten(-2)
+            xbc = torch.cat([xs, B.to(xs.dtype), C.to(xs.dtype)], dim=-1)
+        return gate, xbc, dt
 
     def _A(self) -> torch.Tensor:
         """A = -exp(A_log), fp32 `[H]`.
