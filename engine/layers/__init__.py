@@ -7,6 +7,7 @@ from typing import TYPE_CHECKING
 from kvfree.engine.layers.attention import AttentionMixer, SlidingWindowMixer
 from kvfree.engine.layers.base import ContextOverflowError, Mixer, StateSpec
 from kvfree.engine.layers.bmojo import BMojoMixer
+from kvfree.engine.layers.bmojo_f import BMojoFMixer
 from kvfree.engine.layers.gka import GKAMixer
 from kvfree.engine.layers.lattice import LatticeMixer
 from kvfree.engine.layers.mamba2 import Mamba2Mixer
@@ -19,7 +20,16 @@ if TYPE_CHECKING:
 # (`ModelConfig` gets one optional field per kind from this table). Adding a kind means adding it here.
 MIXERS: dict[str, type[Mixer]] = {
     cls.kind: cls
-    for cls in (Mamba2Mixer, AttentionMixer, SlidingWindowMixer, SKAMixer, GKAMixer, LatticeMixer, BMojoMixer)
+    for cls in (
+        Mamba2Mixer,
+        AttentionMixer,
+        SlidingWindowMixer,
+        SKAMixer,
+        GKAMixer,
+        LatticeMixer,
+        BMojoMixer,
+        BMojoFMixer,
+    )
 }
 
 
