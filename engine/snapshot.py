@@ -59,13 +59,13 @@ def model_fingerprint(model: HybridLM) -> str:
     """sha256 hex identifying a model's config and weights, the same for fp32 and bf16 loads of one checkpoint.
 
     Hashes the canonical config JSON (sorted keys, without the free-form `notes` and fields at their defaults) and
-    every state_dict tensor's name, shape and values in name order. Floating-point values are hashed rounded to bf16 (on the model's
-    device, one chunk at a time, so memory stays bounded): an fp32 load and a bf16 load of the same checkpoint
-    then agree, and a snapshot from one is rejected by the other only for its state dtypes (conv tails and KV
-    caches are in the activation dtype), with a message saying so rather than "a different model". (An fp16 load
-    of an fp32 checkpoint rounds twice and may differ.) Config overrides given at load time, e.g. solver
-    iterations, are part of the config and so change the fingerprint. Costs one pass over the weights: compute it
-    once at start-up.
+    every state_dict tensor's name, shape and values in name order. Floating-point values are hashed rounded to
+    bf16 (on the model's device, one chunk at a time, so memory stays bounded): an fp32 load and a bf16 load of the
+    same checkpoint then agree, and a snapshot from one is rejected by the other only for its state dtypes (conv
+    tails and KV caches are in the activation dtype), with a message saying so rather than "a different model".
+    (An fp16 load of an fp32 checkpoint rounds twice and may differ.) Config overrides given at load time, e.g.
+    solver iterations, are part of the config and so change the fingerprint. Costs one pass over the weights: compute
+    it once at start-up.
     """
     # Fields left at their defaults are not hashed: a field added to a mixer's config later (with a default that
     # keeps the old function) then leaves existing checkpoints' fingerprints, and their snapshots, valid.
