@@ -15,7 +15,7 @@ import torch
 import torch.nn.functional as F
 
 from kvfree.kernels.common import state_math
-from kvfree.kernels.dispatch import host_cu_seqlens, varlen_positions
+from kvfree.kernels.dispatch import host_cu_seqlens, use_triton, varlen_positions
 
 
 class KVCacheFull(ValueError):
@@ -267,7 +267,12 @@ def fused_recurrent_attention(
     # wrapped, and RoPE already encodes the positions, so entry order does not matter.
     used = min(longest + 1, k_cache.shape[1])
     mask = torch.arange(used, device=q.device)[None, :] < (n + 1)[:, None]
-    out = _attend_one(q, k_cache[idx, :used], v_cache[idx, :used], mask)
+    if q.dtype != torch.float64 and use_triton(q.device):  # the cache rows read in place (kernels/attention/decode.py)
+        from kvfree.kernels.attention.decode import decode_attention
+
+        out = decode_attention(q, k_cache, v_cache, (n + 1).clamp(max=k_cache.shape[1]), idx, used)
+    else:
+        out = _attend_one(q, k_cache[idx, :used], v_cache[idx, :used], mask)
     length.index_copy_(0, idx, n + 1)
     return out
 

@@ -1,0 +1,117 @@
+"""Triton decode attention: one query token per session against its KV cache rows in the pool, read in place.
+
+The PyTorch reference (`reference._attend_one`) gathers every session's keys and values into a new tensor and copies
+them to fp32 before the scores: several passes over the cache per step. This kernel reads each session's cache rows
+where they lie in the pool (`[S, C, Hkv, D]`, addressed by slot) once: one program per (session, KV head, split of
+the keys) takes the query heads that share the KV head (grouped-query), keeps an online softmax in fp32, and writes
+its partial result; `decode_attention` merges the splits by their log-sum-exps (flash-decoding). The split count
+grows when there are few sessions, so that a long context still spreads over the GPU.
+
+The session's entries are the first `min(length, C)` of its row (a full cache: positions 0..n; a ring: every entry
+once wrapped, in any order, since RoPE already encodes the positions).
+"""
+
+from __future__ import annotations
+
+import os
+
+import torch
+import triton
+import triton.language as tl
+
+_INTERPRET = os.environ.get("TRITON_INTERPRET", "0") in ("1", "true", "True")
+
+
+@triton.jit
+def _decode_attention_kernel(
+    q, k_cache, v_cache, used, slots, o_part, m_part, l_part,
+    stride_qb, stride_qh, stride_kc_s, stride_kc_t, stride_kc_h, stride_vc_s, stride_vc_t, stride_vc_h,
+    stride_ob, stride_oh, stride_os, stride_mb, stride_mh,
+    scale, split_len,
+    G: tl.constexpr, BLOCK_G: tl.constexpr, D: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_N: tl.constexpr,
+    PREC: tl.constexpr, INTERP: tl.constexpr,
+):  # fmt: skip
+    i_b, i_kh, i_s = tl.program_id(0), tl.program_id(1), tl.program_id(2)
+    slot = tl.load(slots + i_b).to(tl.int64)
+    n = tl.load(used + i_b)
+    start = i_s * split_len
+    end = tl.minimum(start + split_len, n)
+    rows = tl.arange(0, BLOCK_G)
+    cols = tl.arange(0, BLOCK_D)
+    m_g, m_d = rows < G, cols < D
+    heads = i_kh * G + rows
+    qv = tl.load(q + i_b * stride_qb + heads[:, None] * stride_qh + cols[None, :], mask=m_g[:, None] & m_d[None, :])
+    qv = qv.to(tl.float32) * scale
+    m_i = tl.full([BLOCK_G], float("-inf"), tl.float32)
+    l_i = tl.zeros([BLOCK_G], tl.float32)
+    acc = tl.zeros([BLOCK_G, BLOCK_D], tl.float32)
+    k_base = k_cache + slot * stride_kc_s + i_kh * stride_kc_h
+    v_base = v_cache + slot * stride_vc_s + i_kh * stride_vc_h
+    t0 = start
+    while t0 < end:  # (a while loop: the interpreter cannot take range() of a runtime bound)
+        t = t0 + tl.arange(0, BLOCK_N)
+        m_t = t < end
+        kv_mask = m_t[:, None] & m_d[None, :]
+        kb = tl.load(k_base + t[:, None] * stride_kc_t + cols[None, :], mask=kv_mask, other=0.0)
+        if INTERP:  # the interpreter's bf16 dots are wrong (triton 3.6): give it fp32 operands
+            kb = kb.to(tl.float32)
+        s = tl.dot(qv.to(kb.dtype), tl.trans(kb), input_precision=PREC)  # [BLOCK_G, BLOCK_N], fp32 accumulation
+        s = tl.where(m_t[None, :], s, float("-inf"))
+        m_new = tl.maximum(m_i, tl.max(s, axis=1))
+        alpha = tl.exp(m_i - m_new)
+        p = tl.exp(s - m_new[:, None])
+        vb = tl.load(v_base + t[:, None] * stride_vc_t + cols[None, :], mask=kv_mask, other=0.0)
+        if INTERP:
+            vb = vb.to(tl.float32)
+        acc = acc * alpha[:, None] + tl.dot(p.to(vb.dtype), vb, input_precision=PREC)
+        l_i = l_i * alpha + tl.sum(p, axis=1)
+        m_i = m_new
+        t0 += BLOCK_N
+    out = o_part + i_b * stride_ob + heads[:, None] * stride_oh + i_s * stride_os + cols[None, :]
+    tl.store(out, acc, mask=m_g[:, None] & m_d[None, :])
+    tl.store(m_part + i_b * stride_mb + heads * stride_mh + i_s, m_i, mask=m_g)
+    tl.store(l_part + i_b * stride_mb + heads * stride_mh + i_s, l_i, mask=m_g)
+
+
+def decode_attention(
+    q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, used: torch.Tensor, slots: torch.Tensor,
+    max_used: int,
+) -> torch.Tensor:  # fmt: skip
+    """Softmax attention of one query per session over its first `used` cache entries, read in place.
+
+    Args:
+        q: `[B, Hq, D]` rotated queries.  k_cache, v_cache: `[S, C, Hkv, D]` pools (Hkv divides Hq).
+        used: `[B]` int, entries of each session's row to attend (1..C).  slots: `[B]` int, each session's pool row.
+        max_used: an upper bound of `used` (host int: it sizes the key splits).
+
+    Returns:
+        `[B, Hq, D]` in q's dtype (scores, softmax and sums in fp32).
+    """
+    B, Hq, D = q.shape
+    Hkv = k_cache.shape[2]
+    G = Hq // Hkv
+    BLOCK_N = 64
+    # Enough programs to fill the GPU (~4 per SM) when sessions are few; each split at least 256 keys.
+    sms = torch.cuda.get_device_properties(q.device).multi_processor_count if q.is_cuda else 4
+    splits = max(1, min(triton.cdiv(max_used, 256), triton.cdiv(4 * sms, B * Hkv)))
+    split_len = triton.cdiv(triton.cdiv(max(max_used, 1), splits), BLOCK_N) * BLOCK_N
+    splits = triton.cdiv(max(max_used, 1), split_len)
+    o_part = torch.empty(B, Hq, splits, D, device=q.device, dtype=torch.float32)
+    m_part = torch.empty(B, Hq, splits, device=q.device, dtype=torch.float32)
+    l_part = torch.empty_like(m_part)
+    q = q.contiguous()
+    _decode_attention_kernel[(B, Hkv, splits)](
+        q, k_cache, v_cache, used, slots, o_part, m_part, l_part,
+        q.stride(0), q.stride(1), k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
+        v_cache.stride(0), v_cache.stride(1), v_cache.stride(2),
+        o_part.stride(0), o_part.stride(1), o_part.stride(2), m_part.stride(0), m_part.stride(1),
+        D**-0.5, split_len,
+        G=G, BLOCK_G=max(16, triton.next_power_of_2(G)), D=D, BLOCK_D=max(16, triton.next_power_of_2(D)),
+        # fp32 caches: IEEE fp32 dots, not tf32. The interpreter is always told "ieee" (it mishandles "tf32").
+        BLOCK_N=BLOCK_N, PREC="ieee" if k_cache.dtype == torch.float32 or _INTERPRET else "tf32", INTERP=_INTERPRET,
+    )  # fmt: skip
+    # Merge the splits: a split with no keys has m = -inf and l = 0, and weighs nothing.
+    m = m_part.amax(-1, keepdim=True)
+    w = torch.exp(m_part - m).nan_to_num(0.0)
+    out = (o_part * w[..., None]).sum(2) / (l_part * w).sum(-1, keepdim=True)
+    return out.to(q.dtype)
