@@ -63,8 +63,23 @@ def fill(pool: StatePool, context: int, gen: torch.Generator) -> None:
                 t.fill_(context)
 
 
+def profile_steps(step, steps: int = 3, top: int = 12) -> list[dict[str, Any]]:
+    """The GPU kernels of a few decode steps by total time (torch profiler): name, calls, ms per step."""
+    from torch.profiler import ProfilerActivity, profile
+
+    step()
+    torch.cuda.synchronize()
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        for _ in range(steps):
+            step()
+        torch.cuda.synchronize()
+    rows = [(e.key, e.count, e.device_time_total / 1e3 / steps) for e in prof.key_averages()]
+    rows.sort(key=lambda r: -r[2])
+    return [{"kernel": k[:90], "calls_per_step": c / steps, "ms_per_step": round(ms, 3)} for k, c, ms in rows[:top]]
+
+
 def bench_context(model: HybridLM, context: int, steps: int, memory_fraction: float, max_sessions: int,
-                  bandwidth: float | None) -> dict[str, Any]:  # fmt: skip
+                  bandwidth: float | None, profile: bool = False) -> dict[str, Any]:  # fmt: skip
     """The row of one context length: sessions that fit, bytes per session, step time, tokens/s, floor."""
     device = model.device
     probe = StatePool(model, capacity=1, max_context=context + steps + 1)
@@ -94,6 +109,8 @@ def bench_context(model: HybridLM, context: int, steps: int, memory_fraction: fl
 
     with torch.inference_mode():
         row["step_ms"] = median_ms(step, device)
+        if profile:
+            row["profile"] = profile_steps(step)
     row["tokens_per_s"] = sessions / row["step_ms"] * 1e3
     weights = sum(p.numel() * p.element_size() for p in model.parameters())
     row["bytes_per_step"] = weights + sessions * per_session
@@ -113,6 +130,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--steps", type=int, default=8, help="decode steps the pool leaves room for")
     ap.add_argument("--memory-fraction", type=float, default=0.6, help="share of free GPU memory for the pool")
     ap.add_argument("--max-sessions", type=int, default=1024)
+    ap.add_argument("--profile", action="store_true", help="also profile a few decode steps at each context")
     ap.add_argument("--out", type=Path, default=Path("docs/bench/hmf-8b-gka-context.json"))
     args = ap.parse_args(argv)
     device, dtype = torch.device("cuda"), torch.bfloat16
@@ -124,7 +142,8 @@ def main(argv: list[str] | None = None) -> int:
     bandwidth = hbm_bandwidth(device)
     rows = []
     for n in args.contexts:
-        rows.append(bench_context(model, n, args.steps, args.memory_fraction, args.max_sessions, bandwidth))
+        row = bench_context(model, n, args.steps, args.memory_fraction, args.max_sessions, bandwidth, args.profile)
+        rows.append(row)
         torch.cuda.empty_cache()  # the last context's pool
     params = sum(p.numel() for p in model.parameters())
     write_json(args.out, {"model": name, "parameters": params, "layers": model.config.layers,
@@ -134,6 +153,9 @@ def main(argv: list[str] | None = None) -> int:
         ms, tps, x = r.get("step_ms", float("nan")), r.get("tokens_per_s", 0), r.get("x_floor", 0)
         mb = r["bytes_per_session"] / 1e6
         print(f"{r['context']:>8} {r['sessions']:>8} {mb:>10.1f} {ms:>8.1f} {tps:>8.0f} {x:>7.1f}")
+    for r in rows:
+        for k in r.get("profile", [])[:8]:
+            print(f"  {r['context']:>6} {k['ms_per_step']:>8.2f} ms {k['calls_per_step']:>6.0f}x {k['kernel']}")
     return 0
 
 
