@@ -227,8 +227,23 @@ def _minimal_tokenizer_config(tokenizer_file: Path, config: dict[str, Any]) -> d
     return out
 
 
-def tokenizer_dir(src: Path, tokenizer_from: Path | None, config: dict[str, Any], staging: Path) -> Path:
-    """The directory to copy tokenizer.json and tokenizer_config.json from (`staging` if one had to be written)."""
+def _has_tokens(tokenizer_file: Path, tokens: tuple[str, ...]) -> bool:
+    """Whether every one of `tokens` is a single token of tokenizer.json (an added token or a vocabulary entry)."""
+    data = read_json(tokenizer_file)
+    added = {t.get("content") for t in data.get("added_tokens") or [] if isinstance(t, dict)}
+    vocab = (data.get("model") or {}).get("vocab") or {}
+    return all(t in added or (isinstance(vocab, dict) and t in vocab) for t in tokens)
+
+
+def tokenizer_dir(
+    src: Path, tokenizer_from: Path | None, config: dict[str, Any], staging: Path,
+    reasoning: tuple[str, str] | None = None,
+) -> Path:  # fmt: skip
+    """The directory to copy tokenizer.json and tokenizer_config.json from (`staging` if one had to be written).
+
+    `reasoning`: the (start, end) tags of the model family's thinking (Qwen3's `<think>`, `</think>`). When both are
+    tokens of the tokenizer and its config declares no tags, the written config declares them (`reasoning_start`,
+    `reasoning_end`: the server then returns the thinking as `reasoning_content`)."""
     tok_dir = tokenizer_from if tokenizer_from is not None else src
     if tokenizer_from is not None and not tokenizer_from.is_dir():
         raise CheckpointError(f"{tokenizer_from}: no such tokenizer directory")
@@ -238,9 +253,20 @@ def tokenizer_dir(src: Path, tokenizer_from: Path | None, config: dict[str, Any]
             f"(and {TOKENIZER_CONFIG_FILE}) with --tokenizer / tokenizer_from"
         )
     if (tok_dir / TOKENIZER_CONFIG_FILE).is_file():
+        tok_config = read_json(tok_dir / TOKENIZER_CONFIG_FILE)
+    else:
+        tok_config = _minimal_tokenizer_config(tok_dir / TOKENIZER_FILE, config)
+    declares = isinstance(tok_config, dict) and "reasoning_start" in tok_config
+    if (
+        reasoning is not None
+        and isinstance(tok_config, dict)
+        and not declares
+        and _has_tokens(tok_dir / TOKENIZER_FILE, reasoning)
+    ):
+        tok_config = tok_config | {"reasoning_start": reasoning[0], "reasoning_end": reasoning[1]}
+    elif (tok_dir / TOKENIZER_CONFIG_FILE).is_file():
         return tok_dir
     shutil.copyfile(tok_dir / TOKENIZER_FILE, staging / TOKENIZER_FILE)
-    tok_config = _minimal_tokenizer_config(tok_dir / TOKENIZER_FILE, config)
     (staging / TOKENIZER_CONFIG_FILE).write_text(json.dumps(tok_config, indent=2) + "\n")
     return staging
 
@@ -252,11 +278,13 @@ def convert(
     tokenizer_from: str | Path | None,
     convert_config: Callable[[dict[str, Any], Path], dict[str, Any]],
     convert_tensors: Callable[[dict[str, torch.Tensor], dict[str, Any], Path], dict[str, torch.Tensor]],
+    reasoning: tuple[str, str] | None = None,
 ) -> Path:
     """Convert the HF directory `src` into a native checkpoint `dst` with a model's two translations: its config
     (`convert_config(hf_config, src)` -> our config dict) and its tensors (`convert_tensors(hf_tensors, config, src)`
-    -> our state dict). The tokenizer files come from `tokenizer_from` when given, else from `src`. Nothing is
-    written to `dst` until every check has passed. Returns `dst`."""
+    -> our state dict). The tokenizer files come from `tokenizer_from` when given, else from `src`, declaring the
+    family's `reasoning` tags when given (`tokenizer_dir`). Nothing is written to `dst` until every check has
+    passed. Returns `dst`."""
     src, dst = Path(src), Path(dst)
     tok_src = Path(tokenizer_from) if tokenizer_from is not None else None
     hf_config = read_config(src)
@@ -264,6 +292,6 @@ def convert(
         raise CheckpointError(f"{dst}: the destination must differ from the HF source directory")
     config = convert_config(hf_config, src)
     with tempfile.TemporaryDirectory(prefix="kvfree-hf-") as staging:
-        tok_dir = tokenizer_dir(src, tok_src, config, Path(staging))
+        tok_dir = tokenizer_dir(src, tok_src, config, Path(staging), reasoning)
         tensors = convert_tensors(load_hf_tensors(src), config, src)
         return write_checkpoint(dst, config, tensors, tokenizer_from=tok_dir)

@@ -34,7 +34,14 @@ import torch
 from kvfree.checkpoints import hf_common
 from kvfree.checkpoints.format import CONFIG_FILE, CheckpointError
 from kvfree.checkpoints.hf_common import Plan, apply_plan, refuse_missing
-from kvfree.checkpoints.hf_qwen3 import _positive_int, attention_plan, base_config, block_plan, model_plan
+from kvfree.checkpoints.hf_qwen3 import (
+    QWEN3_REASONING,
+    _positive_int,
+    attention_plan,
+    base_config,
+    block_plan,
+    model_plan,
+)
 
 SOURCE_NAME = "hmf"
 # symbol -> (kvfree kind, the block's HF module name)
@@ -354,4 +361,4 @@ def convert_hmf(src: str | Path, dst: str | Path, tokenizer_from: str | Path | N
     `tokenizer_from` when given, else from `src`. Returns `dst`. Raises CheckpointError naming the file, key, layer
     or tensor when `src` cannot be converted; nothing is written to `dst` until every check has passed.
     """
-    return hf_common.convert(src, dst, tokenizer_from, convert_config, convert_tensors)
+    return hf_common.convert(src, dst, tokenizer_from, convert_config, convert_tensors, QWEN3_REASONING)

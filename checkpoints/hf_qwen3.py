@@ -29,6 +29,8 @@ from kvfree.checkpoints.format import CONFIG_FILE, CheckpointError
 from kvfree.checkpoints.hf_common import Plan, apply_plan, refuse_missing, token_id
 
 SOURCE_NAME = "hf-qwen3"
+# Qwen3's thinking tags: declared in the converted tokenizer_config when the tokenizer has them (reasoning_content).
+QWEN3_REASONING = ("<think>", "</think>")
 # HF `Qwen3Config` defaults (transformers 5.x) for keys a config.json leaves out, as HF itself does.
 HF_DEFAULTS: dict[str, Any] = {
     "vocab_size": 151936,
@@ -179,4 +181,4 @@ def convert_hf_qwen3(src: str | Path, dst: str | Path, tokenizer_from: str | Pat
     `tokenizer_from` when given, else from `src`. Returns `dst`. Raises CheckpointError naming the file, key or tensor
     when `src` cannot be converted; nothing is written to `dst` until every check has passed.
     """
-    return hf_common.convert(src, dst, tokenizer_from, convert_config, convert_tensors)
+    return hf_common.convert(src, dst, tokenizer_from, convert_config, convert_tensors, QWEN3_REASONING)

@@ -179,3 +179,24 @@ def test_cli_converts_an_hmf_directory(tmp_path, byte_tokenizer):
     config = json.loads((tmp_path / "kv" / "config.json").read_text())
     assert config["layers"] == ["attention", "gka", "attention"]
     assert config["notes"]["pattern"] == "*-GKA-*"
+
+
+def _thinking_tokenizer(path: Path) -> Path:
+    """kvfree's byte tokenizer with Qwen3's `<think>` and `</think>` added as single tokens."""
+    write_byte_tokenizer(path)
+    data = json.loads((path / "tokenizer.json").read_text())
+    next_id = max(t["id"] for t in data["added_tokens"]) + 1
+    for i, tag in enumerate(("<think>", "</think>")):
+        data["added_tokens"].append({"id": next_id + i, "content": tag, "single_word": False, "lstrip": False,
+                                     "rstrip": False, "normalized": False, "special": False})  # fmt: skip
+    (path / "tokenizer.json").write_text(json.dumps(data))
+    return path
+
+
+def test_converter_declares_qwen3_thinking_tags_when_the_tokenizer_has_them(tmp_path, byte_tokenizer):
+    dst = convert_hmf(FIXTURES / "gka_fp32", tmp_path / "kv", tokenizer_from=_thinking_tokenizer(tmp_path / "tok"))
+    tok_config = json.loads((dst / "tokenizer_config.json").read_text())
+    assert (tok_config["reasoning_start"], tok_config["reasoning_end"]) == ("<think>", "</think>")
+    # Without the tags in the vocabulary, nothing is declared (the replies then have no reasoning part).
+    plain = convert_hmf(FIXTURES / "gka_fp32", tmp_path / "kv2", tokenizer_from=byte_tokenizer)
+    assert "reasoning_start" not in json.loads((plain / "tokenizer_config.json").read_text())
