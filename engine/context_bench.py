@@ -4,9 +4,9 @@ A primed hybrid (hmf's Qwen3 with half of its attention layers replaced) keeps a
 so its session state grows with context and the number of sessions that fit shrinks. This benchmark builds a model
 (a checkpoint, or random weights in hmf's Qwen3-8B GKA shape), and for each context length fills a state pool with
 as many sessions as fit, their states set as after N tokens (random keys, values and recurrent states: a decode
-step reads them whatever they hold), then times batched decode steps over all of them. It writes a JSON with
-the sessions, the bytes per session, the step time, tokens/s and the floor (bytes a step must read over the HBM
-bandwidth measured in the same run).
+step reads them whatever they hold), then times batched decode steps over all of them, captured in a CUDA graph
+where the model allows it. It writes a JSON with the sessions, the bytes per session, the step time, tokens/s and
+the floor (bytes a step must read over the HBM bandwidth measured in the same run).
 
     python -m kvfree.engine.context_bench --hmf-8b-gka --contexts 16384 32768 65536 131072
 """
@@ -20,9 +20,12 @@ from typing import Any
 import torch
 
 from kvfree.checkpoints.hf_hmf import convert_config
+from kvfree.engine.bench import check_graph_tokens
 from kvfree.engine.config import ModelConfig
+from kvfree.engine.cuda_graphs import DecodeGraphs
 from kvfree.engine.loader import load_model
 from kvfree.engine.model import HybridLM
+from kvfree.engine.model_runner import graph_blockers
 from kvfree.engine.state_pool import StatePool
 from kvfree.engine.step_batch import StepBatch
 from kvfree.kernels.benchmarking import environment, hbm_bandwidth, median_ms, write_json
@@ -79,7 +82,7 @@ def profile_steps(step, steps: int = 3, top: int = 12) -> list[dict[str, Any]]:
 
 
 def bench_context(model: HybridLM, context: int, steps: int, memory_fraction: float, max_sessions: int,
-                  bandwidth: float | None, profile: bool = False) -> dict[str, Any]:  # fmt: skip
+                  bandwidth: float | None, profile: bool = False, graphs: bool = True) -> dict[str, Any]:  # fmt: skip
     """The row of one context length: sessions that fit, bytes per session, step time, tokens/s, floor."""
     device = model.device
     probe = StatePool(model, capacity=1, max_context=context + steps + 1)
@@ -101,12 +104,22 @@ def bench_context(model: HybridLM, context: int, steps: int, memory_fraction: fl
     ids = torch.randint(0, model.config.vocab_size, (sessions,), device=device)
     batch = StepBatch.decode(slots, device)
 
-    def step() -> None:
-        for state in pool.tensors:  # decode appends one token: keep every session at `context` tokens
-            if "length" in state:
-                state["length"].fill_(context)
-        model.decode(ids, pool.tensors, batch)
+    lengths = [state["length"] for state in pool.tensors if "length" in state]
+    graph = None
+    if graphs and not graph_blockers(model):
+        with torch.inference_mode():
+            graph = DecodeGraphs(lambda b: model.decode(ids, pool.tensors, b), sessions, pool.scratch_slot, device,
+                                 sizes=[sessions])  # fmt: skip
 
+    def step() -> None:
+        for length in lengths:  # decode appends one token: keep every session at `context` tokens
+            length.fill_(context)
+        if graph is not None:
+            graph.replay(slots)
+        else:
+            model.decode(ids, pool.tensors, batch)
+
+    row["cuda_graph"] = graph is not None
     with torch.inference_mode():
         row["step_ms"] = median_ms(step, device)
         if profile:
@@ -131,6 +144,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--memory-fraction", type=float, default=0.6, help="share of free GPU memory for the pool")
     ap.add_argument("--max-sessions", type=int, default=1024)
     ap.add_argument("--profile", action="store_true", help="also profile a few decode steps at each context")
+    ap.add_argument("--enforce-eager", action="store_true", help="time eager decode (default: a CUDA graph)")
     ap.add_argument("--out", type=Path, default=Path("docs/bench/hmf-8b-gka-context.json"))
     args = ap.parse_args(argv)
     device, dtype = torch.device("cuda"), torch.bfloat16
@@ -140,14 +154,19 @@ def main(argv: list[str] | None = None) -> int:
         config = ModelConfig.from_dict(convert_config(HMF_QWEN3_8B_GKA, Path("hmf-qwen3-8b-gka")))
         model, name = random_model(config, device, dtype), "hmf GKA-primed Qwen3-8B shape, random weights"
     bandwidth = hbm_bandwidth(device)
+    # The captured decode must give the eager decode's greedy tokens (8 sessions, 16 steps).
+    graph_check = None if args.enforce_eager or graph_blockers(model) else check_graph_tokens(model, 8)
     rows = []
     for n in args.contexts:
-        row = bench_context(model, n, args.steps, args.memory_fraction, args.max_sessions, bandwidth, args.profile)
+        row = bench_context(model, n, args.steps, args.memory_fraction, args.max_sessions, bandwidth, args.profile,
+                            not args.enforce_eager)  # fmt: skip
         rows.append(row)
         torch.cuda.empty_cache()  # the last context's pool
     params = sum(p.numel() for p in model.parameters())
     write_json(args.out, {"model": name, "parameters": params, "layers": model.config.layers,
+                          "graph_tokens_equal_eager": graph_check,
                           "hbm_bytes_per_s": bandwidth, "env": environment(device), "rows": rows})  # fmt: skip
+    print(f"CUDA-graph decode gives the eager tokens: {graph_check}")
     print(f"{'context':>8} {'sessions':>8} {'MB/session':>10} {'step ms':>8} {'tok/s':>8} {'x floor':>7}")
     for r in rows:
         ms, tps, x = r.get("step_ms", float("nan")), r.get("tokens_per_s", 0), r.get("x_floor", 0)
