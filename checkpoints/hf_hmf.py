@@ -95,6 +95,16 @@ def layer_symbols(hf: dict[str, Any], n: int, where: Path) -> list[str]:
     return symbols
 
 
+def _check_derived(raw: dict[str, Any], derived: dict[str, Any], section: str, where: Path) -> None:
+    """Remove from `raw` the keys hmf derives from the base model and saves beside the user keys (its layers recompute
+    them and ignore the saved values), refusing any that disagrees with what the model's config implies."""
+    for key, want in derived.items():
+        if key in raw:
+            got = raw.pop(key)
+            if want is not None and got != want:
+                raise CheckpointError(f"{where}: {section}.{key} is {got!r} but the model's shape implies {want!r}")
+
+
 def gka_config(hf: dict[str, Any], attention: dict[str, Any], where: Path) -> dict[str, Any]:
     """Our `gka` sub-config from hmf's `gka_config` (plus the vLLM plugin's `gka_overrides`) and the attention
     shape the GKA layers were primed from: query heads = attention heads, key and value heads = KV heads."""
@@ -102,6 +112,10 @@ def gka_config(hf: dict[str, Any], attention: dict[str, Any], where: Path) -> di
     if not isinstance(raw, dict):
         raise CheckpointError(f"{where}: gka_config must be an object, got {raw!r}")
     raw = raw | (hf.get("gka_overrides") or {})
+    # hmf saves the derived head shape beside the user keys; they must agree with the attention it was primed from.
+    Hq, Hkv = attention["num_heads"], attention["num_kv_heads"]
+    _check_derived(raw, {"hidden_size": hf.get("hidden_size"), "head_dim": attention["head_dim"], "num_q_heads": Hq,
+                         "num_k_heads": Hkv, "num_v_heads": Hkv}, "gka_config", where)  # fmt: skip
     unknown = sorted(set(raw) - set(GKA_DEFAULTS))
     if unknown:
         raise CheckpointError(f"{where}: unknown gka_config key {unknown[0]!r} (known: {sorted(GKA_DEFAULTS)})")
@@ -118,7 +132,6 @@ def gka_config(hf: dict[str, Any], attention: dict[str, Any], where: Path) -> di
     num_iter = c["num_iter"]
     if not isinstance(num_iter, int) or isinstance(num_iter, bool) or num_iter < 0:
         raise CheckpointError(f"{where}: gka_config.num_iter must be an integer >= 0, got {num_iter!r}")
-    Hq, Hkv = attention["num_heads"], attention["num_kv_heads"]
     out = {
         "num_heads": max(Hq, Hkv), "head_dim": attention["head_dim"], "num_q_heads": Hq, "num_k_heads": Hkv,
         "num_v_heads": Hkv, "conv_kernel": hf_common.positive_int(c, "conv_size", where),
@@ -146,13 +159,18 @@ def mamba2_config(hf: dict[str, Any], attention: dict[str, Any], where: Path) ->
     raw = hf.get("mamba2_config") or {}
     if not isinstance(raw, dict):
         raise CheckpointError(f"{where}: mamba2_config must be an object, got {raw!r}")
+    raw = dict(raw)
+    H, D, Hkv = attention["num_heads"], attention["head_dim"], attention["num_kv_heads"]
+    _check_derived(raw, {"d_model": hf.get("hidden_size"), "d_inner": H * D, "d_xb": Hkv * D,
+                         "intermediate_size": hf.get("intermediate_size"), "hidden_act": hf.get("hidden_act", "silu"),
+                         "n_layer": hf.get("num_hidden_layers"), "rms_norm_eps": hf.get("rms_norm_eps", 1e-6),
+                         "ssm_cfg": {"expand": 1, "ngroups": H, "d_state": D}}, "mamba2_config", where)  # fmt: skip
     unknown = sorted(set(raw) - {"use_qk_norm", "use_pos_emb"})
     if unknown:
         raise CheckpointError(f"{where}: unknown mamba2_config key {unknown[0]!r} (known: use_qk_norm, use_pos_emb)")
     c = {"use_qk_norm": True, "use_pos_emb": False} | raw
     if hf_common.flag(c, "use_pos_emb", where):
         raise CheckpointError(f"{where}: mamba2_config.use_pos_emb = true (RoPE on B and C) is not supported yet")
-    H, D = attention["num_heads"], attention["head_dim"]
     return {"num_heads": H, "head_dim": D, "state_size": D, "n_groups": H, "conv_kernel": 4, "use_bias": False,
             "use_conv_bias": True, "norm_eps": 1e-5, "bc_norm": hf_common.flag(c, "use_qk_norm", where),
             "bc_norm_eps": 1e-6}  # fmt: skip

@@ -200,3 +200,18 @@ def test_converter_declares_qwen3_thinking_tags_when_the_tokenizer_has_them(tmp_
     # Without the tags in the vocabulary, nothing is declared (the replies then have no reasoning part).
     plain = convert_hmf(FIXTURES / "gka_fp32", tmp_path / "kv2", tokenizer_from=byte_tokenizer)
     assert "reasoning_start" not in json.loads((plain / "tokenizer_config.json").read_text())
+
+
+def test_derived_keys_hmf_saves_are_accepted_when_they_agree(tmp_path, byte_tokenizer):
+    """hmf's setup writes the derived head shape into gka_config / mamba2_config beside the user keys."""
+    derived_gka = {"hidden_size": 64, "head_dim": 32, "num_q_heads": 4, "num_k_heads": 2, "num_v_heads": 2}
+    src = _edited(tmp_path / "g", "gka_fp32", lambda c: c["gka_config"].update(derived_gka))
+    assert convert_hmf(src, tmp_path / "g_out", tokenizer_from=byte_tokenizer).is_dir()
+    ssm_cfg = {"expand": 1, "ngroups": 4, "d_state": 32}
+    derived_m2 = {"d_model": 64, "d_inner": 128, "d_xb": 64, "intermediate_size": 64, "hidden_act": "silu",
+                  "n_layer": 3, "rms_norm_eps": 1e-6, "ssm_cfg": ssm_cfg}  # fmt: skip
+    src = _edited(tmp_path / "m", "m2_fp32", lambda c: c["mamba2_config"].update(derived_m2))
+    assert convert_hmf(src, tmp_path / "m_out", tokenizer_from=byte_tokenizer).is_dir()
+    bad = _edited(tmp_path / "b", "gka_fp32", lambda c: c["gka_config"].update(head_dim=16))
+    with pytest.raises(CheckpointError, match="gka_config.head_dim is 16 but the model's shape implies 32"):
+        convert_hmf(bad, tmp_path / "b_out", tokenizer_from=byte_tokenizer)
