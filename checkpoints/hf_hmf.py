@@ -182,6 +182,10 @@ def bmojo_f_config(hf: dict[str, Any], attention: dict[str, Any], where: Path) -
     raw = hf.get("bmojo_config") or {}
     if not isinstance(raw, dict):
         raise CheckpointError(f"{where}: bmojo_config must be an object, got {raw!r}")
+    raw = dict(raw)
+    _check_derived(raw, {"hidden_size": hf.get("hidden_size"), "num_heads": attention["num_heads"],
+                         "num_key_value_heads": attention["num_kv_heads"], "head_dim": attention["head_dim"],
+                         "rms_norm_eps": hf.get("rms_norm_eps", 1e-6)}, "bmojo_config", where)  # fmt: skip
     known = {"window_size": 2048, "tie_attn_weights": True, "ssm_mixer": "mamba2"}
     unknown = sorted(set(raw) - set(known))
     if unknown:

@@ -212,6 +212,9 @@ def test_derived_keys_hmf_saves_are_accepted_when_they_agree(tmp_path, byte_toke
                   "n_layer": 3, "rms_norm_eps": 1e-6, "ssm_cfg": ssm_cfg}  # fmt: skip
     src = _edited(tmp_path / "m", "m2_fp32", lambda c: c["mamba2_config"].update(derived_m2))
     assert convert_hmf(src, tmp_path / "m_out", tokenizer_from=byte_tokenizer).is_dir()
+    derived_bmf = {"hidden_size": 64, "num_heads": 4, "num_key_value_heads": 2, "head_dim": 32, "rms_norm_eps": 1e-6}
+    src = _edited(tmp_path / "f", "bmf_bf16", lambda c: c["bmojo_config"].update(derived_bmf))
+    assert convert_hmf(src, tmp_path / "f_out", tokenizer_from=byte_tokenizer).is_dir()
     bad = _edited(tmp_path / "b", "gka_fp32", lambda c: c["gka_config"].update(head_dim=16))
     with pytest.raises(CheckpointError, match="gka_config.head_dim is 16 but the model's shape implies 32"):
         convert_hmf(bad, tmp_path / "b_out", tokenizer_from=byte_tokenizer)
