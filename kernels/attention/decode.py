@@ -13,6 +13,7 @@ once wrapped, in any order, since RoPE already encodes the positions).
 
 from __future__ import annotations
 
+import functools
 import os
 
 import torch
@@ -73,6 +74,12 @@ def _decode_attention_kernel(
     tl.store(l_part + i_b * stride_mb + heads * stride_mh + i_s, l_i, mask=m_g)
 
 
+@functools.cache
+def _multiprocessors(device: torch.device) -> int:
+    """SM count (asked once per device: decode calls this every layer of every step)."""
+    return torch.cuda.get_device_properties(device).multi_processor_count
+
+
 def decode_attention(
     q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, used: torch.Tensor, slots: torch.Tensor,
     max_used: int,
@@ -92,7 +99,7 @@ def decode_attention(
     G = Hq // Hkv
     BLOCK_N = 64
     # Enough programs to fill the GPU (~4 per SM) when sessions are few; each split at least 256 keys.
-    sms = torch.cuda.get_device_properties(q.device).multi_processor_count if q.is_cuda else 4
+    sms = _multiprocessors(q.device) if q.is_cuda else 4
     splits = max(1, min(triton.cdiv(max_used, 256), triton.cdiv(4 * sms, B * Hkv)))
     split_len = triton.cdiv(triton.cdiv(max(max_used, 1), splits), BLOCK_N) * BLOCK_N
     splits = triton.cdiv(max(max_used, 1), split_len)

@@ -251,27 +251,36 @@ def fused_recurrent_attention(
 
     Rows not named in `state_indices` are left untouched. The PyTorch path raises `KVCacheFull` (nothing written)
     when a full cache is already full, reading the longest length on the host (it sizes the keys gathered: a
-    device sync); the Triton path (a GPU) reads nothing on the host and checks nothing (see
-    `_fused_recurrent_attention_triton`), so that decode can be captured in a CUDA graph.
+    device sync); the Triton path (a GPU) reads nothing on the host and does not check capacity (see the comment
+    in the body), so that decode can be captured in a CUDA graph.
 
     Returns:
         `[B, Hq, D]` in q's dtype.
     """
     idx = state_indices.to(torch.int64)
     n = length.index_select(0, idx)  # [B] tokens seen before this one
-    if decode_graph_safe(q.device, q.dtype):
-        return _fused_recurrent_attention_triton(q, k, v, k_cache, v_cache, length, idx, n, rope_theta, window)
-    longest = int(n.max())
-    _check_capacity(k_cache, longest + 1, window)
+    C = k_cache.shape[1]
+    # The Triton kernel sizes its key splits by the capacity C, so nothing is read on the host and a full cache is not
+    # checked: the engine bounds every session's context (prompt plus max_tokens within max_context,
+    # server/generation.py and engine/llm.py); a session past it keeps overwriting its last entry rather than write
+    # out of bounds. (The padded rows of a CUDA graph decode the scratch slot, whose length only grows.)
+    triton_path = decode_graph_safe(q.device, q.dtype)
+    longest = C - 1 if triton_path else int(n.max())
+    _check_capacity(k_cache, longest + 1, window)  # on the Triton path only the ring size can fail
     q, k = _rotate(q, k, n, rope_theta)  # the token axis is the batch axis here: one position per session
-    entry = _entries(n, window)
+    entry = n.clamp(max=C - 1) if triton_path and window is None else _entries(n, window)
     k_cache.index_put_((idx, entry), k.to(k_cache.dtype))
     v_cache.index_put_((idx, entry), v.to(v_cache.dtype))
-    # Only the first min(n+1, C) entries hold this session's keys; for a ring that is all of them once it has
-    # wrapped, and RoPE already encodes the positions, so entry order does not matter.
-    used = min(longest + 1, k_cache.shape[1])
-    mask = torch.arange(used, device=q.device)[None, :] < (n + 1)[:, None]
-    out = _attend_one(q, k_cache[idx, :used], v_cache[idx, :used], mask)
+    if triton_path:
+        from kvfree.kernels.attention.decode import decode_attention
+
+        out = decode_attention(q, k_cache, v_cache, (n + 1).clamp(max=C), idx, C)
+    else:
+        # Only the first min(n+1, C) entries hold this session's keys; for a ring that is all of them once it has
+        # wrapped, and RoPE already encodes the positions, so entry order does not matter.
+        used = min(longest + 1, C)
+        mask = torch.arange(used, device=q.device)[None, :] < (n + 1)[:, None]
+        out = _attend_one(q, k_cache[idx, :used], v_cache[idx, :used], mask)
     length.index_copy_(0, idx, n + 1)
     return out
 
@@ -280,29 +289,6 @@ def decode_graph_safe(device: torch.device, dtype: torch.dtype) -> bool:
     """Whether `fused_recurrent_attention` on `dtype` activations on `device` runs without a host sync (the Triton
     decode kernel), so that a decode step may be captured in a CUDA graph."""
     return dtype != torch.float64 and use_triton(device)
-
-
-def _fused_recurrent_attention_triton(
-    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
-    length: torch.Tensor, idx: torch.Tensor, n: torch.Tensor, rope_theta: float, window: int | None,
-) -> torch.Tensor:  # fmt: skip
-    """The decode op with the Triton kernel and no host read: the kernel's key splits are sized by the cache's
-    capacity, not the longest session. So a full cache is not checked here: the engine bounds every session's context
-    (prompt plus max_tokens within max_context, server/generation.py and engine/llm.py); a session past it would
-    keep overwriting its last entry rather than write out of bounds. (The padded rows of a CUDA graph decode the
-    scratch slot, whose length only grows.)"""
-    C = k_cache.shape[1]
-    if window is not None and window != C:
-        raise ValueError(f"window={window}: the ring must have {window} entries, the cache has {C}")
-    from kvfree.kernels.attention.decode import decode_attention
-
-    q, k = _rotate(q, k, n, rope_theta)
-    entry = n % window if window is not None else n.clamp(max=C - 1)
-    k_cache.index_put_((idx, entry), k.to(k_cache.dtype))
-    v_cache.index_put_((idx, entry), v.to(v_cache.dtype))
-    out = decode_attention(q, k_cache, v_cache, (n + 1).clamp(max=C), idx, C)
-    length.index_copy_(0, idx, n + 1)
-    return out
 
 
 def _attend_one(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
