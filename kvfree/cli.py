@@ -146,6 +146,11 @@ def cmd_loadtest(args: argparse.Namespace) -> int:
 
 
 def cmd_bench(args: argparse.Namespace) -> int:
+    if "--serve" in args.forwarded:
+        # The served benchmark starts `kvfree serve` and drives it over HTTP, so it lives above engine and loadtest.
+        from kvfree.serve_bench import main as serve_bench_main
+
+        return serve_bench_main(args.forwarded)
     from kvfree.engine.bench import main as bench_main
 
     return bench_main(args.forwarded)
@@ -321,7 +326,8 @@ def build_parser() -> argparse.ArgumentParser:
         sub,
         "bench",
         "time a preset's model step (decode at several batch sizes, one long prefill) against its floor, "
-        "or LLM.generate end to end (--offline)",
+        "or LLM.generate end to end (--offline), or a checkpoint served over HTTP to streaming clients against "
+        "LLM.generate of the same work (--serve; `kvfree bench --serve --help`)",
         cmd_bench,
     )
     _add_forwarding_parser(

@@ -22,21 +22,21 @@ REPORT_JSON = "report.json"
 REPORT_MD = "report.md"
 
 
-def _clean(value: Any) -> Any:
-    """JSON-safe: NaN and infinities become None, paths and tuples their plain forms."""
+def json_safe(value: Any) -> Any:
+    """`value` made strict-JSON-safe: NaN and infinities become None, paths and tuples their plain forms."""
     if isinstance(value, float):
         return value if math.isfinite(value) else None
     if isinstance(value, dict):
-        return {str(k): _clean(v) for k, v in value.items()}
+        return {str(k): json_safe(v) for k, v in value.items()}
     if isinstance(value, list | tuple):
-        return [_clean(v) for v in value]
+        return [json_safe(v) for v in value]
     if isinstance(value, Path):
         return str(value)
     return value
 
 
 def report_dict(report: LoadTestReport) -> dict[str, Any]:
-    return _clean(asdict(report))
+    return json_safe(asdict(report))
 
 
 # -- formatting ---------------------------------------------------------------------------------------------------
