@@ -20,6 +20,8 @@ import torch
 import triton
 import triton.language as tl
 
+from ..launcher import launch_kernel
+
 _INTERPRET = os.environ.get("TRITON_INTERPRET", "0") in ("1", "true", "True")
 
 
@@ -107,7 +109,7 @@ def decode_attention(
     m_part = torch.empty(B, Hq, splits, device=q.device, dtype=torch.float32)
     l_part = torch.empty_like(m_part)
     q = q.contiguous()
-    _decode_attention_kernel[(B, Hkv, splits)](
+    launch_kernel(_decode_attention_kernel, (B, Hkv, splits),
         q, k_cache, v_cache, used, slots, o_part, m_part, l_part,
         q.stride(0), q.stride(1), k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
         v_cache.stride(0), v_cache.stride(1), v_cache.stride(2),

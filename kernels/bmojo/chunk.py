@@ -39,6 +39,7 @@ import triton.language as tl
 from .. import common
 from ..conv import chunk_causal_conv1d
 from ..dispatch import host_cu_seqlens
+from ..launcher import launch_kernel
 from .fused_recurrent import LOG2E, FadingKV, check_pools
 from .reference import innovation_weight, topm_index
 
@@ -331,7 +332,7 @@ def launch(
     # fp32 tiles split three ways need 128 KiB of shared memory per stage set at BM = BN = 64 (sm_90 compile): one
     # stage fits, the default three (384 KiB) do not.
     stages = num_stages or (1 if fp32 else 3)
-    _prefill_attn_kernel[(G * QB, Hq)](
+    launch_kernel(_prefill_attn_kernel, (G * QB, Hq),
         q, k, v, ring_k, ring_v, mem_k, mem_v, rows, o,
         q.stride(0), q.stride(1), k.stride(0), k.stride(1), v.stride(0), v.stride(1), LOG2E / math.sqrt(dh),
         HQ=Hq, HKV=Hkv, DH=dh, W=w, M=M, M_F=m_f, BD=max(16, triton.next_power_of_2(dh)), BM=BM, BN=BN, QB=QB,

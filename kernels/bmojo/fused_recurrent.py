@@ -43,6 +43,7 @@ import triton
 import triton.language as tl
 
 from .. import common
+from ..launcher import launch_kernel
 
 INTERPRET = os.environ.get("TRITON_INTERPRET", "0") in ("1", "true", "True")
 LOG2E = 1.4426950408889634
@@ -431,7 +432,7 @@ def launch(
     BD = max(16, triton.next_power_of_2(dh))
     bme = max(16, triton.next_power_of_2(max(m_e, 1)))
     bc = min(64, max(16, triton.next_power_of_2(m_e + w)))  # candidates per block of the pairwise rank count
-    _publish_kernel[(B, Hkv)](
+    launch_kernel(_publish_kernel, (B, Hkv),
         t, fad_n, eid_n, ring_k, ring_v, ring_eps, fad_k, fad_v, eid_k, eid_v, eid_eps, eid_pos, fk, fv,
         state_indices, meta, new_eps, new_pos, *f_strides,
         HKV=Hkv, DH=dh, W=w, M_F=m_f, M_E=m_e, BD=BD, BC=bc, BME=bme, BMF=max(16, triton.next_power_of_2(max(m_f, 1))),
@@ -447,7 +448,7 @@ def launch(
     ns = -(-n_blocks // bps)
     part_o = common.output_buffer((B, Hq, ns, dh), torch.float32, dev) if ns > 1 else o
     part_ml = common.output_buffer((B, Hq, ns, 2), torch.float32, dev) if ns > 1 else o
-    _decode_attn_kernel[(B * Hq, ns)](
+    launch_kernel(_decode_attn_kernel, (B * Hq, ns),
         q, k, v, y, t, y_buf, ring_k, ring_v, ring_eps, fad_k, fad_v, fad_n, eid_k, eid_v, eid_eps, eid_pos, eid_n,
         state_indices, meta, new_eps, new_pos, o, part_o, part_ml,
         q.stride(0), q.stride(1), k.stride(0), k.stride(1), v.stride(0), v.stride(1), y.stride(0),
@@ -457,7 +458,8 @@ def launch(
         INTERP=INTERPRET, num_warps=num_warps or 4,
     )  # fmt: skip
     if ns > 1:
-        _combine_kernel[(B * Hq,)](o, part_o, part_ml, DH=dh, NS=ns, BD=BD, BS=max(2, triton.next_power_of_2(ns)))
+        BS = max(2, triton.next_power_of_2(ns))
+        launch_kernel(_combine_kernel, (B * Hq,), o, part_o, part_ml, DH=dh, NS=ns, BD=BD, BS=BS)
     return o
 
 

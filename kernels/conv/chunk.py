@@ -16,6 +16,7 @@ import triton.language as tl
 
 from .. import common
 from ..dispatch import chunk_metadata, host_cu_seqlens
+from ..launcher import launch_kernel
 
 INTERPRET = os.environ.get("TRITON_INTERPRET", "0") in ("1", "true", "True")
 
@@ -123,7 +124,7 @@ def chunk_causal_conv1d(
     y = common.output_buffer((T, C), x.dtype, x.device)
     if nb == 0:
         return y
-    _conv_varlen_kernel[(nb, triton.cdiv(C, BC))](
+    launch_kernel(_conv_varlen_kernel, (nb, triton.cdiv(C, BC)),
         x, y, state, state_indices, cu_seqlens, blocks, weight, bias if bias is not None else weight,
         x.stride(0), x.stride(1), state.stride(0), state.stride(1), state.stride(2), weight.stride(0),
         weight.stride(1), C,

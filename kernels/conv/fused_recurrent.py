@@ -11,6 +11,7 @@ import triton
 import triton.language as tl
 
 from .. import common
+from ..launcher import launch_kernel
 
 
 @triton.jit
@@ -84,7 +85,7 @@ def fused_recurrent_causal_conv1d(
     if Bs == 0:
         return y
     BC = min(256, max(16, triton.next_power_of_2(C)))
-    _conv_step_kernel[(Bs, triton.cdiv(C, BC))](
+    launch_kernel(_conv_step_kernel, (Bs, triton.cdiv(C, BC)),
         x, y, state, state_indices, weight, bias if bias is not None else weight,
         x.stride(0), x.stride(1), state.stride(0), state.stride(1), state.stride(2), weight.stride(0),
         weight.stride(1), C,

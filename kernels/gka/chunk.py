@@ -31,6 +31,7 @@ import triton.language as tl
 
 from .. import common
 from ..dispatch import chunk_metadata, host_cu_seqlens
+from ..launcher import launch_kernel
 from .fused_recurrent import check_shapes
 from .reference import _MIN_FRO_SQ
 
@@ -341,7 +342,7 @@ def launch(
     # for one long prompt.
     BN = block_n or min(64, BD, BDV)
     BR = min(BD, block_r or 64)
-    _gka_state_kernel[(nseq * He, triton.cdiv(D, BR) * (triton.cdiv(D, BN) + triton.cdiv(Dv, BN)))](
+    launch_kernel(_gka_state_kernel, (nseq * He, triton.cdiv(D, BR) * (triton.cdiv(D, BN) + triton.cdiv(Dv, BN))),
         k, v, g, h, s, hbuf, sbuf, state_indices, cu_seqlens, chunk_offsets,
         k.stride(0), k.stride(1), v.stride(0), v.stride(1), g.stride(0), g.stride(1),
         h.stride(0), h.stride(1), h.stride(2), s.stride(0), s.stride(1), s.stride(2),
@@ -350,7 +351,7 @@ def launch(
 
     BM = min(L, block_m or (16 if INTERPRET else 32))
     rho2_4 = (0.5 / (1.0 + 2.0 * ridge)) ** 2
-    _gka_out_kernel[(NC * (L // BM), He)](
+    launch_kernel(_gka_out_kernel, (NC * (L // BM), He),
         q, k, v, g, alpha, hbuf, sbuf, o, cu_seqlens, chunk_indices,
         q.stride(0), q.stride(1), k.stride(0), k.stride(1), v.stride(0), v.stride(1), g.stride(0), g.stride(1),
         alpha.stride(0), alpha.stride(1), float(ridge), rho2_4, float(scale),

@@ -22,6 +22,7 @@ import triton
 import triton.language as tl
 
 from .. import common
+from ..launcher import launch_kernel
 from .reference import _MIN_FRO_SQ
 
 
@@ -175,7 +176,7 @@ def launch(
     if num_warps is None:
         num_warps = 4
     rho2_4 = (0.5 / (1.0 + 2.0 * ridge)) ** 2
-    _gka_step_kernel[(B * He,)](
+    launch_kernel(_gka_step_kernel, (B * He,),
         q, k, v, g, alpha, h, s, state_indices, out,
         q.stride(0), q.stride(1), k.stride(0), k.stride(1), v.stride(0), v.stride(1), g.stride(0), g.stride(1),
         alpha.stride(0), alpha.stride(1), h.stride(0), h.stride(1), h.stride(2), s.stride(0), s.stride(1),

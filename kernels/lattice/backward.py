@@ -30,6 +30,7 @@ import triton
 import triton.language as tl
 
 from .. import common
+from ..launcher import launch_kernel
 from .fused_recurrent import _lattice_update, tile_blocks
 from .reference import _NORM_FLOOR, VARIANTS
 
@@ -181,7 +182,7 @@ class LatticeScan(torch.autograd.Function):
         y = common.output_buffer((B, T, H, d), torch.float32, dev)
         s_out = common.output_buffer((B, H, d, m), torch.float32, dev)
         ckpt = common.output_buffer((B, H, NC, d, m), torch.float32, dev)
-        _train_fwd_kernel[(B, H)](
+        launch_kernel(_train_fwd_kernel, (B, H),
             S0, q, k, v, gamma, y, s_out, ckpt, T=T, H=H, D=d, M=m, BD=BD, BM=BM, C=SEGMENT, NC=NC,
             VARIANT=VARIANTS.index(variant), NORM_FLOOR_SQ=_NORM_FLOOR**2, num_warps=warps,
         )  # fmt: skip
@@ -207,7 +208,7 @@ class LatticeScan(torch.autograd.Function):
         dv = common.output_buffer((B, T, H, d), f32, dev)
         dgamma = common.output_buffer((B, T, H), f32, dev)
         ds0 = common.output_buffer((B, H, d, m), f32, dev)
-        _train_bwd_kernel[(B, H)](
+        launch_kernel(_train_bwd_kernel, (B, H),
             q, k, v, gamma, dy, ds_final, ckpt, scratch, dq, dk, dv, dgamma, ds0, T=T, H=H, D=d, M=m, BD=BD, BM=BM,
             C=SEGMENT, NC=NC, VARIANT=VARIANTS.index(ctx.variant), NORM_FLOOR_SQ=_NORM_FLOOR**2, num_warps=warps,
         )  # fmt: skip

@@ -26,6 +26,7 @@ import triton
 import triton.language as tl
 
 from .. import common
+from ..launcher import launch_kernel
 from .reference import _NORM_FLOOR, VARIANTS
 
 INTERPRET = os.environ.get("TRITON_INTERPRET", "0") in ("1", "true", "True")
@@ -358,7 +359,7 @@ def scan_launch(
     wq, bq, _, _ = g.conv
     K = wq.shape[-1] if gated is not None else 1
     gate = g.gate if g.gate is not None else v
-    _lattice_scan_kernel[(nseq, H)](
+    launch_kernel(_lattice_scan_kernel, (nseq, H),
         q, k, v, gamma, mu_arg, g.p, g.step, *conv_pointers(g), gate,
         g.norm_weight if g.norm_weight is not None else v, y, state,
         state_indices, cu_seqlens if cu_seqlens is not None else state_indices, float(g.mu_min), float(g.eps),
@@ -408,7 +409,7 @@ def gates_pass(
         return q, k, gamma
     wq, bq, _, _ = gated.conv
     BT = 16
-    _lattice_gates_kernel[(len(lens), triton.cdiv(max(lens), BT), H)](
+    launch_kernel(_lattice_gates_kernel, (len(lens), triton.cdiv(max(lens), BT), H),
         gated.p, gated.step, *conv_pointers(gated), q, k, gamma, cu_seqlens, float(gated.mu_min), gated.p.stride(0),
         gated.step.stride(0), gated.tail.stride(0), gated.tail.stride(1), state_indices, H=H, M=m, K=wq.shape[-1],
         BM=max(16, triton.next_power_of_2(m)), BT=BT, HAS_MU=gated.step.shape[1] == 2 * H, QK_L2=bool(gated.qk_l2),

@@ -29,6 +29,7 @@ import triton.language as tl
 from .. import common
 from ..autotune import AUTOTUNE_OPTIONS
 from ..dispatch import chunk_metadata, host_cu_seqlens
+from ..launcher import launch_kernel
 from .fused_recurrent import softplus
 
 INTERPRET = os.environ.get("TRITON_INTERPRET", "0") in ("1", "true", "True")
@@ -385,14 +386,14 @@ def chunk_mamba2(
     dtv = common.output_buffer((H, T), f32, dev)
     acs = common.output_buffer((H, T), f32, dev)
     BH = min(32, triton.next_power_of_2(H))
-    _chunk_dt_kernel[(NC, triton.cdiv(H, BH))](
+    launch_kernel(_chunk_dt_kernel, (NC, triton.cdiv(H, BH)),
         dt, dt_bias, A, dtv, acs, cu_seqlens, chunk_indices, T, dt.stride(0), dt.stride(1), lo, hi,
         H=H, L=L, BH=BH, HAS_LIMIT=dt_limit is not None, num_warps=4,
     )
 
     hbuf = common.output_buffer((NC, H, P, N), x.dtype if x.dtype in (torch.bfloat16, torch.float16) else f32, dev)
     final = common.output_buffer((nseq, H, P, N), f32, dev)
-    _chunk_state_kernel[lambda meta: (nseq * H, triton.cdiv(P, meta["BP"]), triton.cdiv(N, meta["BN"]))](
+    launch_kernel(_chunk_state_kernel, lambda meta: (nseq * H, triton.cdiv(P, meta["BP"]), triton.cdiv(N, meta["BN"])),
         x, B, dtv, acs, state, state_indices, cu_seqlens, chunk_offsets, hbuf, final, T,
         x.stride(0), x.stride(1), x.stride(2), B.stride(0), B.stride(1), B.stride(2),
         state.stride(0), state.stride(1), state.stride(2), state.stride(3), _par_bucket(nseq),
@@ -400,7 +401,7 @@ def chunk_mamba2(
     )
 
     BM = min(L, 16 if INTERPRET else (32 if x.dtype == f32 else 64))
-    _chunk_out_kernel[lambda meta: (NC * (L // BM), triton.cdiv(P, meta["BP"]), H)](
+    launch_kernel(_chunk_out_kernel, lambda meta: (NC * (L // BM), triton.cdiv(P, meta["BP"]), H),
         x, B, C, dtv, acs, hbuf, final, state, state_indices, D, y, cu_seqlens, chunk_indices, T,
         x.stride(0), x.stride(1), x.stride(2), B.stride(0), B.stride(1), B.stride(2), C.stride(0), C.stride(1),
         C.stride(2), state.stride(0), state.stride(1), state.stride(2), state.stride(3),

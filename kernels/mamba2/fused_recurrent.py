@@ -16,6 +16,7 @@ import triton
 import triton.language as tl
 
 from .. import common
+from ..launcher import launch_kernel
 
 
 @triton.jit
@@ -126,7 +127,7 @@ def launch(
     if num_warps is None:
         num_warps = 4 if BP * BN >= 2048 else 2
     lo, hi = (float(dt_limit[0]), float(dt_limit[1])) if dt_limit is not None else (0.0, 0.0)
-    _ssd_step_kernel[(Bs * H * triton.cdiv(P, BP),)](
+    launch_kernel(_ssd_step_kernel, (Bs * H * triton.cdiv(P, BP),),
         x, dt, B, C, state, state_indices, A, D, dt_bias, y,
         x.stride(0), x.stride(1), x.stride(2), dt.stride(0), dt.stride(1),
         B.stride(0), B.stride(1), B.stride(2), C.stride(0), C.stride(1), C.stride(2),

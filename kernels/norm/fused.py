@@ -25,6 +25,7 @@ import triton
 import triton.language as tl
 
 from .. import common
+from ..launcher import launch_kernel
 
 INTERPRET = os.environ.get("TRITON_INTERPRET", "0") in ("1", "true", "True")
 
@@ -168,7 +169,7 @@ def rms_norm(
     y = common.output_buffer((N, D), weight.dtype, x.device)
     if N:
         BD, BN, nw = _config(N, D, block_n, num_warps)
-        _rms_norm_kernel[(triton.cdiv(N, BN),)](
+        launch_kernel(_rms_norm_kernel, (triton.cdiv(N, BN),),
             x2, x2, x2, weight, y, N, D, x2.stride(0), 0, 0, eps,
             BLOCK_N=BN, BLOCK_D=BD, ADD=False, HAS_RES=False, INTERP=INTERPRET,
             num_warps=nw,
@@ -218,7 +219,7 @@ def add_rms_norm(
     y = common.output_buffer((N, D), weight.dtype, x.device)
     if N:
         BD, BN, nw = _config(N, D, block_n, num_warps)
-        _rms_norm_kernel[(triton.cdiv(N, BN),)](
+        launch_kernel(_rms_norm_kernel, (triton.cdiv(N, BN),),
             x2, r2, ro2, weight, y, N, D, x2.stride(0), r2.stride(0), ro2.stride(0), eps,
             BLOCK_N=BN, BLOCK_D=BD, ADD=True, HAS_RES=residual is not None,
             INTERP=INTERPRET, num_warps=nw,
@@ -276,7 +277,7 @@ def gated_rms_norm(
     y = common.output_buffer((N, D), weight.dtype, x.device)
     if N:
         BG, BN, nw = _config(N, group_size, block_n, num_warps)
-        _gated_rms_norm_kernel[(triton.cdiv(N, BN), D // group_size)](
+        launch_kernel(_gated_rms_norm_kernel, (triton.cdiv(N, BN), D // group_size),
             x2, g2, weight, y, N, D, group_size, x2.stride(0), g2.stride(0), eps,
             BLOCK_N=BN, BLOCK_G=BG, NORM_BEFORE_GATE=bool(norm_before_gate),
             INTERP=INTERPRET, num_warps=nw,

@@ -34,6 +34,7 @@ import triton.language as tl
 
 from .. import common
 from ..dispatch import chunk_metadata, host_cu_seqlens
+from ..launcher import launch_kernel
 from .fused_recurrent import check_state, rebuild_launch, sizes
 from .rebuild import build_readout, fallback_counter, param, split_eps, tensor_core_products
 from .reference import MODES, SKAState
@@ -374,14 +375,14 @@ def launch(
     eps_hi, eps_lo = split_eps(eps)
     frozen = key_norm == "frozen"
 
-    _ska_stats_kernel[(NC, H)](
+    launch_kernel(_ska_stats_kernel, (NC, H),
         z, v, zp, J, pos, state_indices, cu_seqlens, chunk_indices, sbuf, mbuf, posbuf, jbuf,
         z.stride(0), z.stride(1), v.stride(0), v.stride(1), zp.stride(0), zp.stride(1), J.stride(0), J.stride(1),
         J.stride(2),
         H=H, r=r, P=P, R=R, PB=PB, S=S, BS=BS, LOCAL=local, USE_DOT=bool(stats_dot), PREC=prec, num_warps=4,
     )  # fmt: skip
     BR = block_rows
-    _ska_prefix_kernel[(nseq * H, triton.cdiv(W, BR))](
+    launch_kernel(_ska_prefix_kernel, (nseq * H, triton.cdiv(W, BR)),
         G, M, C, m, pos, state_indices, cu_seqlens, chunk_offsets, sbuf, mbuf, posbuf,
         G.stride(0), G.stride(1), G.stride(2), C.stride(0), C.stride(1), C.stride(2), m.stride(0), m.stride(1),
         H=H, r=r, P=P, RC=R, BR=BR, S=S, LOCAL=local, FROZEN=frozen, num_warps=4,
@@ -391,7 +392,7 @@ def launch(
         rebuild_launch(state, state_indices, chunk_size=S, always=True, cu_seqlens=cu_seqlens, use_dot=use_dot, **kw)
     if num_warps is None:
         num_warps = 8 if R * R * G.element_size() > 16384 else 4
-    _ska_readout_kernel[(NC, H)](
+    launch_kernel(_ska_readout_kernel, (NC, H),
         z, q, y, zp, J, m, state_indices, cu_seqlens, chunk_indices, sbuf, mbuf, posbuf, jbuf, fallback_counter(dev),
         eta_t, gamma_t,
         z.stride(0), z.stride(1), q.stride(0), q.stride(1), zp.stride(0), zp.stride(1), J.stride(0), J.stride(1),

@@ -29,6 +29,7 @@ import triton
 import triton.language as tl
 
 from .. import common
+from ..launcher import launch_kernel
 from .rebuild import build_readout, fallback_counter, param, split_eps, tensor_core_products
 from .reference import MODES, SKAState
 
@@ -258,7 +259,7 @@ def rebuild_launch(
     if num_warps is None:  # R x R fp64 tiles: 8 warps keep the five live ones in registers at R = 64
         num_warps = 8 if R * R * G.element_size() > 16384 else 4
     dummy = state_indices
-    _ska_rebuild_kernel[(n, H)](
+    launch_kernel(_ska_rebuild_kernel, (n, H),
         G, M, C, J, m, pos, dummy if q is None else q, dummy if y is None else y, state_indices,
         dummy if posbuf is None else posbuf, dummy if cu_seqlens is None else cu_seqlens, fallback_counter(G.device),
         eta, gamma,
@@ -295,7 +296,7 @@ def launch(
                    use_dot=use_dot, num_warps=num_warps)  # fmt: skip
     if mode_c:
         rebuild_launch(state, state_indices, always=False, posbuf=posbuf, **rebuild)
-    _ska_update_kernel[(B, H)](
+    launch_kernel(_ska_update_kernel, (B, H),
         z, q, v, G, M, C, zp, m, J, pos, state_indices if posbuf is None else posbuf, state_indices, y,
         z.stride(0), z.stride(1), q.stride(0), q.stride(1), v.stride(0), v.stride(1),
         G.stride(0), G.stride(1), G.stride(2), C.stride(0), C.stride(1), C.stride(2), J.stride(0), J.stride(1),
