@@ -89,7 +89,7 @@ class DecodeGraphs:
         return StepBatch(
             state_indices=self.state_indices[:size],
             cu_seqlens=self.cu_seqlens[: size + 1],
-            cu_seqlens_cpu=torch.arange(size + 1, dtype=torch.int32),
+            cu_seqlens_cpu=tuple(range(size + 1)),
             last_token_indices=self.cu_seqlens[1 : size + 1].long() - 1,
             is_decode=True,
         )
@@ -104,7 +104,7 @@ class DecodeGraphs:
         size = self.bucket(n)
         if size is None:
             raise ValueError(f"{n} sessions exceed the largest captured batch {self.sizes[-1]}")
-        host = torch.tensor(padded_slots(slots, size, self.scratch_slot), dtype=torch.int32)
-        self.state_indices[:size].copy_(host, non_blocking=True)
+        host = torch.tensor(padded_slots(slots, size, self.scratch_slot), dtype=torch.int32, pin_memory=True)
+        self.state_indices[:size].copy_(host, non_blocking=True)  # pinned: a true asynchronous copy
         self.graphs[size].replay()
         return self.logits[size][:n]

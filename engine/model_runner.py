@@ -15,6 +15,7 @@ from dataclasses import dataclass
 import torch
 
 from kvfree.engine.cuda_graphs import DecodeGraphs
+from kvfree.engine.host_copy import upload
 from kvfree.engine.model import HybridLM
 from kvfree.engine.sampling import BatchFlags, SampleOutput, SamplingTable, sample
 from kvfree.engine.scheduler import SampledTokens, ScheduledStep
@@ -122,11 +123,11 @@ class ModelRunner:
             for src, dst in step.forks:
                 self.pool.copy(src, dst)
             if step.sample_source:
-                rows = torch.tensor(step.sample_source, dtype=torch.long).to(self.device, non_blocking=True)
+                rows = upload(step.sample_source, torch.long, self.device)
                 logits.append(prefill_logits.index_select(0, rows))
         if not step.sample:
             return StepHandle(None, None, [], None)
-        slots = torch.tensor([s.slot for s in step.sample], dtype=torch.long).to(self.device, non_blocking=True)
+        slots = upload([s.slot for s in step.sample], torch.long, self.device)
         params = [s.params for s in step.sample]
         flags = BatchFlags.of(params, self.model.config.vocab_size)
         out = sample(torch.cat(logits) if len(logits) > 1 else logits[0], self.sampling.rows(slots, flags))
@@ -154,7 +155,7 @@ class ModelRunner:
     def prefill(self, seqs: list, chunks: list[list[int]], all_logits: bool = False) -> torch.Tensor:
         """Feed `chunks[i]` into `seqs[i]`'s slot (one packed call). Returns logits `[B, V]` of each chunk's last
         token (`[T, V]` for every token with `all_logits`)."""
-        ids = torch.tensor([t for chunk in chunks for t in chunk], dtype=torch.long).to(self.device, non_blocking=True)
+        ids = upload([t for chunk in chunks for t in chunk], torch.long, self.device)
         batch = StepBatch.prefill([s.slot for s in seqs], [len(c) for c in chunks], self.device)
         return self.model.prefill(ids, self.pool.tensors, batch, all_logits=all_logits)
 

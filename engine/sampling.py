@@ -16,6 +16,8 @@ from dataclasses import dataclass, field
 
 import torch
 
+from kvfree.engine.host_copy import upload, upload_tensor
+
 MAX_TOP_LOGPROBS = 20
 # Temperatures below this are greedy (as vLLM's _SAMPLING_EPS): dividing logits by 1e-300 would overflow them.
 GREEDY_BELOW = 1e-5
@@ -323,10 +325,10 @@ class SamplingTable:
 
     def admit(self, slots: list[int], params: list[SamplingParams], seeds: list[int], prompts: list[list[int]]) -> None:
         """Start the rows of new sequences: their parameters and seeds, counters at 0, penalty counts cleared."""
-        index = torch.tensor(slots, dtype=torch.int64).to(self.device, non_blocking=True)
+        index = upload(slots, torch.int64, self.device)
         host = torch.tensor([param_row(p) for p in params], dtype=torch.float32)
-        self.params.index_copy_(0, index, host.to(self.device, non_blocking=True))
-        self.seeds.index_copy_(0, index, torch.tensor(seeds, dtype=torch.int64).to(self.device, non_blocking=True))
+        self.params.index_copy_(0, index, upload_tensor(host, self.device))
+        self.seeds.index_copy_(0, index, upload(seeds, torch.int64, self.device))
         self.counters.index_fill_(0, index, 0)
         if any(p.uses_penalties for p in params):
             if self.counts is None:
@@ -337,7 +339,7 @@ class SamplingTable:
             self.prompt_mask.index_fill_(0, index, False)
             rows_of = [i for i, prompt in enumerate(prompts) for _ in prompt]
             tokens = [t for prompt in prompts for t in prompt]
-            at = (index[torch.tensor(rows_of, device=self.device)], torch.tensor(tokens, device=self.device))
+            at = (index[upload(rows_of, torch.int64, self.device)], upload(tokens, torch.int64, self.device))
             self.prompt_mask.index_put_(at, torch.ones(len(tokens), dtype=torch.bool, device=self.device))
 
     def rows(self, slots: torch.Tensor, flags: BatchFlags) -> SamplingRows:

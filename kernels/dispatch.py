@@ -64,16 +64,26 @@ def use_triton(device: torch.device) -> bool:
 
 
 def host_cu_seqlens(
-    cu_seqlens: torch.Tensor, cu_seqlens_cpu: torch.Tensor | list[int] | None, total: int
+    cu_seqlens: torch.Tensor, cu_seqlens_cpu: torch.Tensor | list[int] | tuple[int, ...] | None, total: int
 ) -> tuple[int, ...]:
     """The sequence boundaries as a host tuple, checked to start at 0, never decrease and end at `total` tokens.
 
-    Copies `cu_seqlens` to the host (a device sync) only when no host copy is given.
+    Copies `cu_seqlens` to the host (a device sync) only when no host copy is given. A tuple of ints (what
+    `StepBatch.cu_seqlens_cpu` holds) is checked once and then served from a cache: every layer of a step asks.
     """
+    if type(cu_seqlens_cpu) is tuple:
+        return _checked_cu_seqlens(cu_seqlens_cpu, total)
     src = cu_seqlens if cu_seqlens_cpu is None else cu_seqlens_cpu
     cu = tuple(src.detach().to("cpu", torch.int64).tolist()) if isinstance(src, torch.Tensor) else tuple(map(int, src))
+    return _checked_cu_seqlens(cu, total)
+
+
+@functools.lru_cache(maxsize=64)
+def _checked_cu_seqlens(cu: tuple[int, ...], total: int) -> tuple[int, ...]:
     if len(cu) < 2 or cu[0] != 0 or cu[-1] != total or any(b < a for a, b in zip(cu, cu[1:], strict=False)):
         raise ValueError(f"cu_seqlens must rise from 0 to T={total} over N+1 >= 2 entries, got {list(cu)[:8]}...")
+    if any(type(c) is not int for c in cu):
+        cu = tuple(map(int, cu))
     return cu
 
 
