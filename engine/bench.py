@@ -25,6 +25,7 @@ from typing import Any
 
 import torch
 
+from kvfree.engine.config import ModelConfig
 from kvfree.engine.cuda_graphs import DecodeGraphs
 from kvfree.engine.loader import resolve_device, resolve_dtype
 from kvfree.engine.model import HybridLM
@@ -35,10 +36,16 @@ from kvfree.engine.step_batch import StepBatch
 from kvfree.kernels.benchmarking import environment, hbm_bandwidth, median_ms, write_json
 
 
-def build_model(preset: str, device: torch.device, dtype: torch.dtype, seed: int = 0) -> HybridLM:
-    """A random-initialised model of `preset`, prepared for serving as `load_model` prepares a checkpoint."""
+def build_model(
+    preset: str, device: torch.device, dtype: torch.dtype, seed: int = 0, num_layers: int | None = None
+) -> HybridLM:
+    """A random-initialised model of `preset` (only its first `num_layers` layers, when given), prepared for serving
+    as `load_model` prepares a checkpoint."""
     torch.manual_seed(seed)
-    model = HybridLM(preset_config(preset))
+    config = preset_config(preset)
+    if num_layers is not None:
+        config = ModelConfig.from_dict({**PRESETS[preset], "layers": PRESETS[preset]["layers"][:num_layers]})
+    model = HybridLM(config)
     model.init_weights(seed)
     for layer in model.layers:
         layer.mixer.on_load()
