@@ -91,7 +91,7 @@ class AsyncEngine:
         self.scheduler = Scheduler(
             self.sessions, llm.tokenizer, max_waiting, max_batch_tokens, max_prefill_tokens, prefill_batch_wait
         )
-        self.engine = LLMEngine(self.scheduler, llm.runner, on_outputs=self._flush)
+        self.core = LLMEngine(self.scheduler, llm.runner, on_outputs=self._flush)  # schedule -> run -> postprocess
         self._loop_ref: asyncio.AbstractEventLoop | None = None
         self._pending: list[tuple[asyncio.Queue, RequestOutput | BaseException]] = []  # this step's emissions
         self._commands: queue.Queue[tuple[Callable[[], Any], Callable[[Any, BaseException | None], None]] | None]
@@ -106,7 +106,7 @@ class AsyncEngine:
 
     @property
     def steps(self) -> int:
-        return self.engine.steps
+        return self.core.steps
 
     def start(self) -> None:
         # The engine thread and the event loop share the GIL. Python hands it over every 5 ms by default, so each
@@ -124,7 +124,7 @@ class AsyncEngine:
             log.error("the engine thread had stopped: nothing to finish, sessions in memory are not persisted")
             return
         deadline = time.monotonic() + grace_seconds
-        while time.monotonic() < deadline and await self.call(lambda: self.engine.has_work):
+        while time.monotonic() < deadline and await self.call(lambda: self.core.has_work):
             await asyncio.sleep(0.05)
         await self.call(self._abort_all)
         await self.call(self.sessions.persist_all)
@@ -134,8 +134,8 @@ class AsyncEngine:
     def _abort_all(self) -> None:
         for req in [*self.scheduler.waiting, *self.scheduler.running]:
             self.scheduler.abort(req.request_id)
-        while self.engine.has_work:  # finish the aborts (free slots, release sessions)
-            self.engine.step()
+        while self.core.has_work:  # finish the aborts (free slots, release sessions)
+            self.core.step()
         self._flush()
 
     # -- the engine thread --------------------------------------------------------------------------------------
@@ -145,14 +145,14 @@ class AsyncEngine:
             # Sleep on the command queue when idle; otherwise take what has arrived and go on stepping.
             # Idle, sleep until a command comes (or, while background writes are landing, briefly, to apply them).
             writing = self.sessions.writer is not None and self.sessions.writer.pending > 0
-            for command in self._drain(block=not self.engine.has_work, timeout=0.05 if writing else None):
+            for command in self._drain(block=not self.core.has_work, timeout=0.05 if writing else None):
                 if command is None:
                     return
                 self._run_command(*command)
-            if self.engine.has_work:
+            if self.core.has_work:
                 try:
                     with torch.inference_mode():
-                        self.engine.step()
+                        self.core.step()
                 except Exception as exc:  # a failing step must not take the engine down: fail its requests
                     log.exception("engine step failed; failing the requests in flight")
                     self._fail_in_flight(exc)
@@ -188,7 +188,7 @@ class AsyncEngine:
     def _fail_in_flight(self, exc: Exception) -> None:
         """Send `exc` to every request in flight and free their slots. A session in the failed batch may hold a
         half-updated state, so it starts over (its next turn re-prefills the whole prompt)."""
-        self.engine.discard_in_flight()
+        self.core.discard_in_flight()
         for req in self.scheduler.running:
             req.emit(exc)  # type: ignore[arg-type]
             for seq in req.sequences:
