@@ -2,8 +2,11 @@
 
 HTTP handlers never touch the model. They submit commands (a request, a session operation) to the engine thread
 through a queue and receive results and tokens through asyncio futures and queues. The thread runs engine steps
-(engine/llm_engine.py) while there is work and sleeps on the command queue otherwise. A step's outputs for every
-request reach the event loop in one `loop.call_soon_threadsafe` call, not one per token.
+(`core`, an LLMEngine: engine/llm_engine.py) while there is work and sleeps on the command queue otherwise. A step's
+outputs for every request reach the event loop in one `loop.call_soon_threadsafe` call, not one per token.
+
+What a front may use: `info` (the engine's facts, an EngineInfo), `generate`, the session operations (which answer
+with SessionRecords), `stats()`, `alive`/`accepting`, `start()`/`shutdown()`. Everything else is the engine's own.
 """
 
 from __future__ import annotations
@@ -22,6 +25,7 @@ from typing import Any
 
 import torch
 
+from kvfree.engine.engine_info import EngineInfo, SessionRecord
 from kvfree.engine.llm import LLM
 from kvfree.engine.llm_engine import LLMEngine
 from kvfree.engine.sampling import SamplingParams
@@ -92,12 +96,35 @@ class AsyncEngine:
             self.sessions, llm.tokenizer, max_waiting, max_batch_tokens, max_prefill_tokens, prefill_batch_wait
         )
         self.core = LLMEngine(self.scheduler, llm.runner, on_outputs=self._flush)  # schedule -> run -> postprocess
+        self.info = self._describe()
         self._loop_ref: asyncio.AbstractEventLoop | None = None
         self._pending: list[tuple[asyncio.Queue, RequestOutput | BaseException]] = []  # this step's emissions
         self._commands: queue.Queue[tuple[Callable[[], Any], Callable[[Any, BaseException | None], None]] | None]
         self._commands = queue.Queue()
         self._thread = threading.Thread(target=self._loop, name="kvfree-engine", daemon=True)
         self.accepting = False
+
+    def _describe(self) -> EngineInfo:
+        pool, model = self.llm.pool, self.llm.model
+        return EngineInfo(
+            checkpoint=self.llm.path,
+            layers=tuple(model.config.layers),
+            vocab_size=model.config.vocab_size,
+            max_context=pool.max_context,
+            state_bytes_per_token=pool.bytes_per_token(),
+            state_bytes_per_session=pool.bytes_per_session(),
+            gpu_slots=pool.capacity,
+            host_sessions=self.sessions.max_host_sessions,
+            max_sessions=self.sessions.max_sessions,
+            device=str(model.device),
+            dtype=str(model.dtype).removeprefix("torch."),
+            fingerprint=self.fingerprint,
+        )
+
+    @property
+    def session_store(self) -> SessionStore | None:
+        """Where sessions are stored beyond this process (None: nowhere but `snapshot_dir`, if set)."""
+        return self.sessions.store
 
     # -- lifecycle ----------------------------------------------------------------------------------------------
     @property
@@ -284,11 +311,24 @@ class AsyncEngine:
                 self.abort(request_id)
 
     # -- sessions -----------------------------------------------------------------------------------------------
-    async def create_session(self, owner: str | None) -> Session:
-        return await self.call(lambda: self.sessions.create(owner))
+    def _record(self, session: Session) -> SessionRecord:
+        """`session` as a record, on the engine thread (the live session changes under later steps)."""
+        # The engine keeps last_used on the monotonic clock (immune to clock changes); records carry unix time.
+        last_used = time.time() - (time.monotonic() - session.last_used)
+        return SessionRecord(
+            session_id=session.session_id,
+            created=session.created,
+            last_used=last_used,
+            num_tokens=session.num_tokens,
+            location=session.location,
+            state_bytes=self.llm.pool.bytes_per_session(session.num_tokens),
+        )
 
-    async def get_session(self, session_id: str, owner: str | None) -> Session:
-        return await self.call(lambda: self.sessions.get(session_id, owner))
+    async def create_session(self, owner: str | None) -> SessionRecord:
+        return await self.call(lambda: self._record(self.sessions.create(owner)))
+
+    async def get_session(self, session_id: str, owner: str | None) -> SessionRecord:
+        return await self.call(lambda: self._record(self.sessions.get(session_id, owner)))
 
     async def delete_session(self, session_id: str, owner: str | None) -> None:
         def delete() -> None:
@@ -311,12 +351,12 @@ class AsyncEngine:
 
         await self.call(discard)
 
-    async def fork_session(self, session_id: str, owner: str | None) -> Session:
-        def fork() -> Session:
+    async def fork_session(self, session_id: str, owner: str | None) -> SessionRecord:
+        def fork() -> SessionRecord:
             session = self.sessions.get(session_id, owner)
             if session.busy:
                 raise SessionBusy(f"session {session_id} is in use by a running request")
-            return self.sessions.fork(session, owner)
+            return self._record(self.sessions.fork(session, owner))
 
         return await self.call(fork)
 
@@ -329,8 +369,8 @@ class AsyncEngine:
 
         return await self.call(export)
 
-    async def restore_session(self, data: bytes, owner: str | None) -> Session:
-        return await self.call(lambda: self.sessions.restore(data, owner))
+    async def restore_session(self, data: bytes, owner: str | None) -> SessionRecord:
+        return await self.call(lambda: self._record(self.sessions.restore(data, owner)))
 
     # -- numbers for /metrics -----------------------------------------------------------------------------------
     def stats(self) -> dict[str, Any]:

@@ -64,6 +64,7 @@ class LLM:
         enforce_eager: bool = False,
     ) -> None:
         path = Path(model) if model is not None else default_checkpoint_path()
+        self.path = path  # the checkpoint directory
         self.model = load_model(path, device=device, dtype=dtype, config_overrides=config_overrides)
         self.tokenizer = Tokenizer(path)
         self.pool = StatePool(self.model, max_sessions, max_context)

@@ -16,11 +16,12 @@ from kvfree.engine.snapshot import model_fingerprint
 from kvfree.server import routes_openai, routes_ops, routes_responses, routes_sessions
 from kvfree.server.auth import APIKeys
 from kvfree.server.errors import install_error_handlers
-from kvfree.server.generation import ServerState
+from kvfree.server.lifecycle import EngineClient
 from kvfree.server.metrics import Metrics
 from kvfree.server.middleware import BodySizeLimitMiddleware, RequestContextMiddleware
 from kvfree.server.responses import ResponseStore
 from kvfree.server.settings import ServerSettings
+from kvfree.server.state import ServerState
 
 log = logging.getLogger("kvfree.server")
 
@@ -71,7 +72,7 @@ def create_app(settings: ServerSettings, engine: AsyncEngine | None = None) -> F
     async def lifespan(app: FastAPI):
         engine.start()
         log.info(
-            "serving %r (%s) on %s; %d state slots", name, engine.llm.model.device, settings.port, settings.max_sessions
+            "serving %r (%s) on %s; %d state slots", name, engine.info.device, settings.port, settings.max_sessions
         )
         yield
         log.info(
@@ -87,8 +88,11 @@ def create_app(settings: ServerSettings, engine: AsyncEngine | None = None) -> F
         lifespan=lifespan,
     )
     # Stored responses go to the session store too (when there is one), beside the states of their sessions.
-    responses = ResponseStore(engine.sessions.store)
-    app.state.kvfree = ServerState(engine, settings, metrics, name, responses)
+    responses = ResponseStore(engine.session_store)
+    client = EngineClient(engine, metrics, settings.max_prompt_tokens)
+    # The server's tokenizer, the one place server/ gets one: the engine's own while both share a process (a front
+    # in a process of its own loads `Tokenizer(engine.info.checkpoint)` instead).
+    app.state.kvfree = ServerState(client, engine.tokenizer, settings, metrics, name, responses)
     app.state.api_keys = keys
     app.include_router(routes_openai.router)
     app.include_router(routes_responses.router)

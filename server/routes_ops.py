@@ -9,9 +9,10 @@ from fastapi import APIRouter, Depends
 from fastapi.responses import JSONResponse, Response
 
 from kvfree.server.auth import api_key_owner
-from kvfree.server.errors import error_responses, invalid_request
-from kvfree.server.generation import StateDep, check_model, render_chat
+from kvfree.server.chat_template import render_chat
+from kvfree.server.errors import error_responses
 from kvfree.server.protocol import DetokenizeRequest, DetokenizeResponse, TokenizeRequest, TokenizeResponse
+from kvfree.server.state import StateDep, check_model
 
 router = APIRouter(tags=["Operations"])
 tokens_router = APIRouter(tags=["Tokens"], dependencies=[Depends(api_key_owner)])
@@ -61,10 +62,10 @@ async def metrics(state: StateDep) -> Response:
 async def tokenize(body: TokenizeRequest, state: StateDep) -> TokenizeResponse:
     """Token ids of a prompt, or of a conversation as a chat request renders it."""
     check_model(state, body.model)
-    tok = state.engine.tokenizer
+    tok = state.tokenizer
     text = body.prompt
     if body.messages is not None:
-        text = render_chat(state, body.messages, None, add_generation_prompt=body.add_generation_prompt)
+        text = render_chat(tok, body.messages, None, add_generation_prompt=body.add_generation_prompt)
     ids = tok.encode(text)
     return TokenizeResponse(count=len(ids), max_model_len=state.settings.max_prompt_tokens, tokens=ids)
 
@@ -73,8 +74,5 @@ async def tokenize(body: TokenizeRequest, state: StateDep) -> TokenizeResponse:
 async def detokenize(body: DetokenizeRequest, state: StateDep) -> DetokenizeResponse:
     """The text of token ids (special tokens included, as vLLM)."""
     check_model(state, body.model)
-    vocab = state.engine.llm.config.vocab_size
-    bad = next((t for t in body.tokens if t >= vocab), None)
-    if bad is not None:
-        raise invalid_request(f"token id {bad} is outside the vocabulary [0, {vocab})", "tokens")
-    return DetokenizeResponse(prompt=state.engine.tokenizer.decode(body.tokens, skip_special_tokens=False))
+    state.engine.check_token_ids(body.tokens, "tokens")
+    return DetokenizeResponse(prompt=state.tokenizer.decode(body.tokens, skip_special_tokens=False))

@@ -31,20 +31,10 @@ from kvfree.engine.scheduler import RequestOutput
 from kvfree.engine.session_store import SessionStoreError
 from kvfree.engine.sessions import SessionNotFound
 from kvfree.server.auth import OwnerDep, api_key_owner
+from kvfree.server.chat_template import render_chat, stop_at_turn_end
 from kvfree.server.errors import APIError, error_responses, not_found
-from kvfree.server.generation import (
-    ENGINE_ERRORS,
-    ServerState,
-    StateDep,
-    check_model,
-    check_prompt,
-    engine_error,
-    render_chat,
-    start_generation,
-    stop_at_turn_end,
-)
-from kvfree.server.metrics import RequestTimer
-from kvfree.server.protocol import ChatMessage, ResponseModel, SystemMessage, new_id
+from kvfree.server.lifecycle import ENGINE_ERRORS, Generation, http_errors
+from kvfree.server.protocol import ChatMessage, ResponseModel, SystemMessage
 from kvfree.server.responses import (
     OutputBuilder,
     ResponsesRequest,
@@ -56,6 +46,7 @@ from kvfree.server.responses import (
     sse,
     usage,
 )
+from kvfree.server.state import ServerState, StateDep, check_model
 from kvfree.server.tools import ToolCallFormat, accepted_tool_names, template_tools
 
 router = APIRouter(tags=["Responses"], dependencies=[Depends(api_key_owner)])
@@ -81,7 +72,7 @@ async def create_response(body: ResponsesRequest, request: Request, state: State
     """The model's next turn. With `previous_response_id` it continues that stored response's exact state; with
     `stream`, the Responses API's typed events (`response.created` ... `response.completed`)."""
     check_model(state, body.model)
-    tok = state.engine.tokenizer
+    tok = state.tokenizer
     previous = None
     if body.previous_response_id:
         previous = await _stored(state, body.previous_response_id, owner, "previous_response_id")
@@ -92,7 +83,7 @@ async def create_response(body: ResponsesRequest, request: Request, state: State
     shown_tools = template_tools(tools, choice)
 
     def render(messages: list[ChatMessage], add_generation_prompt: bool = False) -> str:
-        return render_chat(state, [*system, *messages], shown_tools, add_generation_prompt)
+        return render_chat(tok, [*system, *messages], shown_tools, add_generation_prompt)
 
     text = render(conversation, add_generation_prompt=True)
     params = stop_at_turn_end(body.to_sampling_params(state.settings.max_output_tokens), tok)
@@ -103,33 +94,29 @@ async def create_response(body: ResponsesRequest, request: Request, state: State
         prompt_ids = previous.turn.continued(text, tok.encode)
     if prompt_ids is None:
         prompt_ids = tok.encode(text)
-    check_prompt(state, prompt_ids, params, "input")
+    state.engine.check(prompt_ids, params, "input")
 
     session_id = await _session_for(state, previous, body.store, owner)
     fmt = ToolCallFormat.from_tokenizer_config(tok.config) if body.uses_tools else None
     turn = Turn(
-        state=state, body=body, owner=owner, request=request, prompt_ids=prompt_ids, prompt_text=text,
+        state=state, body=body, owner=owner, prompt_ids=prompt_ids, prompt_text=text,
         render=render, session_id=session_id, conversation=conversation,
-        builder=OutputBuilder(fmt, accepted_tool_names(tools, choice)), timer=state.metrics.request_timer(),
-        rid=response_id(), created_at=now(),
+        builder=OutputBuilder(fmt, accepted_tool_names(tools, choice)), rid=response_id(), created_at=now(),
     )  # fmt: skip
     try:
-        outputs = await start_generation(
-            state, prompt_ids, params, n=1, session_id=session_id, owner=owner,
-            request_id=getattr(request.state, "request_id", None) or new_id("req"),
-        )  # fmt: skip
+        gen = await state.engine.start(request, prompt_ids, params, session_id=session_id, owner=owner)
     except BaseException:
         await turn.drop_session()
         raise
     if body.stream:
-        return StreamingResponse(turn.events(outputs), media_type="text/event-stream")
+        return StreamingResponse(turn.events(gen), media_type="text/event-stream")
     try:
-        async for out in outputs:
-            turn.take(out)
-        response = await turn.finish()
-    except ENGINE_ERRORS as exc:  # e.g. the session store is unreachable when the record is written: 503
-        raise engine_error(exc) from None
+        with http_errors():  # e.g. the session store is unreachable when the record is written: 503
+            async for out in gen:
+                turn.take(out)
+            response = await turn.finish(gen)
     finally:
+        await gen.aclose()
         await turn.drop_session()  # nothing, once the response is stored
     return JSONResponse(response.model_dump(mode="json"))
 
@@ -147,45 +134,36 @@ async def get_response(response_id: str, state: StateDep, owner: OwnerDep):
 async def delete_response(response_id: str, state: StateDep, owner: OwnerDep) -> ResponseDeleted:
     """Forget a stored response and free its state; it can no longer be continued."""
     stored = await _stored(state, response_id, owner, "response_id")
-    try:  # the state first: a session in use by a request (through /v1/sessions) is a 409 and nothing changes
+    # The state first: a session in use by a request (through /v1/sessions) is a 409 and nothing changes.
+    with http_errors(), contextlib.suppress(SessionNotFound):  # not found: deleted through /v1/sessions already
         await state.engine.delete_session(stored.session_id, owner)
-    except SessionNotFound:
-        pass  # deleted through /v1/sessions already
-    except ENGINE_ERRORS as exc:
-        raise engine_error(exc) from None
-    try:
+    with http_errors():
         await state.responses.pop(response_id, owner)
-    except SessionStoreError as exc:
-        raise engine_error(exc) from None
     return ResponseDeleted(id=response_id)
 
 
 async def _stored(state: ServerState, response_id: str, owner: str | None, param: str) -> StoredResponse:
     """A stored response (404 naming `param` when unknown or another key's; 503 when the store is unreachable)."""
-    try:
+    with http_errors():
         return await state.responses.get(response_id, owner, param)
-    except SessionStoreError as exc:
-        raise engine_error(exc) from None
 
 
 async def _session_for(
     state: ServerState, previous: StoredResponse | None, store: bool, owner: str | None
 ) -> str | None:
     """The session this turn runs on: a fork of the previous response's, a new one to store, or none."""
-    try:
-        if previous is not None:
-            return (await state.engine.fork_session(previous.session_id, owner)).session_id
-        if store:
-            return (await state.engine.create_session(owner)).session_id
-    except SessionNotFound:
-        raise not_found(
-            f"the state of response {previous.response.id!r} is gone (its session was deleted)",  # type: ignore[union-attr]
-            "previous_response_id",
-            code="response_not_found",
-        ) from None
-    except ENGINE_ERRORS as exc:
-        state.metrics.count_rejected(type(exc).__name__)
-        raise engine_error(exc) from None
+    with http_errors(state.metrics):
+        try:
+            if previous is not None:
+                return (await state.engine.fork_session(previous.session_id, owner)).session_id
+            if store:
+                return (await state.engine.create_session(owner)).session_id
+        except SessionNotFound:
+            raise not_found(
+                f"the state of response {previous.response.id!r} is gone (its session was deleted)",  # type: ignore[union-attr]
+                "previous_response_id",
+                code="response_not_found",
+            ) from None
     return None
 
 
@@ -196,50 +174,36 @@ class Turn:
     state: ServerState
     body: ResponsesRequest
     owner: str | None
-    request: Request
     prompt_ids: list[int]
     prompt_text: str  # the prompt as the template rendered it
     render: Callable[[list[ChatMessage]], str]  # messages after the instructions -> text, no generation prompt
     session_id: str | None
     conversation: list[ChatMessage]
     builder: OutputBuilder
-    timer: RequestTimer
     rid: str
     created_at: float
     reply_ids: list[int] = field(default_factory=list)
-    cached_tokens: int = 0
-    finish_reason: str | None = None
-
-    @property
-    def output_tokens(self) -> int:
-        return len(self.reply_ids)
 
     def take(self, out: RequestOutput) -> list[BaseModel]:
-        """One engine output: its text through the builder (the events that adds), its counts into the totals."""
+        """One engine output: its tokens kept for the record, its text through the builder (the events that adds)."""
         self.reply_ids += out.token_ids
-        self.cached_tokens = out.cached_tokens
-        self.timer.tokens(len(out.token_ids))
-        if out.finish_reason is not None:
-            self.finish_reason = out.finish_reason
         return self.builder.feed(out.text) if out.text else []
 
-    def response(self, status: str, with_usage: bool = True) -> Response:
-        counts = usage(len(self.prompt_ids), self.output_tokens, self.cached_tokens) if with_usage else None
+    def response(self, status: str, gen: Generation | None = None) -> Response:
+        """The response object; with `gen` (the generation ended), its usage."""
+        counts = usage(gen.prompt_tokens, gen.completion_tokens, gen.cached_tokens) if gen is not None else None
         return response_object(self.body, self.rid, self.state.model_name, self.created_at, self.builder.items, status,
                                counts)  # type: ignore[arg-type]  # fmt: skip
 
-    async def finish(self) -> Response:
-        """The generation ended: close the output, store the response (or drop its state), count it."""
+    async def finish(self, gen: Generation) -> Response:
+        """The generation ended: close the output, count it, store the response (or drop its state)."""
         self.builder.finish()
-        response = self.response("incomplete" if self.finish_reason == "length" else "completed")
-        metrics = self.state.metrics
-        metrics.count_tokens(len(self.prompt_ids), self.output_tokens, self.cached_tokens, self.finish_reason)
-        self.timer.finish()
-        self.request.state.usage = (len(self.prompt_ids), self.output_tokens, self.cached_tokens)
+        response = self.response("incomplete" if gen.finish_reason == "length" else "completed", gen)
+        gen.finish()
         if self.body.store and self.session_id is not None:
             reply = self.builder.assistant_message()
             # Without stop strings, "stop" means the last token was a stop token: the template writes its own.
-            reply_ids = self.reply_ids[:-1] if self.finish_reason == "stop" else self.reply_ids
+            reply_ids = self.reply_ids[:-1] if gen.finish_reason == "stop" else self.reply_ids
             turn = TurnTokens.of_turn(
                 self.render, self.prompt_text, self.conversation, reply, self.prompt_ids, reply_ids
             )
@@ -258,19 +222,19 @@ class Turn:
             with anyio.CancelScope(shield=True), contextlib.suppress(*ENGINE_ERRORS):
                 await self.state.engine.discard_session(session_id, self.owner)
 
-    async def events(self, outputs: AsyncIterator[RequestOutput]) -> AsyncIterator[str]:
+    async def events(self, gen: Generation) -> AsyncIterator[str]:
         """The Responses API stream: created, in_progress, the items' events as text arrives, completed."""
         b = self.builder
         try:
-            started = self.response("in_progress", with_usage=False)
+            started = self.response("in_progress")
             yield sse(b.event(ResponseCreatedEvent, response=started))
             yield sse(b.event(ResponseInProgressEvent, response=started))
-            async for out in outputs:
+            async for out in gen:
                 for event in self.take(out):
                     yield sse(event)
             for event in b.finish():
                 yield sse(event)
-            response = await self.finish()
+            response = await self.finish(gen)
             done = ResponseIncompleteEvent if response.status == "incomplete" else ResponseCompletedEvent
             yield sse(b.event(done, response=response))
         except APIError as exc:
@@ -280,6 +244,5 @@ class Turn:
         except Exception as exc:  # the engine failed midway: the status is sent, so the error goes in-band too
             yield sse(b.event(ResponseErrorEvent, code="server_error", message=f"generation failed: {exc}", param=None))
         finally:
-            with anyio.CancelScope(shield=True):
-                await outputs.aclose()  # aborts the engine request if the client went away
+            await gen.aclose()  # aborts the engine request if the client went away
             await self.drop_session()

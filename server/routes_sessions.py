@@ -2,26 +2,19 @@
 
 from __future__ import annotations
 
-import time
 from typing import Annotated
 
 from fastapi import APIRouter, Body, Depends, Request
 from fastapi.responses import Response
 
+from kvfree.engine.engine_info import SessionRecord
 from kvfree.engine.sampling import SamplingParams
-from kvfree.engine.sessions import Session
 from kvfree.server.auth import OwnerDep, api_key_owner
-from kvfree.server.errors import error_responses, invalid_request
-from kvfree.server.generation import (
-    ENGINE_ERRORS,
-    ServerState,
-    StateDep,
-    check_model,
-    check_prompt,
-    engine_error,
-    render_chat,
-)
+from kvfree.server.chat_template import render_chat
+from kvfree.server.errors import APIError, error_responses, invalid_request
+from kvfree.server.lifecycle import http_errors
 from kvfree.server.protocol import SessionCreateRequest, SessionDeleted, SessionInfo
+from kvfree.server.state import ServerState, StateDep, check_model
 from kvfree.server.tools import template_tools
 
 router = APIRouter(tags=["Sessions"], dependencies=[Depends(api_key_owner)])
@@ -31,30 +24,37 @@ SNAPSHOT_MEDIA_TYPE = "application/octet-stream"
 
 @router.post("/v1/sessions", response_model=SessionInfo, responses=error_responses(400, 401, 404, 413, 429, 503))
 async def create_session(
-    state: StateDep, owner: OwnerDep, body: Annotated[SessionCreateRequest | None, Body()] = None
+    request: Request, state: StateDep, owner: OwnerDep, body: Annotated[SessionCreateRequest | None, Body()] = None
 ) -> SessionInfo:
     """A new session. With `prompt` or `messages` its state is prefilled now, so the first chat turn that
     carries the same messages plus new ones only prefills the new part."""
     body = body or SessionCreateRequest()
     check_model(state, body.model)
-    tok = state.engine.tokenizer
+    tok = state.tokenizer
     ids: list[int] = []
     if body.messages is not None:
-        text = render_chat(state, body.messages, template_tools(body.tools, None), add_generation_prompt=False)
+        text = render_chat(tok, body.messages, template_tools(body.tools, None), add_generation_prompt=False)
         ids = tok.encode(text)
     elif body.prompt is not None:
         ids = tok.encode(body.prompt) if isinstance(body.prompt, str) else list(body.prompt)
-    check_prompt(state, ids, SamplingParams(max_tokens=1), "messages" if body.messages else "prompt")
-    session = await _engine_call(state.engine.create_session(owner))
+    params = SamplingParams(max_tokens=1)
+    state.engine.check(ids, params, "messages" if body.messages else "prompt")
+    with http_errors():
+        session = await state.engine.create_session(owner)
     if ids:
         try:
-            async for _ in state.engine.generate(
-                ids, SamplingParams(max_tokens=1), session_id=session.session_id, owner=owner, prefill_only=True
-            ):
-                pass
-        except ENGINE_ERRORS as exc:
+            gen = await state.engine.start(
+                request, ids, params, session_id=session.session_id, owner=owner, prefill_only=True
+            )
+            try:
+                with http_errors():
+                    async for _ in gen:
+                        pass
+            finally:
+                await gen.aclose()
+        except APIError:  # the prompt never made it into the state: no half-made session is left behind
             await state.engine.delete_session(session.session_id, owner)
-            raise engine_error(exc) from None
+            raise
         session = await state.engine.get_session(session.session_id, owner)
     return session_info(state, session)
 
@@ -62,13 +62,15 @@ async def create_session(
 @router.get("/v1/sessions/{session_id}", response_model=SessionInfo, responses=error_responses(401, 404))
 async def get_session(session_id: str, state: StateDep, owner: OwnerDep) -> SessionInfo:
     """A session's size, token count and where its state is (gpu, host or disk)."""
-    return session_info(state, await _engine_call(state.engine.get_session(session_id, owner)))
+    with http_errors():
+        return session_info(state, await state.engine.get_session(session_id, owner))
 
 
 @router.delete("/v1/sessions/{session_id}", response_model=SessionDeleted, responses=error_responses(401, 404, 409))
 async def delete_session(session_id: str, state: StateDep, owner: OwnerDep) -> SessionDeleted:
     """Forget a session and free its state everywhere (slot, host memory, snapshot file)."""
-    await _engine_call(state.engine.delete_session(session_id, owner))
+    with http_errors():
+        await state.engine.delete_session(session_id, owner)
     return SessionDeleted(id=session_id)
 
 
@@ -77,7 +79,8 @@ async def delete_session(session_id: str, state: StateDep, owner: OwnerDep) -> S
 )
 async def fork_session(session_id: str, state: StateDep, owner: OwnerDep) -> SessionInfo:
     """A new session starting from a copy of this one's state (branch a conversation)."""
-    return session_info(state, await _engine_call(state.engine.fork_session(session_id, owner)))
+    with http_errors():
+        return session_info(state, await state.engine.fork_session(session_id, owner))
 
 
 @router.get(
@@ -91,7 +94,8 @@ async def fork_session(session_id: str, state: StateDep, owner: OwnerDep) -> Ses
 async def snapshot(session_id: str, state: StateDep, owner: OwnerDep) -> Response:
     """The session's state as a safetensors file (same size at any context length); restore it anywhere the
     same model is served with `POST /v1/sessions/restore`."""
-    data = await _engine_call(state.engine.export_session(session_id, owner))
+    with http_errors():
+        data = await state.engine.export_session(session_id, owner)
     return Response(
         content=data,
         media_type=SNAPSHOT_MEDIA_TYPE,
@@ -116,25 +120,18 @@ async def restore(request: Request, state: StateDep, owner: OwnerDep) -> Session
     data = await request.body()
     if not data:
         raise invalid_request("empty body: upload the snapshot file's bytes as the request body", "snapshot")
-    return session_info(state, await _engine_call(state.engine.restore_session(data, owner)))
+    with http_errors():
+        return session_info(state, await state.engine.restore_session(data, owner))
 
 
-def session_info(state: ServerState, session: Session) -> SessionInfo:
-    # The engine keeps last_used on the monotonic clock (immune to clock changes); clients get unix time.
-    last_used = time.time() - (time.monotonic() - session.last_used)
+def session_info(state: ServerState, session: SessionRecord) -> SessionInfo:
+    """A session as the API shows it."""
     return SessionInfo(
         id=session.session_id,
         created=int(session.created),
-        last_used=int(last_used),
+        last_used=int(session.last_used),
         model=state.model_name,
         num_tokens=session.num_tokens,
         location=session.location,
-        state_bytes=state.engine.llm.pool.bytes_per_session(session.num_tokens),
+        state_bytes=session.state_bytes,
     )
-
-
-async def _engine_call(coro):
-    try:
-        return await coro
-    except ENGINE_ERRORS as exc:
-        raise engine_error(exc) from None

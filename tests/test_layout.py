@@ -1,4 +1,5 @@
-"""The package's shape: one import name, imports that point one way, and a wheel that installs only `kvfree`."""
+"""The package's shape: one import name, imports that point one way, a server that reaches the engine through one
+module, and a wheel that installs only `kvfree`."""
 
 from __future__ import annotations
 
@@ -95,6 +96,56 @@ def test_import_rule_checker_sees_violations(tmp_path):
     assert "kvfree.server" in imported_modules("kvfree.engine", tmp_path / "__init__.py")
     (tmp_path / "mod.py").write_text("from .layers import base\nimport kvfree.loadtest.cli\n")
     assert imported_modules("kvfree.engine.mod", tmp_path / "mod.py") == {"kvfree.engine.layers", "kvfree.loadtest.cli"}
+
+
+# The engine's insides, which the HTTP front must not reach into: it talks to the engine through
+# server/lifecycle.py and learns the engine's facts from its EngineInfo, so that the engine can move to a process of
+# its own. The first are read on nothing in server/; the second not on anything called an engine.
+ENGINE_INTERNALS = frozenset({"llm", "core", "scheduler", "runner", "pool"})
+ENGINE_PARTS = frozenset({"sessions", "tokenizer"})
+# The modules that may hold the AsyncEngine itself: the app builds and starts it, the lifecycle module talks to it.
+ENGINE_HOLDERS = frozenset({"kvfree.server.app", "kvfree.server.lifecycle"})
+# The app takes the server's one tokenizer from the engine while both share a process.
+ENGINE_REACH_ALLOWED = {"kvfree.server.app": {"engine.tokenizer"}}
+
+
+def engine_reaches(path: Path) -> list[str]:
+    """The attribute reads in `path` that reach into an engine, as source text: one of ENGINE_INTERNALS on
+    anything, or one of ENGINE_PARTS on a name or attribute whose name contains `engine`."""
+    found = []
+    for node in ast.walk(ast.parse(path.read_text(), str(path))):
+        if not isinstance(node, ast.Attribute):
+            continue
+        owner = node.value.attr if isinstance(node.value, ast.Attribute) else getattr(node.value, "id", "")
+        if node.attr in ENGINE_INTERNALS or (node.attr in ENGINE_PARTS and "engine" in owner):
+            found.append(ast.unparse(node))
+    return found
+
+
+def test_server_modules_reach_the_engine_only_through_the_lifecycle_module():
+    broken = []
+    for name, path in modules():
+        if not name.startswith("kvfree.server"):
+            continue
+        rel = path.relative_to(ROOT)
+        allowed = ENGINE_REACH_ALLOWED.get(name, set())
+        broken += [f"{rel} reads {reach}" for reach in engine_reaches(path) if reach not in allowed]
+        if name not in ENGINE_HOLDERS:
+            held = imported_modules(name, path) & {"kvfree.engine.async_engine", "kvfree.engine.llm"}
+            broken += [f"{rel} imports {module} (only the app and server/lifecycle.py hold the engine)" for module in
+                       sorted(held)]  # fmt: skip
+    assert not broken, "\n".join(broken)
+
+
+def test_engine_reach_checker_sees_reaches_and_nothing_else(tmp_path):
+    """Reads through a chain and through a private name are found; a `sessions` gauge of the metrics is not one."""
+    (tmp_path / "mod.py").write_text(
+        "a = state.engine.llm.pool.capacity\nb = engine.sessions\nc = self._engine.tokenizer\n"
+        "d = metrics.sessions\ne = state.tokenizer\n"
+    )
+    assert sorted(engine_reaches(tmp_path / "mod.py")) == sorted(
+        ["state.engine.llm.pool", "state.engine.llm", "engine.sessions", "self._engine.tokenizer"]
+    )
 
 
 def test_every_module_opens_with_a_docstring_and_cites_only_the_repo():

@@ -60,7 +60,7 @@ def respond(client: openai.OpenAI, input: Any, **kw: Any):
 
 
 def sessions_held(srv: ThreadServer) -> int:
-    return len(srv.app.state.kvfree.engine.sessions)
+    return sum(srv.app.state.kvfree.engine.stats()["sessions"].values())
 
 
 # -- stored state -----------------------------------------------------------------------------------------------------
@@ -101,7 +101,7 @@ def test_continuing_reuses_the_state_even_when_the_reply_text_does_not_encode_ba
         client = srv.openai()
         kw = {"model": "kvfree-default", "instructions": "Be brief.", "max_output_tokens": 12, "temperature": 0}
         first = client.responses.create(input="Hi", **kw)
-        tok = srv.app.state.kvfree.engine.tokenizer
+        tok = srv.app.state.kvfree.tokenizer
         reply_ids = srv.app.state.kvfree.responses._items[first.id].turn.tokens[first.usage.input_tokens :]
         assert tok.encode(tok.decode(reply_ids)) != reply_ids  # the text path could not have reused the state
         second = client.responses.create(input="More", previous_response_id=first.id, **kw)

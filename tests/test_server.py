@@ -1281,8 +1281,9 @@ def test_health_is_503_when_the_engine_thread_died(ckpts):
     try:
         with server.http() as http:
             assert http.get("/health").status_code == 200
-            server.app.state.kvfree.engine._commands.put(None)  # the engine loop's stop signal, as if it had died
-            wait_for(lambda: not server.app.state.kvfree.engine.alive, timeout=10, message="the engine thread")
+            engine = server.app.state.kvfree.engine._engine  # the AsyncEngine behind the server's EngineClient
+            engine._commands.put(None)  # the engine loop's stop signal, as if it had died
+            wait_for(lambda: not engine.alive, timeout=10, message="the engine thread")
             assert http.get("/health").status_code == 503 and http.get("/ping").status_code == 503
             assert http.get("/ready").status_code == 503
     finally:

@@ -1,0 +1,289 @@
+"""A request's life in the engine, and the one place the server talks to the engine (`EngineClient`).
+
+Every route that runs the model (chat, completions, responses, a session's prefill) goes the same way:
+`check` (vocabulary, prompt length, context, choices) -> `start` (submit and wait for the first output, so that
+admission errors become HTTP errors before a response or a stream is started) -> iterate the `Generation` (its tokens
+counted, TTFT and inter-token latency timed as they arrive) -> `finish` (usage and metrics) or `aclose` (the
+client went away: the engine aborts the request and frees its slots). The session operations, health and stats go
+through `EngineClient` too, and what the routes need to know of the engine is its `EngineInfo`. Routes never hold
+the `AsyncEngine`: when the engine moves to a process of its own, this module is what speaks to it.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import AsyncIterator, Iterator
+from typing import Any
+
+import anyio
+from fastapi import Request
+
+from kvfree.engine.async_engine import AsyncEngine, EngineStopped, QueueFull, SessionBusy
+from kvfree.engine.engine_info import EngineInfo, SessionRecord
+from kvfree.engine.sampling import SamplingParams
+from kvfree.engine.scheduler import RequestOutput
+from kvfree.engine.session_store import SessionStoreError
+from kvfree.engine.sessions import PoolExhausted, SessionLimitError, SessionNotFound
+from kvfree.engine.snapshot import SnapshotError
+from kvfree.engine.state_pool import SnapshotMismatchError
+from kvfree.server.errors import (
+    APIError,
+    conflict,
+    invalid_request,
+    not_found,
+    prompt_too_long,
+    service_unavailable,
+    too_many_requests,
+)
+from kvfree.server.metrics import Metrics, RequestTimer
+from kvfree.server.protocol import SessionUsage, new_id
+
+# -- engine errors --------------------------------------------------------------------------------------------------
+
+ENGINE_ERRORS = (
+    QueueFull,
+    PoolExhausted,
+    SessionLimitError,
+    SessionNotFound,
+    SessionBusy,
+    EngineStopped,
+    SessionStoreError,
+    SnapshotError,
+    SnapshotMismatchError,
+)
+
+
+def engine_error(exc: Exception) -> APIError:
+    """The HTTP error for an engine exception that a client caused or can retry (others are re-raised)."""
+    if isinstance(exc, QueueFull):
+        return too_many_requests(retry_after=1, message=f"server busy: {exc}; retry later")
+    if isinstance(exc, PoolExhausted):
+        return too_many_requests(retry_after=1, message=f"no state slot free: {exc}; retry later")
+    if isinstance(exc, SessionLimitError):
+        return too_many_requests(message=f"no room for another session: {exc}")
+    if isinstance(exc, SessionNotFound):
+        return not_found(str(exc), "session_id")
+    if isinstance(exc, SessionBusy):
+        return conflict(str(exc), "session_id")
+    if isinstance(exc, EngineStopped):
+        return service_unavailable(str(exc), retry_after=5)
+    if isinstance(exc, SessionStoreError):
+        return service_unavailable(f"{exc}; requests without a session still work", retry_after=5)
+    if isinstance(exc, SnapshotError):
+        return invalid_request(str(exc), "snapshot", code=exc.code)
+    if isinstance(exc, SnapshotMismatchError):
+        return invalid_request(f"snapshot does not fit this model: {exc}", "snapshot", code="model_mismatch")
+    raise exc
+
+
+@contextlib.contextmanager
+def http_errors(metrics: Metrics | None = None) -> Iterator[None]:
+    """Engine exceptions raised inside become their HTTP errors; with `metrics`, each counts as a rejection."""
+    try:
+        yield
+    except ENGINE_ERRORS as exc:
+        if metrics is not None:
+            metrics.count_rejected(type(exc).__name__)
+        raise engine_error(exc) from None
+
+
+# -- the engine, as the routes see it -------------------------------------------------------------------------------
+
+
+class EngineClient:
+    """The server's side of the engine: checks, generation, session operations, health and stats.
+
+    Session operations raise the engine's exceptions (wrap them in `http_errors()`, or catch the ones a route
+    answers its own way); `start` answers admission errors as HTTP errors itself.
+    """
+
+    def __init__(self, engine: AsyncEngine, metrics: Metrics, max_prompt_tokens: int) -> None:
+        self._engine = engine
+        self.metrics = metrics
+        self.max_prompt_tokens = max_prompt_tokens
+
+    @property
+    def info(self) -> EngineInfo:
+        return self._engine.info
+
+    @property
+    def alive(self) -> bool:
+        """The engine's thread is running (False before start and after it died or stopped)."""
+        return self._engine.alive
+
+    @property
+    def accepting(self) -> bool:
+        """The engine takes new work (False while starting and shutting down)."""
+        return self._engine.accepting
+
+    def stats(self) -> dict[str, Any]:
+        """The engine's counters for /metrics (`AsyncEngine.stats`)."""
+        return self._engine.stats()
+
+    # -- checks, before anything reaches the engine ---------------------------------------------------------------
+    def check_token_ids(self, ids: list[int], param: str) -> None:
+        """A 400 naming `param` when a token id is outside the vocabulary."""
+        vocab = self.info.vocab_size
+        bad = next((t for t in ids if t >= vocab), None)
+        if bad is not None:
+            raise invalid_request(f"token id {bad} is outside the vocabulary [0, {vocab})", param)
+
+    def check(
+        self, ids: list[int], params: SamplingParams, param: str, *, n: int = 1, session_id: str | None = None
+    ) -> None:
+        """Vocabulary, prompt length, the KV-cache limit of models with full attention, and `n` choices."""
+        self.check_token_ids(ids, param)
+        if len(ids) > self.max_prompt_tokens:
+            raise prompt_too_long(len(ids), self.max_prompt_tokens, param)
+        context = self.info.context_limit
+        if context is not None and len(ids) + params.max_tokens > context:
+            raise invalid_request(
+                f"prompt ({len(ids)} tokens) plus max_tokens ({params.max_tokens}) exceeds this model's context of "
+                f"{context} tokens (its attention layers keep a KV cache of that size)",
+                "max_tokens",
+            )
+        slots = self.info.gpu_slots
+        if n > slots:  # each choice needs a state slot at once: more than the pool has could never be admitted
+            raise invalid_request(f"n={n} exceeds this server's {slots} state slots (--max-sessions)", "n")
+        if session_id is not None and n > 1:
+            message = "n > 1 cannot be combined with session_id (a session continues one conversation)"
+            raise invalid_request(message, "n")
+
+    # -- generation -----------------------------------------------------------------------------------------------
+    async def start(
+        self,
+        request: Request,
+        prompt_ids: list[int],
+        params: SamplingParams,
+        *,
+        n: int = 1,
+        session_id: str | None = None,
+        owner: str | None = None,
+        prefill_only: bool = False,
+        session_usage: bool = False,
+    ) -> Generation:
+        """Submit a checked request and wait for its first output (admission errors: HTTP errors, counted as
+        rejections). With `session_usage`, the session is looked up first, for `Generation.session_usage`."""
+        gen = Generation(self, request, prompt_ids, params, n, session_id, owner)
+        if session_usage and session_id is not None:
+            with http_errors():
+                gen.session_before = await self._engine.get_session(session_id, owner)
+        gen.timer = self.metrics.request_timer()
+        stream = self._engine.generate(
+            prompt_ids, params, n=n, session_id=session_id, owner=owner, request_id=gen.request_id,
+            prefill_only=prefill_only,
+        )  # fmt: skip
+        with http_errors(self.metrics):
+            first = await anext(stream)
+        gen._stream, gen._first = stream, first
+        return gen
+
+    # -- sessions (the engine's exceptions are raised as they are) ------------------------------------------------
+    async def create_session(self, owner: str | None) -> SessionRecord:
+        return await self._engine.create_session(owner)
+
+    async def get_session(self, session_id: str, owner: str | None) -> SessionRecord:
+        return await self._engine.get_session(session_id, owner)
+
+    async def delete_session(self, session_id: str, owner: str | None) -> None:
+        await self._engine.delete_session(session_id, owner)
+
+    async def discard_session(self, session_id: str, owner: str | None) -> None:
+        """Delete a session now or, while a request still uses it (one just aborted, say), when that request ends."""
+        await self._engine.discard_session(session_id, owner)
+
+    async def fork_session(self, session_id: str, owner: str | None) -> SessionRecord:
+        return await self._engine.fork_session(session_id, owner)
+
+    async def export_session(self, session_id: str, owner: str | None) -> bytes:
+        return await self._engine.export_session(session_id, owner)
+
+    async def restore_session(self, data: bytes, owner: str | None) -> SessionRecord:
+        return await self._engine.restore_session(data, owner)
+
+
+# -- one request ----------------------------------------------------------------------------------------------------
+
+
+class Generation:
+    """One started request: iterate it for its outputs (one per choice per step, the first already received), then
+    `finish()` it for its usage; `aclose()` it in any case, which aborts it in the engine if it has not ended.
+
+    As outputs pass by it counts them: `completion_tokens` (all choices), `cached_tokens` (prompt tokens a
+    session's state already held), `finish_reason` (the first choice's), and times them (`timer`).
+    """
+
+    def __init__(
+        self,
+        client: EngineClient,
+        request: Request,
+        prompt_ids: list[int],
+        params: SamplingParams,
+        n: int,
+        session_id: str | None,
+        owner: str | None,
+    ) -> None:
+        self.client = client
+        self.request = request
+        self.prompt_ids = prompt_ids
+        self.params = params
+        self.n = n
+        self.session_id = session_id
+        self.owner = owner
+        self.request_id: str = getattr(request.state, "request_id", None) or new_id("req")
+        self.session_before: SessionRecord | None = None
+        self.timer: RequestTimer | None = None
+        self.completion_tokens = 0
+        self.cached_tokens = 0
+        self.finish_reason: str | None = None
+        self._stream: AsyncIterator[RequestOutput] | None = None
+        self._first: RequestOutput | None = None
+
+    @property
+    def prompt_tokens(self) -> int:
+        return len(self.prompt_ids)
+
+    async def __aiter__(self) -> AsyncIterator[RequestOutput]:
+        first, self._first = self._first, None
+        if first is not None:
+            self._count(first)
+            yield first
+        async for out in self._stream:
+            self._count(out)
+            yield out
+
+    def _count(self, out: RequestOutput) -> None:
+        self.completion_tokens += len(out.token_ids)
+        self.cached_tokens = out.cached_tokens
+        if out.index == 0 and out.finish_reason is not None:
+            self.finish_reason = out.finish_reason
+        self.timer.tokens(len(out.token_ids))
+
+    def finish(self) -> None:
+        """The request ended: count its tokens and end-to-end latency, and leave its usage for the access log."""
+        usage = (self.prompt_tokens, self.completion_tokens, self.cached_tokens)
+        self.client.metrics.count_tokens(*usage, self.finish_reason)
+        self.timer.finish()
+        self.request.state.usage = usage
+
+    async def aclose(self) -> None:
+        """Nothing once the request has ended; before that (the client went away, or the route stopped reading)
+        the engine aborts it and frees its slots. Shielded, so that it runs in a cancelled task too."""
+        if self._stream is not None:
+            with anyio.CancelScope(shield=True), contextlib.suppress(Exception):
+                await self._stream.aclose()
+
+    async def session_usage(self) -> SessionUsage | None:
+        """How the request used its session (None without one); needs `start(..., session_usage=True)`."""
+        if self.session_id is None:
+            return None
+        session = await self.client.get_session(self.session_id, self.owner)
+        before = self.session_before
+        reset = before is not None and before.num_tokens > 0 and self.cached_tokens == 0
+        location = before.location if before is not None else None
+        # "disk" is the session store (a directory or Redis): the state was loaded, not found resident.
+        resumed_from = "store" if location == "disk" else location
+        return SessionUsage(
+            id=self.session_id, cached_tokens=self.cached_tokens, reset=reset, num_tokens=session.num_tokens,
+            resumed_from=resumed_from,
+        )  # fmt: skip
