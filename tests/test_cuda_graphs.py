@@ -41,10 +41,10 @@ def test_bucket_choice_and_padding():
 
 def test_pool_has_a_scratch_slot_no_session_gets():
     pool = StatePool(make_model(["mamba2"]), capacity=3)
-    assert pool.scratch_slot == 3
-    assert all(t.shape[0] == 4 for state in pool.tensors for t in state.values())
+    assert (pool.scratch_slot, pool.template_slot) == (3, 4)
+    assert all(t.shape[0] == 5 for state in pool.tensors for t in state.values())  # slots, scratch, template
     assert sorted(pool.alloc() for _ in range(3)) == [0, 1, 2]
-    assert pool.free_slots == 0  # the scratch row is never handed out
+    assert pool.free_slots == 0  # the scratch and template rows are never handed out
 
 
 @pytest.mark.parametrize("kind", ["mamba2", "gka", "lattice"])

@@ -136,13 +136,17 @@ def _attend_chunk(
     past_pos = first[:, None] + torch.arange(p_max, device=dev)[None, :]  # [G, Pmax]
     # Only the entries the chunk can see are gathered (a full cache row may hold max_context entries).
     entries = _entries(past_pos, window).clamp(max=k_cache.shape[1] - 1)
-    keys = torch.cat([k_cache[rows[:, None], entries].to(k.dtype), k[tok]], 1)
-    values = torch.cat([v_cache[rows[:, None], entries].to(v.dtype), v[tok]], 1)
+    # A session shorter than the group's longest past gathers entries past its length: whatever an earlier session of
+    # its slot left there (resets do not clear a full cache, StatePool). The mask gives them no weight, but a weight
+    # of 0 times a NaN or inf is NaN, so they are zeroed in the gathered copies.
+    stale = (past_pos >= past[:, None])[..., None, None]  # [G, Pmax, 1, 1]
+    keys = torch.cat([k_cache[rows[:, None], entries].masked_fill_(stale, 0).to(k.dtype), k[tok]], 1)
+    values = torch.cat([v_cache[rows[:, None], entries].masked_fill_(stale, 0).to(v.dtype), v[tok]], 1)
     q_pos = past[:, None] + j[None, :]  # [G, Tmax]
     # Past padding gets a position no query reaches. New-token padding sits after every real query of its session,
     # so causality masks it, and a padding query still sees itself: no row of the mask is empty.
     far = torch.iinfo(torch.int64).max // 2
-    key_pos = torch.cat([past_pos.masked_fill(past_pos >= past[:, None], far), q_pos], 1)  # [G, Pmax + Tmax]
+    key_pos = torch.cat([past_pos.masked_fill(stale[..., 0, 0], far), q_pos], 1)  # [G, Pmax + Tmax]
     mask = key_pos[:, None, :] <= q_pos[:, :, None]
     if window is not None:
         mask &= key_pos[:, None, :] > q_pos[:, :, None] - window
@@ -280,7 +284,11 @@ def fused_recurrent_attention(
         # wrapped, and RoPE already encodes the positions, so entry order does not matter.
         used = min(longest + 1, C)
         mask = torch.arange(used, device=q.device)[None, :] < (n + 1)[:, None]
-        out = _attend_one(q, k_cache[idx, :used], v_cache[idx, :used], mask)
+        # Entries past a session's own length hold what an earlier session of its slot left (resets do not clear a
+        # full cache): zeroed in the gathered copies, since a softmax weight of 0 times a NaN or inf is NaN.
+        stale = ~mask[..., None, None]
+        keys, values = k_cache[idx, :used].masked_fill_(stale, 0), v_cache[idx, :used].masked_fill_(stale, 0)
+        out = _attend_one(q, keys, values, mask)
     length.index_copy_(0, idx, n + 1)
     return out
 

@@ -3,7 +3,8 @@
 A StatePool keeps a few state tensors per layer; giving new sessions a fresh state or forking one copies the same rows
 of all of them. `copy_rows` does that for every tensor of a `RowTable` (built once from the pool's tensors) and every
 (src, dst) pair in one Triton launch on a GPU (copy.py), or one `index_copy_` per tensor elsewhere (reference.py);
-`kvfree.kernels.dispatch.use_triton` (`KVFREE_KERNELS`) chooses.
+`kvfree.kernels.dispatch.use_triton` (`KVFREE_KERNELS`) chooses. A table may mark tensors whose dst rows are to be
+zeroed rather than copied (a reset to a zero state: nothing read).
 """
 
 from __future__ import annotations
@@ -22,7 +23,8 @@ _INDEX_DTYPES = (torch.int32, torch.int64)
 
 
 def copy_rows(table: RowTable, src: torch.Tensor, dst: torch.Tensor) -> None:
-    """For every tensor t of `table` and every k: `t[dst[k]] = t[src[k]]`, bit for bit (one kernel launch on a GPU).
+    """For every tensor t of `table` and every k: `t[dst[k]] = t[src[k]]`, bit for bit (one kernel launch on a GPU);
+    for a tensor the table marks `zero_fill`, `t[dst[k]] = 0` instead, without reading `t[src[k]]`.
 
     Args:
         table: the tensors, each `[rows, ...]` contiguous, any dtype (see `RowTable`).

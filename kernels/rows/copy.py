@@ -2,9 +2,10 @@
 
 The tensors have different dtypes and shapes, so the kernel does not see them as tensors: it reads each one's base
 address and row length from the table (device int64), casts the address to a pointer to `min(word, 8)`-byte integers
-and copies raw words. A row is cut into pieces of `table.block` elements (the table's work list); the 1-D grid runs
-one program per (pair, piece), so programs are equal in size whatever the mix of tiny and huge rows, and a pair's
-pieces are neighbours in launch order.
+and copies raw words (for a tensor the table marks `zero_fill`, it stores zeros and reads nothing). A row is cut into
+pieces of `table.block` elements (the table's work list); the 1-D grid runs one program per (pair, piece), so
+programs are equal in size whatever the mix of tiny and huge rows, and a pair's pieces are neighbours in launch
+order.
 
 The alignment hints (`tl.multiple_of`) are true by construction: `word` divides every base address and row size,
 and pieces start at multiples of the block. With 16-byte words the compiler then moves 16-byte vectors.
@@ -16,6 +17,7 @@ import torch
 import triton
 import triton.language as tl
 
+from ..launcher import launch_kernel
 from .table import RowTable
 
 _INT = {1: tl.int8, 2: tl.int16, 4: tl.int32, 8: tl.int64}
@@ -24,7 +26,7 @@ _MAX_GRID = 2**31 - 1
 
 @triton.jit
 def _copy_rows_kernel(
-    bases, row_len, work_tensor, work_start, src, dst, W,
+    bases, row_len, zeroed, work_tensor, work_start, src, dst, W,
     DTYPE: tl.constexpr, ALIGN: tl.constexpr, ELEM: tl.constexpr, BLOCK: tl.constexpr,
 ):  # fmt: skip
     pid = tl.program_id(0)
@@ -39,7 +41,8 @@ def _copy_rows_kernel(
     row_dst = tl.load(dst + i_k).to(tl.int64)
     offs = start + tl.arange(0, BLOCK)
     mask = offs < n
-    words = tl.load(base + row_src * n + offs, mask=mask)
+    copy = tl.load(zeroed + i_t) == 0  # else the tensor's dst rows are zero-filled: its src row is not read
+    words = tl.load(base + row_src * n + offs, mask=mask & copy, other=0)
     tl.store(base + row_dst * n + offs, words, mask=mask)
 
 
@@ -52,7 +55,9 @@ def copy_rows(table: RowTable, src: torch.Tensor, dst: torch.Tensor) -> None:
     if K * W > _MAX_GRID:
         raise ValueError(f"{K} row pairs x {W} pieces a row exceed one launch's {_MAX_GRID} programs")
     elem = min(table.word, 8)
-    _copy_rows_kernel[(K * W,)](
-        table.bases, table.row_len, table.work_tensor, table.work_start, src, dst, W,
+    src, dst = src.contiguous(), dst.contiguous()  # (no copy, hence no allocation, for the usual contiguous indices)
+    launch_kernel(
+        _copy_rows_kernel, (K * W,),
+        table.bases, table.row_len, table.zeroed, table.work_tensor, table.work_start, src, dst, W,
         DTYPE=_INT[elem], ALIGN=table.word, ELEM=elem, BLOCK=table.block, num_warps=4,
     )  # fmt: skip

@@ -13,7 +13,7 @@ from collections.abc import Sequence
 import torch
 
 WORDS = (16, 8, 4, 2, 1)  # bytes the kernel may move at a time, widest first
-BLOCK_BYTES = 16384  # bytes of one row that one program copies (16 KB: 16 vectors of 16 B per thread at 4 warps)
+BLOCK_BYTES = 16384  # bytes of one row that one program copies (at 4 warps, 8 vectors of 16 B per thread)
 
 
 class RowTable:
@@ -23,22 +23,28 @@ class RowTable:
         tensors: each `[rows, ...]`, contiguous, any dtype, all on one device; row counts may differ (indices given
             to `copy_rows` must be below `rows`, the smallest). The table keeps them, so their memory stays where
             its addresses point: never resize them (`resize_`, `set_`) while the table lives.
+        zero_fill: per tensor, True to set its dst rows to zero bits instead of copying its src rows: a reset to a
+            state known to be zero then reads nothing, half the memory traffic of a copy. None: copy every tensor.
 
     Attributes:
-        tensors: the tensors, in the order given.  device: their device.  rows: the smallest row count.
+        tensors: the tensors, in the order given.  zero_fill: the flags, a tuple of bools.  device: their device.
+        rows: the smallest row count.
         word: the widest of 16, 8, 4, 2, 1 bytes that divides every tensor's base address and row size; the kernel
             moves `min(word, 8)`-byte integers (Triton's widest) and is told of the `word`-byte alignment, so that it
             can use 16-byte vector loads and stores.
         block: elements of one row that one program copies.
-        bases, row_len: `[N]` int64 on the device, each tensor's base address and row length in `min(word, 8)`-byte
-            elements (rows of 0 bytes are left out of the kernel's tables, which is why N may be below
-            `len(tensors)`).
+        bases, row_len, zeroed: `[N]` int64 on the device, each tensor's base address, row length in
+            `min(word, 8)`-byte elements and zero_fill flag (rows of 0 bytes are left out of the kernel's tables,
+            which is why N may be below `len(tensors)`).
         work_tensor: `[W]` int32, work_start: `[W]` int64 on the device: the W pieces of one row copy, as (index into
             bases, first element); a launch runs one program per piece per (src, dst) pair.
     """
 
-    def __init__(self, tensors: Sequence[torch.Tensor]) -> None:
+    def __init__(self, tensors: Sequence[torch.Tensor], zero_fill: Sequence[bool] | None = None) -> None:
         self.tensors = tuple(tensors)
+        self.zero_fill = tuple(bool(z) for z in zero_fill) if zero_fill is not None else (False,) * len(self.tensors)
+        if len(self.zero_fill) != len(self.tensors):
+            raise ValueError(f"{len(self.zero_fill)} zero_fill flags for {len(self.tensors)} tensors")
         devices = {t.device for t in self.tensors}
         if len(devices) > 1:
             raise ValueError(f"the tensors of a RowTable must share one device, got {sorted(map(str, devices))}")
@@ -48,15 +54,20 @@ class RowTable:
         self.device = devices.pop() if devices else torch.device("cpu")
         self.rows = min((t.shape[0] for t in self.tensors), default=0)
         sizes = [math.prod(t.shape[1:]) * t.element_size() for t in self.tensors]
-        copied = [(t, n) for t, n in zip(self.tensors, sizes, strict=True) if n > 0] if self.rows else []
-        self.word = next(w for w in WORDS if all(n % w == 0 and t.data_ptr() % w == 0 for t, n in copied))
+        kept = [i for i, n in enumerate(sizes) if n > 0] if self.rows else []
+        self.word = next(
+            w for w in WORDS if all(sizes[i] % w == 0 and self.tensors[i].data_ptr() % w == 0 for i in kept)
+        )
         elem = min(self.word, 8)
         self.block = BLOCK_BYTES // elem
-        lengths = [n // elem for _, n in copied]
-        pieces = [(i, start) for i, n in enumerate(lengths) for start in range(0, n, self.block)]
-        host = torch.tensor([t.data_ptr() for t, _ in copied] + lengths + [p[1] for p in pieces], dtype=torch.int64)
-        on_device, n = host.to(self.device), len(copied)
-        self.bases, self.row_len, self.work_start = on_device[:n], on_device[n : 2 * n], on_device[2 * n :]
+        lengths = [sizes[i] // elem for i in kept]
+        pieces = [(j, start) for j, n in enumerate(lengths) for start in range(0, n, self.block)]
+        bases = [self.tensors[i].data_ptr() for i in kept]
+        flags = [int(self.zero_fill[i]) for i in kept]
+        host = torch.tensor(bases + lengths + flags + [p[1] for p in pieces], dtype=torch.int64)
+        self.bases, self.row_len, self.zeroed, self.work_start = host.to(self.device).split(
+            [len(kept)] * 3 + [len(pieces)]
+        )
         self.work_tensor = torch.tensor([p[0] for p in pieces], dtype=torch.int32).to(self.device)
 
     @property

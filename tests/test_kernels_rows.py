@@ -1,0 +1,161 @@
+"""The row-copy op (kernels/rows): Triton (under the interpreter on the CPU) against the reference bit for bit, over
+tables of several dtypes and row shapes (every word width the kernel picks, rows of several pieces, zero-filled
+tensors), rows not named as dst untouched, one launch per call, the dispatch, and the checks of the arguments."""
+
+from __future__ import annotations
+
+import os
+
+import pytest
+import torch
+
+if not torch.cuda.is_available():  # must precede the first import of a module that defines Triton kernels
+    os.environ.setdefault("TRITON_INTERPRET", "1")
+
+pytest.importorskip("triton")
+
+import kvfree.kernels.rows as rows_ops  # noqa: E402
+from kvfree.kernels.rows import RowTable, copy_rows, reference  # noqa: E402
+from kvfree.kernels.rows import copy as rows_copy  # noqa: E402
+from tests.kernel_checks import DEVICE, seed  # noqa: E402
+
+f32, bf16, i64 = torch.float32, torch.bfloat16, torch.int64
+
+# (row shape, dtype) per tensor, and the word the table must pick: the widest of 16/8/4/2/1 bytes dividing every row.
+TABLES = {
+    "16-byte words": ([((4, 1100), f32), ((3, 40), bf16), ((2, 6), i64)], 16),  # the fp32 row is two 16 KB pieces
+    "8-byte words": ([((2, 2100), f32), ((), i64), ((8,), bf16)], 8),  # the int64 scalar row (a layer's length)
+    "2-byte words": ([((3, 7), bf16), ((5, 5), f32), ((), i64)], 2),  # 42-byte rows
+    "1-byte words": ([((5,), torch.uint8), ((3, 3), f32)], 1),
+}
+
+
+Spec = list[tuple[tuple[int, ...], torch.dtype]]
+
+
+def random_tensors(g: torch.Generator, rows: int, spec: Spec) -> list[torch.Tensor]:
+    """Random `[rows, *shape]` tensors, no element zero (a row copied from nowhere cannot pass for a copy)."""
+    out = []
+    for shape, dtype in spec:
+        if dtype.is_floating_point:  # magnitudes in [0.5, 1.5), either sign
+            sign = torch.randint(0, 2, (rows, *shape), generator=g) * 2 - 1
+            t = (torch.rand(rows, *shape, generator=g) + 0.5) * sign
+        else:
+            t = torch.randint(1, 2**7 if dtype == torch.uint8 else 2**40, (rows, *shape), generator=g)
+        out.append(t.to(dtype).to(DEVICE))
+    return out
+
+
+def pairs(g: torch.Generator, rows: int, k: int, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+    """k (src, dst) pairs: distinct dst rows, none of them a src; srcs may repeat (a reset copies one row to many)."""
+    perm = torch.randperm(rows, generator=g)
+    dst = perm[:k]
+    src = perm[k:][torch.randint(0, rows - k, (k,), generator=g)]
+    return src.to(DEVICE, dtype), dst.to(DEVICE, dtype)
+
+
+def bits(t: torch.Tensor) -> torch.Tensor:
+    """The tensor's bytes, to compare floats bit for bit."""
+    return t.view(torch.uint8) if t.dim() and t.element_size() > 1 else t
+
+
+@pytest.mark.parametrize("name", list(TABLES))
+@pytest.mark.parametrize("k, index_dtype", [(1, torch.int32), (5, torch.int64), (6, torch.int32)])
+@pytest.mark.parametrize("zero_fill", [False, True])
+def test_triton_copy_equals_the_reference_bit_for_bit(name, k, index_dtype, zero_fill):
+    """With zero_fill, every other tensor's dst rows are zeroed instead of copied."""
+    spec, word = TABLES[name]
+    g = seed("rows", name, k, index_dtype, zero_fill)
+    rows = 13
+    original = random_tensors(g, rows, spec)
+    flags = [zero_fill and i % 2 == 1 for i in range(len(spec))]
+    ours, theirs = [t.clone() for t in original], [t.clone() for t in original]
+    table = RowTable(ours, zero_fill=flags)
+    assert table.word == word
+    src, dst = pairs(g, rows, k, index_dtype)
+    rows_copy.copy_rows(table, src, dst)
+    reference.copy_rows(RowTable(theirs, zero_fill=flags), src, dst)
+    untouched = torch.ones(rows, dtype=torch.bool, device=DEVICE)
+    untouched[dst.long()] = False
+    for got, expect, before, zero in zip(ours, theirs, original, flags, strict=True):
+        assert torch.equal(bits(got), bits(expect))
+        copied = torch.zeros_like(before[src.long()]) if zero else before[src.long()]
+        assert torch.equal(bits(got[dst.long()]), bits(copied))
+        assert torch.equal(bits(got[untouched]), bits(before[untouched]))
+
+
+def test_tables_hold_rows_of_any_count_and_size():
+    """Row counts may differ (indices must fit the fewest), and tensors with empty rows are carried but not copied."""
+    g = seed("rows", "counts")
+    a, b = random_tensors(g, 9, [((4, 3), f32)])[0], random_tensors(g, 6, [((5,), i64)])[0]
+    empty = torch.zeros(9, 0, 3, device=DEVICE)
+    table = RowTable([a, empty, b])
+    assert (table.rows, len(table), table.bases.shape[0]) == (6, 3, 2)
+    expect_a, expect_b = a.clone(), b.clone()
+    expect_a[[0, 2]], expect_b[[0, 2]] = a[[5, 5]], b[[5, 5]]
+    rows_copy.copy_rows(table, torch.tensor([5, 5], device=DEVICE), torch.tensor([0, 2], device=DEVICE))
+    assert torch.equal(a, expect_a) and torch.equal(b, expect_b)
+
+
+def test_one_launch_copies_every_tensor_for_every_pair(monkeypatch):
+    launches = []
+    launch = rows_copy.launch_kernel
+    monkeypatch.setattr(
+        rows_copy,
+        "launch_kernel",
+        lambda kernel, grid, *a, **kw: (launches.append(grid), launch(kernel, grid, *a, **kw)),
+    )
+    monkeypatch.setattr(rows_ops, "use_triton", lambda device: True)
+    g = seed("rows", "launches")
+    tensors = random_tensors(g, 8, [((3, 5), f32), ((4, 1100), f32), ((), i64), ((6,), bf16)] * 5)  # 20 tensors
+    before = [t.clone() for t in tensors]
+    table = RowTable(tensors)
+    copy_rows(table, torch.tensor([0, 1, 2], device=DEVICE), torch.tensor([5, 6, 7], device=DEVICE))
+    assert launches == [(3 * table.pieces,)]
+    assert all(torch.equal(t[5:], b[:3]) and torch.equal(t[:5], b[:5]) for t, b in zip(tensors, before, strict=True))
+    copy_rows(table, torch.tensor([], dtype=i64, device=DEVICE), torch.tensor([], dtype=i64, device=DEVICE))
+    assert len(launches) == 1  # nothing to copy: no launch
+
+
+def test_kvfree_kernels_chooses_the_implementation(monkeypatch):
+    calls = []
+    monkeypatch.setattr(rows_copy, "copy_rows", lambda *a: calls.append("triton"))
+    monkeypatch.setattr(reference, "copy_rows", lambda *a: calls.append("reference"))
+    table = RowTable([torch.ones(4, 2)])
+    src, dst = torch.tensor([0]), torch.tensor([1])
+    for mode in ("reference", "auto", "triton"):
+        monkeypatch.setenv("KVFREE_KERNELS", mode)
+        monkeypatch.setenv("TRITON_INTERPRET", "1")
+        copy_rows(table, src, dst)
+    assert calls == ["reference", "reference", "triton"]  # auto: Triton on CUDA devices only
+
+
+@pytest.mark.parametrize(
+    "src, dst, message",
+    [
+        ([0, 1], [1, 2], "both a src and a dst"),
+        ([0, 0], [3, 3], "more than once"),
+        ([0], [4], "out of range"),
+        ([-1], [2], "out of range"),
+    ],
+)
+def test_bad_pairs_are_refused_before_anything_is_copied(src, dst, message):
+    t = torch.arange(8.0).view(4, 2)
+    before = t.clone()
+    with pytest.raises(ValueError, match=message):
+        copy_rows(RowTable([t]), torch.tensor(src), torch.tensor(dst))
+    assert torch.equal(t, before)
+
+
+def test_bad_tables_and_indices_are_refused():
+    with pytest.raises(ValueError, match="contiguous"):
+        RowTable([torch.zeros(4, 6)[:, ::2]])
+    with pytest.raises(ValueError, match="contiguous"):
+        RowTable([torch.zeros(())])
+    with pytest.raises(ValueError, match="zero_fill"):
+        RowTable([torch.zeros(4, 2)], zero_fill=[True, False])
+    table = RowTable([torch.zeros(4, 2)])
+    with pytest.raises(ValueError, match="int32/int64"):
+        copy_rows(table, torch.tensor([0.0]), torch.tensor([1.0]))
+    with pytest.raises(ValueError, match=r"\[K\]"):
+        copy_rows(table, torch.tensor([0, 1]), torch.tensor([2]))
