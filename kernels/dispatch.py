@@ -1,4 +1,4 @@
-"""The one place that picks an op's implementation (PyTorch reference or Triton), plus host-side varlen metadata.
+"""The one place that picks an op's implementation (PyTorch reference or Triton), plus varlen chunk metadata.
 
 `KVFREE_KERNELS` chooses: `reference` (always the PyTorch reference), `triton` (always Triton; on the CPU only under
 the Triton interpreter, `TRITON_INTERPRET=1`), or `auto` (the default: Triton on CUDA devices when it imports).
@@ -109,6 +109,72 @@ def chunk_metadata(cu: tuple[int, ...], chunk: int, device: torch.device) -> tup
     global index of each sequence's first chunk, `NC`). An empty sequence has no chunks.
     """
     return _chunk_metadata(cu, int(chunk), str(torch.device(device)))
+
+
+def device_chunk_metadata(
+    cu_seqlens: torch.Tensor, chunk: int, total: int
+) -> tuple[torch.Tensor, torch.Tensor, int]:
+    """`chunk_metadata` computed on the device from `cu_seqlens`, never read back to the host (capturable in a CUDA
+    graph), its size bounded by what the host knows: T tokens and N sequences give at most
+    `NC_max = (T + N (chunk - 1)) // chunk` chunks (each sequence wastes less than one chunk; empty ones none).
+
+    Args:
+        cu_seqlens: `[N+1]` int32 on the device, rising from 0 to `total` (not checked: that would need a sync).
+        chunk: tokens per chunk.  total: T.
+
+    Returns:
+        (`indices` `[NC_max, 2]` int32: (sequence, chunk within it) per global chunk, `(-1, 0)` past the real count,
+        which kernels skip; `offsets` `[N+1]` int32: each sequence's first global chunk, `offsets[N]` the real
+        count; `NC_max`).
+    """
+    n = cu_seqlens.shape[0] - 1
+    bound = (total + n * (chunk - 1)) // chunk
+    counts = (cu_seqlens[1:] - cu_seqlens[:-1] + (chunk - 1)) // chunk
+    ends = torch.cumsum(counts, 0, dtype=torch.int32)  # [N] one past each sequence's last chunk
+    offsets = torch.nn.functional.pad(ends, (1, 0))
+    c = torch.arange(bound, dtype=torch.int32, device=cu_seqlens.device)
+    # The sequence that holds chunk c: the first whose end is past c (empty sequences end where they start). Chunks
+    # past the real count find none (N).
+    seq = torch.searchsorted(ends, c, right=True, out_int32=True)
+    real = seq < n
+    local = c - offsets[seq.clamp(max=n - 1)]
+    indices = torch.stack([torch.where(real, seq, -1), torch.where(real, local, 0)], dim=1)
+    return indices, offsets, bound
+
+
+class DeviceChunks:
+    """The boundaries of a step's sequences as the device knows them, for ops that must not read them on the host
+    (a prefill step captured in a CUDA graph replays with new boundaries each time).
+
+    Each op asks `get(chunk)` with its own chunk size; the metadata is computed on the device on the first request
+    for a size and shared by every later one (every layer of the step asks with the same sizes). One instance per
+    step (or per capture): cached tensors computed in one graph are not recomputed by another.
+
+    Args:
+        cu_seqlens: `[N+1]` int32 on the device.  total: T, the packed token count (`x.shape[0]` of the ops).
+    """
+
+    def __init__(self, cu_seqlens: torch.Tensor, total: int) -> None:
+        self.cu_seqlens = cu_seqlens
+        self.total = total
+        self._cache: dict[int, tuple[torch.Tensor, torch.Tensor, int]] = {}
+
+    def get(self, chunk: int) -> tuple[torch.Tensor, torch.Tensor, int]:
+        """`device_chunk_metadata(cu_seqlens, chunk, total)`, computed once per chunk size."""
+        meta = self._cache.get(chunk)
+        if meta is None:
+            meta = self._cache[chunk] = device_chunk_metadata(self.cu_seqlens, chunk, self.total)
+        return meta
+
+    def check(self, cu_seqlens: torch.Tensor, total: int) -> None:
+        """Raise ValueError unless these are the boundaries (same tensor) and token count this object describes."""
+        same = cu_seqlens.data_ptr() == self.cu_seqlens.data_ptr() and cu_seqlens.shape == self.cu_seqlens.shape
+        if not same or total != self.total:
+            raise ValueError(
+                f"device_chunks describe {self.total} tokens over cu_seqlens {tuple(self.cu_seqlens.shape)} at "
+                f"{self.cu_seqlens.data_ptr():#x}, the op got {total} over {tuple(cu_seqlens.shape)} at "
+                f"{cu_seqlens.data_ptr():#x}"
+            )
 
 
 def varlen_positions(

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import torch
 
-from ..dispatch import use_triton
+from ..dispatch import DeviceChunks, use_triton
 from . import reference
 from .reference import causal_conv1d
 
@@ -25,7 +25,8 @@ def chunk_causal_conv1d(
     bias: torch.Tensor | None = None,
     activation: str | None = "silu",
     *,
-    cu_seqlens_cpu: torch.Tensor | list[int] | None = None,
+    cu_seqlens_cpu: torch.Tensor | list[int] | tuple[int, ...] | None = None,
+    device_chunks: DeviceChunks | None = None,
 ) -> torch.Tensor:
     """Causal depthwise conv1d over packed variable-length sequences, each continuing from its pool row's tail.
 
@@ -38,7 +39,12 @@ def chunk_causal_conv1d(
         cu_seqlens: `[N+1]` int32, sequence boundaries in x (device), from 0 to T.
         weight: `[C, K]`; `weight[:, -1]` multiplies the current token.  bias: `[C]` or None.
         activation: None or "silu".
-        cu_seqlens_cpu: a host copy of cu_seqlens (tensor or list); copied from the device (a sync) when None.
+        cu_seqlens_cpu: a host copy of cu_seqlens (tensor, list or tuple); copied from the device (a sync) when None
+            and `device_chunks` is not given.
+        device_chunks: for a step captured in a CUDA graph, `DeviceChunks(cu_seqlens, T)`
+            (`kvfree.kernels.dispatch`): the Triton kernel then takes its block metadata from the device, sized by a
+            bound, and never reads `cu_seqlens` on the host. Sequences may be empty (a padded step's sentinels): they
+            output nothing and leave their pool rows untouched. The reference (and a width-1 filter) ignores it.
 
     Returns:
         y: `[T, C]` in x's dtype.
@@ -47,7 +53,10 @@ def chunk_causal_conv1d(
         from .chunk import chunk_causal_conv1d as impl
     else:
         impl = reference.chunk_causal_conv1d
-    return impl(x, state, state_indices, cu_seqlens, weight, bias, activation, cu_seqlens_cpu=cu_seqlens_cpu)
+    return impl(
+        x, state, state_indices, cu_seqlens, weight, bias, activation,
+        cu_seqlens_cpu=cu_seqlens_cpu, device_chunks=device_chunks,
+    )  # fmt: skip
 
 
 def fused_recurrent_causal_conv1d(

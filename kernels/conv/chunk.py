@@ -4,6 +4,10 @@ One program per (token block of one sequence, channel block); token blocks never
 output row t reads input row t-(K-1)+k: from x when it lies inside the sequence, else from the sequence's pool row
 (the last K-1 inputs seen). The program of a sequence's first block is the only one that reads the pool row, so it
 also writes the new tail there, after a barrier that orders its reads before its writes.
+
+The block metadata comes from the host on an eager step, or from the device (`device_chunks`) for a step captured in
+a CUDA graph: the grid is then sized by a bound on the block count and the programs past the real count return at
+once. An empty sequence has no block, so its pool row is neither read nor written.
 """
 
 from __future__ import annotations
@@ -15,11 +19,10 @@ import triton
 import triton.language as tl
 
 from .. import common
-from ..dispatch import chunk_metadata, host_cu_seqlens
+from ..dispatch import DeviceChunks, chunk_metadata, host_cu_seqlens
 from ..launcher import launch_kernel
 
 INTERPRET = os.environ.get("TRITON_INTERPRET", "0") in ("1", "true", "True")
-
 
 
 @triton.jit
@@ -49,6 +52,8 @@ def _conv_varlen_kernel(
 ):
     i_b, i_c = tl.program_id(0), tl.program_id(1)
     i_n = tl.load(block_indices + 2 * i_b).to(tl.int64)
+    if i_n < 0:  # past the real block count (a grid sized by a bound: device metadata)
+        return
     j = tl.load(block_indices + 2 * i_b + 1)
     bos = tl.load(cu_seqlens + i_n).to(tl.int64)
     eos = tl.load(cu_seqlens + i_n + 1).to(tl.int64)
@@ -103,7 +108,8 @@ def chunk_causal_conv1d(
     bias: torch.Tensor | None = None,
     activation: str | None = "silu",
     *,
-    cu_seqlens_cpu: torch.Tensor | list[int] | None = None,
+    cu_seqlens_cpu: torch.Tensor | list[int] | tuple[int, ...] | None = None,
+    device_chunks: DeviceChunks | None = None,
 ) -> torch.Tensor:
     """Triton `kvfree.kernels.conv.chunk_causal_conv1d` (same arguments and result; see its docstring).
 
@@ -115,12 +121,15 @@ def chunk_causal_conv1d(
     K = weight.shape[1]
     if K < 2 or tuple(state.shape[1:]) != (K - 1, C):
         raise ValueError(f"state {tuple(state.shape)} must be [S, K-1={K - 1}, C={C}] with K >= 2")
-    cu = host_cu_seqlens(cu_seqlens, cu_seqlens_cpu, T)
     BT = 16 if INTERPRET else 32  # [32, 128] tiles: 32 fp32 values per thread and tensor, no spills at K=4
     BC = min(128, max(16, triton.next_power_of_2(C)))
     if K - 1 > BT:
         raise ValueError(f"kernel size K={K} is larger than the token block {BT} + 1")
-    blocks, _, nb = chunk_metadata(cu, BT, x.device)
+    if device_chunks is not None:  # nb is a bound; the kernel skips the blocks past the real count
+        device_chunks.check(cu_seqlens, T)
+        blocks, _, nb = device_chunks.get(BT)
+    else:
+        blocks, _, nb = chunk_metadata(host_cu_seqlens(cu_seqlens, cu_seqlens_cpu, T), BT, x.device)
     y = common.output_buffer((T, C), x.dtype, x.device)
     if nb == 0:
         return y

@@ -14,7 +14,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from ..dispatch import host_cu_seqlens, padded_groups
+from ..dispatch import DeviceChunks, host_cu_seqlens, padded_groups
 
 ACTIVATIONS = (None, "silu")
 
@@ -57,10 +57,12 @@ def chunk_causal_conv1d(
     bias: torch.Tensor | None = None,
     activation: str | None = "silu",
     *,
-    cu_seqlens_cpu: torch.Tensor | list[int] | None = None,
+    cu_seqlens_cpu: torch.Tensor | list[int] | tuple[int, ...] | None = None,
+    device_chunks: DeviceChunks | None = None,
 ) -> torch.Tensor:
     """The PyTorch reference of `kvfree.kernels.conv.chunk_causal_conv1d` (same arguments and result; see its
-    docstring): one batched `causal_conv1d` per group of similar lengths.
+    docstring): one batched `causal_conv1d` per group of similar lengths, planned on the host, so `device_chunks` is
+    not used (without `cu_seqlens_cpu` the boundaries are copied from the device).
     """
     _activate(x[:0], activation)
     cu = host_cu_seqlens(cu_seqlens, cu_seqlens_cpu, x.shape[0])

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import torch
 
-from ..dispatch import use_triton
+from ..dispatch import DeviceChunks, use_triton
 from . import reference
 from .reference import ssd_chunked, ssd_step
 
@@ -31,7 +31,8 @@ def chunk_mamba2(
     dt_limit: tuple[float, float] | None = None,
     chunk_size: int = 64,
     *,
-    cu_seqlens_cpu: torch.Tensor | list[int] | None = None,
+    cu_seqlens_cpu: torch.Tensor | list[int] | tuple[int, ...] | None = None,
+    device_chunks: DeviceChunks | None = None,
 ) -> torch.Tensor:
     """Chunked SSD prefill over packed variable-length sequences, states in place in a pool.
 
@@ -47,7 +48,12 @@ def chunk_mamba2(
         dt_limit: `(lo, hi)` or None.
         chunk_size: tokens per chunk; chunks never cross a sequence boundary. The result does not depend on it
             beyond rounding.
-        cu_seqlens_cpu: a host copy of cu_seqlens (tensor or list); copied from the device (a sync) when None.
+        cu_seqlens_cpu: a host copy of cu_seqlens (tensor, list or tuple); copied from the device (a sync) when None
+            and `device_chunks` is not given.
+        device_chunks: for a step captured in a CUDA graph, `DeviceChunks(cu_seqlens, T)`
+            (`kvfree.kernels.dispatch`): the Triton kernels then take their chunk metadata from the device, sized by
+            the bound `T // L + N` chunks, and never read `cu_seqlens` on the host. Sequences may be empty (a padded
+            step's sentinels): they output nothing and leave their pool rows untouched. The reference ignores it.
 
     Returns:
         y: `[T, H, P]` in x's dtype, the SSD output plus `D * x`.
@@ -58,7 +64,7 @@ def chunk_mamba2(
         impl = reference.chunk_mamba2
     return impl(
         x, dt, B, C, state, state_indices, cu_seqlens, A, D, dt_bias, dt_limit, chunk_size,
-        cu_seqlens_cpu=cu_seqlens_cpu,
+        cu_seqlens_cpu=cu_seqlens_cpu, device_chunks=device_chunks,
     )
 
 

@@ -16,6 +16,12 @@ Chunks of L tokens never cross a sequence boundary (the last chunk of a sequence
    so its autotuning cannot corrupt the initial states it reads.
 
 All accumulation is fp32; dot operands are in x's dtype (bf16/fp16 on tensor cores, fp32 with IEEE precision).
+
+The chunk metadata comes from the host (`chunk_metadata`, cached per boundaries: no device work) on an eager step, or,
+for a step captured in a CUDA graph, from the device (`device_chunks`): launches 1 and 3 are then sized by a bound
+on the chunk count and their programs past the real count return at once. The host path stays for eager steps because
+the device one costs a dozen small launches per step. Empty sequences (a padded step's sentinels) have no chunk, and
+their state programs return before reading anything, so their pool rows are left untouched.
 """
 
 from __future__ import annotations
@@ -28,12 +34,11 @@ import triton.language as tl
 
 from .. import common
 from ..autotune import AUTOTUNE_OPTIONS
-from ..dispatch import chunk_metadata, host_cu_seqlens
+from ..dispatch import DeviceChunks, chunk_metadata, host_cu_seqlens
 from ..launcher import launch_kernel
 from .fused_recurrent import softplus
 
 INTERPRET = os.environ.get("TRITON_INTERPRET", "0") in ("1", "true", "True")
-
 
 
 @triton.jit(do_not_specialize=["T"])
@@ -57,6 +62,8 @@ def _chunk_dt_kernel(
 ):
     i_c, i_hb = tl.program_id(0), tl.program_id(1)
     i_n = tl.load(chunk_indices + 2 * i_c)
+    if i_n < 0:  # past the real chunk count (a grid sized by a bound: device metadata)
+        return
     j = tl.load(chunk_indices + 2 * i_c + 1)
     bos = tl.load(cu_seqlens + i_n).to(tl.int64)
     eos = tl.load(cu_seqlens + i_n + 1).to(tl.int64)
@@ -167,6 +174,8 @@ def _chunk_state_kernel(
     i_g = i_h // HG
     bos = tl.load(cu_seqlens + i_n).to(tl.int64)
     eos = tl.load(cu_seqlens + i_n + 1).to(tl.int64)
+    if eos == bos:  # an empty sequence (a padded step's sentinel): no chunk, no final state, its row untouched
+        return
     c0 = tl.load(chunk_offsets + i_n).to(tl.int64)
     slot = tl.load(state_indices + i_n).to(tl.int64)
 
@@ -284,6 +293,8 @@ def _chunk_out_kernel(
     i_cm, i_p, i_h = tl.program_id(0), tl.program_id(1), tl.program_id(2)
     i_c, i_m = i_cm // (L // BM), i_cm % (L // BM)
     i_n = tl.load(chunk_indices + 2 * i_c)
+    if i_n < 0:  # past the real chunk count
+        return
     j = tl.load(chunk_indices + 2 * i_c + 1)
     bos = tl.load(cu_seqlens + i_n).to(tl.int64)
     eos = tl.load(cu_seqlens + i_n + 1).to(tl.int64)
@@ -359,7 +370,8 @@ def chunk_mamba2(
     dt_limit: tuple[float, float] | None = None,
     chunk_size: int = 64,
     *,
-    cu_seqlens_cpu: torch.Tensor | list[int] | None = None,
+    cu_seqlens_cpu: torch.Tensor | list[int] | tuple[int, ...] | None = None,
+    device_chunks: DeviceChunks | None = None,
 ) -> torch.Tensor:
     """Triton `kvfree.kernels.mamba2.chunk_mamba2` (same arguments and result; see its docstring).
 
@@ -370,10 +382,13 @@ def chunk_mamba2(
     if H % G or tuple(state.shape[1:]) != (H, P, N) or dt.shape != (T, H) or C.shape != B.shape or B.shape[0] != T:
         raise ValueError(f"shapes: x {tuple(x.shape)} dt {tuple(dt.shape)} B {tuple(B.shape)} C {tuple(C.shape)} "
                          f"state {tuple(state.shape)}")
-    cu = host_cu_seqlens(cu_seqlens, cu_seqlens_cpu, T)
-    nseq = len(cu) - 1
     L = _chunk_len(chunk_size)
-    chunk_indices, chunk_offsets, NC = chunk_metadata(cu, L, x.device)
+    nseq = cu_seqlens.shape[0] - 1
+    if device_chunks is not None:  # NC is a bound; the kernels skip the chunks past the real count
+        device_chunks.check(cu_seqlens, T)
+        chunk_indices, chunk_offsets, NC = device_chunks.get(L)
+    else:
+        chunk_indices, chunk_offsets, NC = chunk_metadata(host_cu_seqlens(cu_seqlens, cu_seqlens_cpu, T), L, x.device)
     dev = x.device
     y = common.output_buffer((T, H, P), x.dtype, dev)
     if NC == 0:

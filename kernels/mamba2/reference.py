@@ -21,7 +21,7 @@ import torch
 import torch.nn.functional as F
 
 from ..common import state_math
-from ..dispatch import host_cu_seqlens, padded_groups
+from ..dispatch import DeviceChunks, host_cu_seqlens, padded_groups
 
 
 def _acc_dtype(*tensors: torch.Tensor) -> torch.dtype:
@@ -156,12 +156,14 @@ def chunk_mamba2(
     dt_limit: tuple[float, float] | None = None,
     chunk_size: int = 64,
     *,
-    cu_seqlens_cpu: torch.Tensor | list[int] | None = None,
+    cu_seqlens_cpu: torch.Tensor | list[int] | tuple[int, ...] | None = None,
+    device_chunks: DeviceChunks | None = None,
 ) -> torch.Tensor:
     """The PyTorch reference of `kvfree.kernels.mamba2.chunk_mamba2` (same arguments and result; see its docstring).
 
     Gathers the pool rows, runs `ssd_chunked` once per group of similar lengths (right-padding with post-softplus
-    dt = 0 and x = 0 leaves a state unchanged) and writes the final states back.
+    dt = 0 and x = 0 leaves a state unchanged) and writes the final states back. The groups are planned on the host,
+    so `device_chunks` is not used (without `cu_seqlens_cpu` the boundaries are copied from the device).
     """
     cu = host_cu_seqlens(cu_seqlens, cu_seqlens_cpu, x.shape[0])
     acc = _acc_dtype(x, dt, B, C, state)
