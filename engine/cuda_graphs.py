@@ -1,4 +1,4 @@
-"""CUDA graphs for decode: one captured decode step per batch bucket, replayed with the batch padded to its bucket.
+"""CUDA graphs: decode steps captured per batch bucket, prefill steps per (token, sequence) bucket, replayed padded.
 
 A decode step of a 48-layer model is a few hundred small kernels; launched one by one from Python their overhead
 is most of the step. Captured once at start-up in a graph, a step is one launch (nano-vllm's `capture_cudagraph`,
@@ -7,17 +7,25 @@ replays the smallest bucket >= B, with the rows beyond B pointed at the pool's s
 scratch by definition. The only input is the slots: each row's token is looked up inside the graph (the runner
 keeps the last sampled token of every slot on the device). Graphs share one memory pool and are captured largest
 first, so the smaller ones reuse the larger one's memory. Sampling stays outside the graph.
+
+A prefill step costs the host tens of milliseconds of launches too (an eager op call is 50-400 µs of Python),
+while the GPU work of a 512-token step is a few ms. `PrefillGraphs` captures the model's own prefill per bucket of
+tokens and sequences, the step padded with sentinel sequences on the scratch slot (engine/step_batch.py,
+`pad_prefill`) and its ops' chunk metadata computed on the device (`StepBatch.device_chunks`), so that one graph
+serves every step of its bucket (sglang's prefill graphs per token bucket; fla's RFC #1155 on capturable varlen).
 """
 
 from __future__ import annotations
 
 import logging
 from bisect import bisect_left
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
 
 import torch
 
-from kvfree.engine.step_batch import StepBatch
+from kvfree.engine.host_copy import upload
+from kvfree.engine.step_batch import StepBatch, pad_prefill
 
 log = logging.getLogger("kvfree.engine")
 
@@ -26,6 +34,14 @@ log = logging.getLogger("kvfree.engine")
 MAX_GRAPH_BATCH = 512
 
 Decode = Callable[[StepBatch], torch.Tensor]  # batch of B slots -> logits [B, V]
+Prefill = Callable[[torch.Tensor, StepBatch], torch.Tensor]  # token ids [T], batch of N sequences -> logits [N, V]
+
+# Sequence buckets of a prefill graph: a step of N sequences needs N + 1 (one more for the padding tokens). Steps of
+# more sequences than the largest run eagerly: each sentinel costs every layer's state pass a program.
+PREFILL_SEQ_SIZES = (2, 4, 8, 16, 32, 64)
+# Token buckets: a few powers of two for short steps, then multiples of this, the scheduler's budget alignment
+# (engine/scheduler.py PREFILL_ALIGN), so full steps fill their bucket exactly.
+PREFILL_TOKEN_STEP = 256
 
 
 def graph_batch_sizes(max_batch: int) -> list[int]:
@@ -50,6 +66,43 @@ def padded_slots(slots: list[int], bucket: int, scratch_slot: int) -> list[int]:
     if len(slots) > bucket:
         raise ValueError(f"{len(slots)} sessions do not fit a bucket of {bucket}")
     return [*slots, *[scratch_slot] * (bucket - len(slots))]
+
+
+def prefill_token_sizes(max_tokens: int) -> list[int]:
+    """The prefill token buckets: 64, 128, then every 256 up to `max_tokens` (rounded up to a multiple of 256).
+
+    A step of T tokens pads to the next: at most 63 tokens below 256, a fifth of the step at most above 1,024.
+    """
+    if max_tokens < 1:
+        raise ValueError(f"max_tokens must be >= 1, got {max_tokens}")
+    top = -(-max_tokens // PREFILL_TOKEN_STEP) * PREFILL_TOKEN_STEP
+    return [64, 128, *range(PREFILL_TOKEN_STEP, top + 1, PREFILL_TOKEN_STEP)]
+
+
+def prefill_bucket(
+    tokens: int, seqs: int, token_sizes: list[int], seq_sizes: Sequence[int] = PREFILL_SEQ_SIZES
+) -> tuple[int, int] | None:
+    """The (token, sequence) bucket of a prefill of `seqs` sequences and `tokens` tokens: the smallest sizes holding
+    `tokens` and `seqs + 1` (the padding sequence), or None when either exceeds every size."""
+    t, n = bucket_for(tokens, token_sizes), bucket_for(seqs + 1, list(seq_sizes))
+    return None if t is None or n is None else (t, n)
+
+
+def capture(
+    step: Callable[[], torch.Tensor], pool: tuple, device: torch.device
+) -> tuple[torch.cuda.CUDAGraph, torch.Tensor]:
+    """Capture `step()` into a new graph in the memory `pool` -> (the graph, its output tensor).
+
+    The caller has run the same shapes eagerly just before, so that every Triton kernel is compiled and autotuned
+    (a benchmark cannot run inside a capture) and every cached constant (Mamba-2's A) exists. Capture records
+    kernels without running them: it writes no pool row. `thread_local`: another thread's CUDA calls (a server's)
+    do not invalidate it.
+    """
+    torch.cuda.synchronize(device)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph, pool=pool, capture_error_mode="thread_local"):
+        out = step()
+    return graph, out
 
 
 class DecodeGraphs:
@@ -78,11 +131,7 @@ class DecodeGraphs:
         for size in reversed(self.sizes):  # largest first, so smaller graphs fit in its memory
             batch = self._batch(size)
             decode(batch)  # warm-up: compiles Triton kernels, sets up cuBLAS workspaces
-            torch.cuda.synchronize(device)
-            graph = torch.cuda.CUDAGraph()
-            with torch.cuda.graph(graph, pool=pool):
-                self.logits[size] = decode(batch)
-            self.graphs[size] = graph
+            self.graphs[size], self.logits[size] = capture(lambda b=batch: decode(b), pool, device)
         torch.cuda.synchronize(device)
 
     def _batch(self, size: int) -> StepBatch:
@@ -108,3 +157,99 @@ class DecodeGraphs:
         self.state_indices[:size].copy_(host, non_blocking=True)  # pinned: a true asynchronous copy
         self.graphs[size].replay()
         return self.logits[size][:n]
+
+
+@dataclass
+class _PrefillGraph:
+    """One bucket's static input (`PrefillLayout.host_buffer`'s layout) and, once captured, its graph and logits."""
+
+    inputs: torch.Tensor  # [tokens + 3 seqs + 1] int32
+    graph: torch.cuda.CUDAGraph | None = None
+    logits: torch.Tensor | None = None  # [seqs, V]
+
+
+class PrefillGraphs:
+    """Prefill steps captured per (token bucket, sequence bucket), replayed with the step padded to its bucket.
+
+    A graph is the model's own prefill (`prefill(ids, batch)`, the same Python path as an eager step) over a
+    `StepBatch.padded` view of its bucket's static input buffer, so the ops take their chunk metadata from the
+    device and the graph serves every step of the bucket. Replay is one upload of the padded step's ids, slots,
+    boundaries and last-token indices from pinned memory into that buffer, then `graph.replay()`.
+
+    Buckets are captured lazily, on their first step, which runs eagerly through the very same buffers and ops
+    (computing the step, and meeting every kernel shape the graph will launch) before the capture. The trade: a
+    bucket's first step costs about twice an eager step plus a device sync, where capturing every bucket at start-up
+    (`prefill_token_sizes` x `PREFILL_SEQ_SIZES`, ~100 graphs for a 4,096-token budget) would add seconds to every
+    start for buckets most servers never meet. The graphs share one memory pool (not the decode graphs', so a replay
+    never overwrites decode logits still to be sampled). In lazy order a larger bucket may not fit the blocks a
+    smaller one freed, so the pool can grow towards the sum of the captured buckets' activation peaks (each about one
+    layer's activations of its tokens) rather than the largest one's. `capture` forces a bucket early.
+
+    Args:
+        prefill: the eager prefill to capture, `(token ids [T], StepBatch of N sequences) -> logits [N, V]` for each
+            sequence's last token.
+        max_tokens: the largest step to replay (its token bucket is the largest); larger steps run eagerly.
+        scratch_slot: a pool row no session owns; the padding sequences write their state there.
+        device: a CUDA device.
+        seq_sizes: the sequence buckets.
+    """
+
+    def __init__(
+        self,
+        prefill: Prefill,
+        max_tokens: int,
+        scratch_slot: int,
+        device: torch.device,
+        seq_sizes: Sequence[int] = PREFILL_SEQ_SIZES,
+    ) -> None:
+        self.prefill = prefill
+        self.token_sizes = prefill_token_sizes(max_tokens)
+        self.seq_sizes = sorted(seq_sizes)
+        self.scratch_slot = scratch_slot
+        self.device = device
+        self.pool = torch.cuda.graph_pool_handle()
+        self.graphs: dict[tuple[int, int], _PrefillGraph] = {}
+
+    def bucket(self, tokens: int, seqs: int) -> tuple[int, int] | None:
+        """The (tokens, sequences) bucket a prefill of `seqs` sequences and `tokens` tokens replays, or None."""
+        return prefill_bucket(tokens, seqs, self.token_sizes, self.seq_sizes)
+
+    def replay(self, slots: list[int], chunks: list[list[int]]) -> torch.Tensor:
+        """Feed `chunks[i]` into pool row `slots[i]` -> logits `[N, V]` of each chunk's last token (a view, valid until
+        the next prefill replay). Captures the bucket first if it is new (see the class docstring)."""
+        lens = [len(c) for c in chunks]
+        key = self.bucket(sum(lens), len(lens))
+        if key is None:
+            raise ValueError(f"a prefill of {len(lens)} sequences, {sum(lens)} tokens exceeds every captured bucket")
+        layout = pad_prefill(slots, lens, *key, self.scratch_slot)
+        host = torch.tensor(layout.host_buffer([t for c in chunks for t in c]), dtype=torch.int32, pin_memory=True)
+        entry = self.graphs.get(key)
+        if entry is None:
+            entry = self.graphs[key] = _PrefillGraph(torch.empty(host.shape, dtype=torch.int32, device=self.device))
+        entry.inputs.copy_(host, non_blocking=True)  # pinned: a true asynchronous copy
+        if entry.graph is None:
+            logits = self.prefill(*self._step(entry, key))  # this step, eagerly, through the graph's own buffers
+            self._capture(entry, key)
+            return logits[: len(lens)]
+        entry.graph.replay()
+        return entry.logits[: len(lens)]
+
+    def capture(self, tokens: int, seqs: int) -> None:
+        """Capture bucket (`tokens`, `seqs`) now, after an eager warm-up of its shapes on the scratch slot only (one
+        padding sequence of every token, sentinels after it)."""
+        key = (tokens, seqs)
+        if key not in self.graphs:
+            layout = pad_prefill([self.scratch_slot], [tokens], tokens, seqs, self.scratch_slot)
+            inputs = upload(layout.host_buffer([0] * tokens), torch.int32, self.device)
+            entry = self.graphs[key] = _PrefillGraph(inputs)
+            self.prefill(*self._step(entry, key))
+        if self.graphs[key].graph is None:
+            self._capture(self.graphs[key], key)
+
+    def _step(self, entry: _PrefillGraph, key: tuple[int, int]) -> tuple[torch.Tensor, StepBatch]:
+        # No host boundaries: what the graph records must hold for every step of the bucket.
+        return StepBatch.padded(entry.inputs, *key)
+
+    def _capture(self, entry: _PrefillGraph, key: tuple[int, int]) -> None:
+        entry.graph, entry.logits = capture(lambda: self.prefill(*self._step(entry, key)), self.pool, self.device)
+        log.info("captured a CUDA graph for prefill steps of %d tokens, %d sequences", *key)

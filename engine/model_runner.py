@@ -1,7 +1,8 @@
 """ModelRunner: runs a ScheduledStep over the state pool and samples its tokens on the device.
 
-Prefill runs eagerly (its shapes change every step); decode replays a captured CUDA graph on a GPU when every
-mixer of the model can be captured (engine/cuda_graphs.py), and runs eagerly otherwise. A decode row's input is
+On a GPU, decode replays a CUDA graph captured per batch bucket, and prefill one captured per (token, sequence)
+bucket with the step padded to it, when every mixer of the model can be captured for that step (engine/cuda_graphs.py,
+each mixer's `graph_blocker` and `prefill_graph_blocker`); either runs eagerly otherwise. A decode row's input is
 the token sampled for its slot by the previous step, kept on the device in `next_tokens`, so a step can be
 launched before the previous one's tokens reach the host. `launch` only queues device work; the handle it returns
 waits for the one device-to-host copy of the step's sampled tokens.
@@ -14,7 +15,7 @@ from dataclasses import dataclass
 
 import torch
 
-from kvfree.engine.cuda_graphs import DecodeGraphs
+from kvfree.engine.cuda_graphs import DecodeGraphs, PrefillGraphs
 from kvfree.engine.host_copy import upload
 from kvfree.engine.model import HybridLM
 from kvfree.engine.sampling import BatchFlags, SampleOutput, SamplingTable, sample
@@ -62,9 +63,13 @@ class ModelRunner:
 
     Args:
         enforce_eager: never capture CUDA graphs (debugging, or to compare against the graphs).
+        max_prefill_graph_tokens: the largest prefill step replayed from a CUDA graph; larger steps, whose launch
+            cost is a small part of their GPU time, run eagerly.
     """
 
-    def __init__(self, model: HybridLM, pool: StatePool, enforce_eager: bool = False) -> None:
+    def __init__(
+        self, model: HybridLM, pool: StatePool, enforce_eager: bool = False, max_prefill_graph_tokens: int = 4096
+    ) -> None:
         self.model = model
         self.pool = pool
         self.device = model.device
@@ -72,6 +77,7 @@ class ModelRunner:
         self.next_tokens = torch.zeros(rows, dtype=torch.long, device=self.device)
         self.sampling = SamplingTable(rows, model.config.vocab_size, self.device)
         self.graphs: DecodeGraphs | None = None
+        self.prefill_graphs: PrefillGraphs | None = None
         if self.device.type == "cuda":
             self.warm_up_prefill()
         if self.device.type == "cuda" and not enforce_eager:
@@ -82,12 +88,21 @@ class ModelRunner:
                 with torch.inference_mode():
                     self.graphs = DecodeGraphs(self._decode_rows, pool.capacity, pool.scratch_slot, self.device)
                 log.info("captured CUDA graphs for decode batches of %s sessions", self.graphs.sizes)
+            blockers = graph_blockers(model, prefill=True)
+            if blockers:
+                log.info("prefill runs eagerly (no CUDA graphs): %s", "; ".join(blockers))
+            else:  # captured lazily, a bucket on its first step
+                self.prefill_graphs = PrefillGraphs(
+                    self._prefill_rows, max_prefill_graph_tokens, pool.scratch_slot, self.device
+                )
 
     @torch.inference_mode()
     def warm_up_prefill(self, tokens_per_sequence: int = 64) -> None:
         """Prefill 1, 2, 4, ... 32 short sequences into the scratch slot, so that Triton compiles and autotunes
         its prefill kernels for every batch shape they tune by (the number of sequences, in powers of two) at
-        start-up rather than in the middle of the first requests (kernels/autotune.py)."""
+        start-up rather than in the middle of the first requests (kernels/autotune.py). The prefill graphs' buckets
+        of 2 to 64 sequences fall on the same autotuning keys (32 and more share one), so their lazy captures
+        meet tuned kernels."""
         scratch = self.pool.scratch_slot
         tokens = min(tokens_per_sequence, self.pool.max_context)  # a KV cache must hold them
         for n in (1, 2, 4, 8, 16, 32):
@@ -96,6 +111,11 @@ class ModelRunner:
             self.model.prefill(ids, self.pool.tensors, StepBatch.prefill([scratch] * n, [tokens] * n, self.device))
         self.pool.reset(scratch)
         torch.cuda.synchronize(self.device)
+
+    def _prefill_rows(self, input_ids: torch.Tensor, batch: StepBatch) -> torch.Tensor:
+        """The model's prefill over the pool -> logits `[B, V]` of each sequence's last token (what prefill graphs
+        capture)."""
+        return self.model.prefill(input_ids, self.pool.tensors, batch)
 
     def _decode_rows(self, batch: StepBatch) -> torch.Tensor:
         """Decode one token for each slot of `batch`, its input taken from `next_tokens` -> logits `[B, V]`."""
@@ -120,8 +140,8 @@ class ModelRunner:
             logits.append(self._decode([s.slot for s in step.decode]))
         if step.prefill:
             prefill_logits = self.prefill(step.prefill, step.chunks)
-            for src, dst in step.forks:
-                self.pool.copy(src, dst)
+            if step.forks:
+                self.pool.copy_many(step.forks)  # one launch for every fork of the step
             if step.sample_source:
                 rows = upload(step.sample_source, torch.long, self.device)
                 logits.append(prefill_logits.index_select(0, rows))
@@ -154,7 +174,10 @@ class ModelRunner:
     @torch.inference_mode()
     def prefill(self, seqs: list, chunks: list[list[int]], all_logits: bool = False) -> torch.Tensor:
         """Feed `chunks[i]` into `seqs[i]`'s slot (one packed call). Returns logits `[B, V]` of each chunk's last
-        token (`[T, V]` for every token with `all_logits`)."""
+        token (`[T, V]` for every token with `all_logits`). Replays a prefill graph when one serves the step."""
+        graphs = self.prefill_graphs
+        if graphs is not None and not all_logits and graphs.bucket(sum(map(len, chunks)), len(chunks)) is not None:
+            return graphs.replay([s.slot for s in seqs], chunks)
         ids = upload([t for chunk in chunks for t in chunk], torch.long, self.device)
         batch = StepBatch.prefill([s.slot for s in seqs], [len(c) for c in chunks], self.device)
         return self.model.prefill(ids, self.pool.tensors, batch, all_logits=all_logits)
@@ -165,11 +188,13 @@ class ModelRunner:
         return self._decode_rows(StepBatch.decode(slots, self.device))
 
 
-def graph_blockers(model: HybridLM) -> list[str]:
-    """Why `model`'s decode step cannot be captured in a CUDA graph (empty when it can): one line per mixer kind."""
+def graph_blockers(model: HybridLM, prefill: bool = False) -> list[str]:
+    """Why `model`'s decode step (its prefill step with `prefill`) cannot be captured in a CUDA graph (empty when it
+    can): one line per mixer kind."""
     seen: dict[str, str] = {}
     for layer in model.layers:
         mixer = layer.mixer
-        if mixer.graph_blocker and mixer.kind not in seen:
-            seen[mixer.kind] = f"{mixer.kind}: {mixer.graph_blocker}"
+        blocker = mixer.prefill_graph_blocker if prefill else mixer.graph_blocker
+        if blocker and mixer.kind not in seen:
+            seen[mixer.kind] = f"{mixer.kind}: {blocker}"
     return list(seen.values())

@@ -51,6 +51,10 @@ class Mixer(nn.Module):
     # Why `decode` cannot be captured in a CUDA graph (a host sync or data-dependent shape), or "" when it can.
     # A model with any such mixer decodes eagerly, and says so once in the log.
     graph_blocker: str = ""
+    # Why `prefill` cannot be captured in a CUDA graph padded to a bucket, or "" when it can: it must then take its
+    # chunk metadata from the device (`batch.device_chunks`), never read `cu_seqlens` on the host, accept sequences
+    # of length 0 and touch only the rows it is given. A model with any such mixer prefills eagerly.
+    prefill_graph_blocker: str = "its prefill plans on the host boundaries (no device-metadata path)"
 
     def state_specs(self, max_context: int) -> dict[str, StateSpec]:
         """The state one session needs. `max_context` only sizes per-token (KV-cache) states."""

@@ -35,7 +35,7 @@ class ShortConv(nn.Module):
         """Packed tokens x `[T, C]` of `batch`'s sessions -> `[T, C]`; their tails in the pool `[S, K-1, C]` move on."""
         return chunk_causal_conv1d(
             x, tails, batch.state_indices, batch.cu_seqlens, self.weight, self.bias, activation,
-            cu_seqlens_cpu=batch.cu_seqlens_cpu,
+            cu_seqlens_cpu=batch.cu_seqlens_cpu, device_chunks=batch.device_chunks,
         )  # fmt: skip
 
     def decode(self, x: torch.Tensor, tails: torch.Tensor, batch: StepBatch, activation: str | None) -> torch.Tensor:

@@ -14,6 +14,7 @@ from kvfree.engine.layers.conv import ShortConv
 from kvfree.engine.layers.norms import GatedRMSNorm, RMSNorm
 from kvfree.engine.step_batch import StepBatch
 from kvfree.engine.strict_config import PositiveInt, StrictConfig
+from kvfree.kernels.dispatch import use_triton
 from kvfree.kernels.mamba2 import chunk_mamba2, fused_recurrent_mamba2, ssd_chunked
 from kvfree.kernels.mamba2.reference import softplus_dt
 
@@ -76,6 +77,16 @@ class Mamba2Mixer(Mixer):
         self.out_proj = nn.Linear(self.d_inner, hidden_size, bias=cfg.use_bias)
         self._A_cache: tuple[tuple, torch.Tensor] | None = None
         self.reset_parameters()
+
+    @property
+    def prefill_graph_blocker(self) -> str:  # type: ignore[override]
+        """Empty where prefill runs the Triton conv and SSD kernels, which take device metadata; the PyTorch
+        references plan their batched calls on the host."""
+        if self.cfg.conv_kernel < 2:
+            return "a width-1 conv runs the PyTorch reference, which plans on the host"
+        if not use_triton(self.in_proj.weight.device):
+            return "prefill runs the PyTorch reference (KVFREE_KERNELS, or no CUDA), which plans on the host"
+        return ""
 
     def reset_parameters(self) -> None:
         H = self.cfg.num_heads
@@ -170,7 +181,7 @@ class Mamba2Mixer(Mixer):
         xs, Bs, Cs = self._split(self.conv.prefill(xbc, state["conv"], batch, activation="silu"))
         y = chunk_mamba2(
             xs, dt, Bs, Cs, state["ssm"], batch.state_indices, batch.cu_seqlens, **self._ssm_params(),
-            chunk_size=self.cfg.chunk_size, cu_seqlens_cpu=batch.cu_seqlens_cpu,
+            chunk_size=self.cfg.chunk_size, cu_seqlens_cpu=batch.cu_seqlens_cpu, device_chunks=batch.device_chunks,
         )  # fmt: skip
         return self._out(y, gate)
 
