@@ -247,7 +247,7 @@ def serve_args(args: argparse.Namespace, device: str, dtype: str) -> list[str]:
         out += ["--set", override]
     if args.enforce_eager:
         out.append("--enforce-eager")
-    return out
+    return out + args.serve_args
 
 
 def run_offline(
@@ -462,6 +462,7 @@ def run(args: argparse.Namespace) -> int:
             "prefill_batch_wait_ms": args.prefill_batch_wait_ms,
             "enforce_eager": args.enforce_eager,
             "overrides": args.overrides,
+            "server_only_args": args.serve_args,
             "seed": args.seed,
             "request_timeout_s": args.request_timeout,
             "client_processes": args.client_processes,
@@ -580,6 +581,15 @@ def build_parser() -> argparse.ArgumentParser:
         help="override a config value at load, in the server and offline (repeatable)",
     )
     g.add_argument("--enforce-eager", action="store_true", help="on a GPU, decode without CUDA graphs (both runs)")
+    g.add_argument(
+        "--serve-arg",
+        dest="serve_args",
+        action="append",
+        default=[],
+        metavar="ARG",
+        help="one more argument for `kvfree serve`, as is, written with '=' when it starts with '-' "
+        "(--serve-arg=--max-prefill-tokens --serve-arg=4096); the server's only, not mirrored offline (repeatable)",
+    )
     g = p.add_argument_group("bounds and output")
     g.add_argument(
         "--out", type=Path, default=None, help="JSON path (default: docs/bench/serve-CHECKPOINT_DIR_NAME.json)"

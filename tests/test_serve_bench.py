@@ -26,6 +26,7 @@ def report(tmp_path_factory: pytest.TempPathFactory) -> tuple[int, dict, Path]:
     argv += ["--max-tokens", str(MAX_TOKENS), "--out", str(out_dir / "serve.json")]
     # Two client processes: the level of 1 client runs in this process, the level of 4 in two spawned ones.
     argv += ["--server-log", str(out_dir / "server.log"), "--client-processes", "2", "--no-progress"]
+    argv += ["--serve-arg=--served-model-name", "--serve-arg=bench-tiny"]  # passed to `kvfree serve` as they are
     status = kvfree_main(argv)
     return status, json.loads((out_dir / "serve.json").read_text()), out_dir
 
@@ -38,6 +39,8 @@ def test_the_run_succeeds_and_says_what_was_run(report):
     assert server[2:4] == ["kvfree", "serve"] and str(TINY_CHECKPOINT) in server
     assert server[server.index("--max-sessions") + 1] == str(max(CLIENTS))  # default: the largest level
     assert server[server.index("--host") + 1] == "127.0.0.1"
+    assert server[server.index("--served-model-name") + 1] == "bench-tiny"
+    assert data["settings"]["server_only_args"] == ["--served-model-name", "bench-tiny"]
     assert data["server_exit_code"] == 0, "the server must stop cleanly on SIGTERM"
     assert Path(data["server_log"]) == out_dir / "server.log" and Path(data["server_log"]).stat().st_size > 0
     settings = data["settings"]
