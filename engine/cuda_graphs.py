@@ -17,6 +17,7 @@ serves every step of its bucket (sglang's prefill graphs per token bucket; fla's
 
 from __future__ import annotations
 
+import gc
 import logging
 from bisect import bisect_left
 from collections.abc import Callable, Sequence
@@ -96,12 +97,20 @@ def capture(
     The caller has run the same shapes eagerly just before, so that every Triton kernel is compiled and autotuned
     (a benchmark cannot run inside a capture) and every cached constant (Mamba-2's A) exists. Capture records
     kernels without running them: it writes no pool row. `thread_local`: another thread's CUDA calls (a server's)
-    do not invalidate it.
+    do not invalidate it. The garbage collector is off meanwhile: a collection inside the capture that frees an
+    unreferenced graph (a dropped engine's) destroys it, which a capturing stream does not permit, and the capture
+    fails (seen on an H100 with prefill graphs captured lazily after other engines were dropped).
     """
     torch.cuda.synchronize(device)
     graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph, pool=pool, capture_error_mode="thread_local"):
-        out = step()
+    collecting = gc.isenabled()
+    gc.disable()
+    try:
+        with torch.cuda.graph(graph, pool=pool, capture_error_mode="thread_local"):
+            out = step()
+    finally:
+        if collecting:
+            gc.enable()
     return graph, out
 
 

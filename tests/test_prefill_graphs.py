@@ -184,7 +184,7 @@ def _random_pool(model, capacity: int, seed_: int) -> StatePool:
     for state in pool.tensors:
         for t in state.values():
             if t.is_floating_point():
-                t[: capacity + 1].copy_(torch.randn(t[: capacity + 1].shape, generator=g))  # sessions and scratch
+                t[: capacity + 1].copy_(torch.randn(t[: capacity + 1].shape, generator=g).to(t.device))  # +scratch
     return pool
 
 
@@ -193,13 +193,14 @@ def _padded_prefill_matches_unpadded(model, slots: list[int], prompts: list[list
     boundaries, as a graph runs it) from the same pool: the same logits, the same real rows, and no other row but
     the scratch slot touched."""
     lens = [len(p) for p in prompts]
+    device = model.device
     pools = [_random_pool(model, 6, 0), _random_pool(model, 6, 0)]
     before = [{k: t.clone() for k, t in state.items()} for state in pools[1].tensors]
-    ids = torch.tensor([t for p in prompts for t in p])
-    plain = model.prefill(ids, pools[0].tensors, StepBatch.prefill(slots, lens))
+    ids = [t for p in prompts for t in p]
+    plain = model.prefill(torch.tensor(ids, device=device), pools[0].tensors, StepBatch.prefill(slots, lens, device))
 
     layout = pad_prefill(slots, lens, *bucket, scratch_slot=pools[1].scratch_slot)
-    buffer = torch.tensor(layout.host_buffer(ids.tolist()), dtype=torch.int32)
+    buffer = torch.tensor(layout.host_buffer(ids), dtype=torch.int32, device=device)
     padded_ids, batch = StepBatch.padded(buffer, layout.tokens, layout.seqs)
     padded = model.prefill(padded_ids, pools[1].tensors, batch)[: len(slots)]
 
@@ -221,18 +222,19 @@ def test_padded_prefill_gives_the_unpadded_logits_and_states_on_the_reference_pa
 
 
 def test_padded_prefill_gives_the_unpadded_logits_and_states_through_the_interpreted_kernels(monkeypatch):
-    """The same through the Triton kernels (under the interpreter): the device-metadata path of the conv and SSD
+    """The same through the Triton kernels (interpreted on the CPU): the device-metadata path of the conv and SSD
     kernels inside the model, the padding sequence and a sentinel on the scratch slot."""
     monkeypatch.setenv("KVFREE_KERNELS", "triton")
-    model = make_model(["mamba2"])
+    model = make_model(["mamba2"]).to(DEVICE)
     prompts = [random_ids(n, seed=n) for n in (21, 2)]
     _padded_prefill_matches_unpadded(model, [3, 1], prompts, (64, 4), tol=1e-5)
 
 
 def test_only_all_mamba2_models_on_the_triton_kernels_capture_their_prefill(monkeypatch):
     monkeypatch.setenv("KVFREE_KERNELS", "triton")  # without a GPU, under the interpreter (conftest)
-    assert graph_blockers(make_model(["mamba2", "mamba2"], mlp=True), prefill=True) == []
-    kinds = [b.split(":")[0] for b in graph_blockers(make_model(["mamba2", "gka", "attention"]), prefill=True)]
+    assert graph_blockers(make_model(["mamba2", "mamba2"], mlp=True).to(DEVICE), prefill=True) == []
+    model = make_model(["mamba2", "gka", "attention"]).to(DEVICE)
+    kinds = [b.split(":")[0] for b in graph_blockers(model, prefill=True)]
     assert kinds == ["gka", "attention"]
     monkeypatch.setenv("KVFREE_KERNELS", "reference")
     assert "reference" in graph_blockers(make_model(["mamba2"]), prefill=True)[0]
@@ -274,3 +276,12 @@ def test_graph_prefill_gives_the_eager_tokens_through_llm_generate():
             assert got == want, (name, attempt)
     captured = {key for key, entry in graphs.graphs.items() if entry.graph is not None}
     assert (64, 2) in captured and (1024, 2) in captured and any(n == 64 for _, n in captured), captured
+
+    # A bucket captured ahead of its first step (a warm-up on the scratch slot) serves it by replay alone.
+    prompts = [f"{i:02d} " + "mn" * 16 for i in range(20)]  # 20 prompts of ~35 tokens: the (768, 32) bucket
+    assert (768, 32) not in graphs.graphs
+    graphs.capture(768, 32)
+    assert graphs.graphs[(768, 32)].graph is not None
+    want = [o.token_ids for o in eager.generate(prompts, params)]
+    assert [o.token_ids for o in graphed.generate(prompts, params)] == want
+    assert set(graphs.graphs) - captured == {(768, 32)}  # no other bucket met
