@@ -72,7 +72,7 @@ def padded_slots(slots: list[int], bucket: int, scratch_slot: int) -> list[int]:
 def prefill_token_sizes(max_tokens: int) -> list[int]:
     """The prefill token buckets: 64, 128, then every 256 up to `max_tokens` (rounded up to a multiple of 256).
 
-    A step of T tokens pads to the next: at most 63 tokens below 256, a fifth of the step at most above 1,024.
+    A step of T tokens pads to the next: by at most 63 tokens up to 128, 255 above (under a quarter past 1,024).
     """
     if max_tokens < 1:
         raise ValueError(f"max_tokens must be >= 1, got {max_tokens}")
