@@ -1,18 +1,21 @@
-"""AsyncEngine: the model, its pool, sessions and scheduler on one thread, driven from asyncio (architecture.md §5).
+"""AsyncEngine: an EngineCore on a thread of this process, driven from asyncio (architecture.md §5).
 
 HTTP handlers never touch the model. They submit commands (a request, a session operation) to the engine thread
 through a queue and receive results and tokens through asyncio futures and queues. The thread runs engine steps
-(`core`, an LLMEngine: engine/llm_engine.py) while there is work and sleeps on the command queue otherwise. A step's
-outputs for every request reach the event loop in one `loop.call_soon_threadsafe` call, not one per token.
+(`EngineCore.step`) while there is work and sleeps on the command queue otherwise. A step's outputs for every
+request reach the event loop in one `loop.call_soon_threadsafe` call, not one per token.
+
+This is the in-process engine (`kvfree serve --engine-in-process`, tests, embedding). By default `kvfree serve` runs
+the same EngineCore in a process of its own behind the same interface (engine/engine_process.py), so that the HTTP
+front's Python never competes with the engine's for one interpreter.
 
 What a front may use: `info` (the engine's facts, an EngineInfo), `generate`, the session operations (which answer
-with SessionRecords), `stats()`, `alive`/`accepting`, `start()`/`shutdown()`. Everything else is the engine's own.
+with SessionRecords), `stats()`, `alive`/`accepting`, `start()`/`shutdown()`, `tokenizer`, `session_store`.
 """
 
 from __future__ import annotations
 
 import asyncio
-import dataclasses
 import logging
 import queue
 import sys
@@ -20,19 +23,15 @@ import threading
 import time
 import uuid
 from collections.abc import AsyncIterator, Callable
-from pathlib import Path
 from typing import Any
 
 import torch
 
+from kvfree.engine.engine_core import EngineConfig, EngineCore, EngineStopped, SessionBusy
 from kvfree.engine.engine_info import EngineInfo, SessionRecord
-from kvfree.engine.llm import LLM
-from kvfree.engine.llm_engine import LLMEngine
 from kvfree.engine.sampling import SamplingParams
-from kvfree.engine.scheduler import QueueFull, Request, RequestOutput, Scheduler
+from kvfree.engine.scheduler import QueueFull, RequestOutput
 from kvfree.engine.session_store import SessionStore
-from kvfree.engine.sessions import Session, SessionManager
-from kvfree.engine.snapshot import model_fingerprint
 
 log = logging.getLogger("kvfree.engine")
 
@@ -40,63 +39,17 @@ log = logging.getLogger("kvfree.engine")
 GIL_SWITCH_INTERVAL_S = 0.0005
 
 
-class SessionBusy(RuntimeError):
-    """Another request is using this session right now (HTTP 409)."""
-
-
-class EngineStopped(RuntimeError):
-    """The engine is shutting down and takes no new work (HTTP 503)."""
-
-
 class AsyncEngine:
-    """Serves one model. Create it, `start()` it inside a running event loop, `await shutdown()` at the end.
+    """Serves one EngineCore from a thread. Create it, `start()` it inside a running event loop, `await shutdown()`.
 
-    Args:
-        llm: the loaded model, tokenizer and state pool (its `max_sessions` is the number of GPU slots).
-        max_waiting: requests that may wait for a slot before new ones get QueueFull (HTTP 429).
-        max_batch_tokens: tokens per step while sequences decode: one per decoding sequence, the rest for prefill
-            chunks. A step's time grows with its tokens, so this bounds the inter-token latency of running
-            requests while new prompts are fed; larger values feed prompts faster (lower time to first token).
-        max_prefill_tokens: prefill tokens per step when nothing decodes (default: `max_batch_tokens`).
-        prefill_batch_wait: seconds a new prompt may wait, while sequences decode, for others to share its
-            prefill step (engine/scheduler.py).
-        max_host_sessions: idle sessions kept in host memory before the oldest go to `snapshot_dir`.
-        snapshot_dir: where sessions spill to, persist on shutdown and are found again on start (None: no disk).
-        store: instead of `snapshot_dir`, any session store (engine/session_store.py), e.g. Redis shared by
-            replicas; a turn on a session then holds the store's lease on it.
-        write_through: store each session's state after every turn (nothing completed is lost on a crash).
-        async_writes: with write_through, store from a background thread (the turn's last event does not wait).
-        hmac_key: if set, snapshots are signed and only signed snapshots are accepted.
+    `AsyncEngine(core)` takes a built EngineCore; `AsyncEngine.build(config)` loads one from an EngineConfig.
     """
 
-    def __init__(
-        self,
-        llm: LLM,
-        *,
-        max_waiting: int = 256,
-        max_batch_tokens: int = 2048,
-        max_prefill_tokens: int | None = None,
-        prefill_batch_wait: float = 0.0,
-        max_host_sessions: int = 1024,
-        snapshot_dir: Path | None = None,
-        hmac_key: bytes | None = None,
-        store: SessionStore | None = None,
-        write_through: bool = False,
-        async_writes: bool = False,
-    ) -> None:
-        self.llm = llm
-        self.tokenizer = llm.tokenizer
-        self.fingerprint = model_fingerprint(llm.model)
-        self.sessions = SessionManager(
-            llm.pool, self.fingerprint, max_host_sessions, snapshot_dir, hmac_key, store=store,
-            write_through=write_through,
-            async_writes=async_writes,
-        )  # fmt: skip
-        self.scheduler = Scheduler(
-            self.sessions, llm.tokenizer, max_waiting, max_batch_tokens, max_prefill_tokens, prefill_batch_wait
-        )
-        self.core = LLMEngine(self.scheduler, llm.runner, on_outputs=self._flush)  # schedule -> run -> postprocess
-        self.info = self._describe()
+    def __init__(self, core: EngineCore) -> None:
+        self.engine_core = core
+        core.on_outputs = self._flush
+        self.info: EngineInfo = core.info
+        self.tokenizer = core.tokenizer
         self._loop_ref: asyncio.AbstractEventLoop | None = None
         self._pending: list[tuple[asyncio.Queue, RequestOutput | BaseException]] = []  # this step's emissions
         self._commands: queue.Queue[tuple[Callable[[], Any], Callable[[Any, BaseException | None], None]] | None]
@@ -104,27 +57,31 @@ class AsyncEngine:
         self._thread = threading.Thread(target=self._loop, name="kvfree-engine", daemon=True)
         self.accepting = False
 
-    def _describe(self) -> EngineInfo:
-        pool, model = self.llm.pool, self.llm.model
-        return EngineInfo(
-            checkpoint=self.llm.path,
-            layers=tuple(model.config.layers),
-            vocab_size=model.config.vocab_size,
-            max_context=pool.max_context,
-            state_bytes_per_token=pool.bytes_per_token(),
-            state_bytes_per_session=pool.bytes_per_session(),
-            gpu_slots=pool.capacity,
-            host_sessions=self.sessions.max_host_sessions,
-            max_sessions=self.sessions.max_sessions,
-            device=str(model.device),
-            dtype=str(model.dtype).removeprefix("torch."),
-            fingerprint=self.fingerprint,
-        )
+    @classmethod
+    def build(cls, config: EngineConfig) -> AsyncEngine:
+        return cls(config.build())
+
+    # The engine's parts, for tests and tools in this process (a front uses the interface above).
+    @property
+    def llm(self):
+        return self.engine_core.llm
+
+    @property
+    def sessions(self):
+        return self.engine_core.sessions
+
+    @property
+    def scheduler(self):
+        return self.engine_core.scheduler
+
+    @property
+    def core(self):
+        return self.engine_core.core
 
     @property
     def session_store(self) -> SessionStore | None:
         """Where sessions are stored beyond this process (None: nowhere but `snapshot_dir`, if set)."""
-        return self.sessions.store
+        return self.engine_core.session_store
 
     # -- lifecycle ----------------------------------------------------------------------------------------------
     @property
@@ -133,14 +90,14 @@ class AsyncEngine:
 
     @property
     def steps(self) -> int:
-        return self.core.steps
+        return self.engine_core.core.steps
 
     def start(self) -> None:
         # The engine thread and the event loop share the GIL. Python hands it over every 5 ms by default, so each
         # side could stall the other for that long; a step is a few milliseconds, so hand it over more often.
         sys.setswitchinterval(GIL_SWITCH_INTERVAL_S)
         self._loop_ref = asyncio.get_running_loop()
-        self.sessions.load_index()
+        self.engine_core.load_index()
         self.accepting = True
         self._thread.start()
 
@@ -151,40 +108,27 @@ class AsyncEngine:
             log.error("the engine thread had stopped: nothing to finish, sessions in memory are not persisted")
             return
         deadline = time.monotonic() + grace_seconds
-        while time.monotonic() < deadline and await self.call(lambda: self.core.has_work):
+        while time.monotonic() < deadline and await self.call(lambda: self.engine_core.has_work):
             await asyncio.sleep(0.05)
-        await self.call(self._abort_all)
-        await self.call(self.sessions.persist_all)
+        await self.call(self.engine_core.abort_all)
+        await self.call(self.engine_core.persist_all)
         self._commands.put(None)
         await asyncio.to_thread(self._thread.join, 30)
-
-    def _abort_all(self) -> None:
-        for req in [*self.scheduler.waiting, *self.scheduler.running]:
-            self.scheduler.abort(req.request_id)
-        while self.core.has_work:  # finish the aborts (free slots, release sessions)
-            self.core.step()
-        self._flush()
 
     # -- the engine thread --------------------------------------------------------------------------------------
     def _loop(self) -> None:
         torch.set_grad_enabled(False)
+        core = self.engine_core
         while True:
-            # Sleep on the command queue when idle; otherwise take what has arrived and go on stepping.
-            # Idle, sleep until a command comes (or, while background writes are landing, briefly, to apply them).
-            writing = self.sessions.writer is not None and self.sessions.writer.pending > 0
-            for command in self._drain(block=not self.core.has_work, timeout=0.05 if writing else None):
+            # Sleep on the command queue when idle (while background writes land, briefly, to apply them);
+            # otherwise take what has arrived and go on stepping.
+            for command in self._drain(block=not core.has_work, timeout=0.05 if core.writing else None):
                 if command is None:
                     return
                 self._run_command(*command)
-            if self.core.has_work:
-                try:
-                    with torch.inference_mode():
-                        self.core.step()
-                except Exception as exc:  # a failing step must not take the engine down: fail its requests
-                    log.exception("engine step failed; failing the requests in flight")
-                    self._fail_in_flight(exc)
-                self._flush()
-            self.sessions.poll_writes()
+            if core.has_work:
+                core.step()
+            core.poll_writes()
 
     def _flush(self) -> None:
         """Hand this step's outputs to the event loop in one call."""
@@ -212,23 +156,6 @@ class AsyncEngine:
         else:
             done(result, None)
 
-    def _fail_in_flight(self, exc: Exception) -> None:
-        """Send `exc` to every request in flight and free their slots. A session in the failed batch may hold a
-        half-updated state, so it starts over (its next turn re-prefills the whole prompt)."""
-        self.core.discard_in_flight()
-        for req in self.scheduler.running:
-            req.emit(exc)  # type: ignore[arg-type]
-            for seq in req.sequences:
-                seq.finish_reason = seq.finish_reason or "abort"
-                seq.prefilled = seq.decoded = 0  # nothing of the failed batch stays in the reset session
-            if req.session is not None:
-                if req.session.slot is not None:
-                    self.llm.pool.reset(req.session.slot)
-                req.session.reset()
-                req.settled = True  # nothing of the failed turn is recorded or stored: the store keeps the last one
-                req.session.store_version = -1  # a shared store's copy (the last completed turn) wins next time
-        self.scheduler.retire()
-
     async def call(self, fn: Callable[[], Any]) -> Any:
         """Run `fn()` on the engine thread (between steps) and return its result, or raise its exception."""
         if not self.alive:
@@ -252,7 +179,7 @@ class AsyncEngine:
 
     def abort(self, request_id: str) -> None:
         """Thread-safe: stop a request (client disconnected)."""
-        self._commands.put((lambda: self.scheduler.abort(request_id), lambda result, exc: None))
+        self._commands.put((lambda: self.engine_core.abort(request_id), lambda result, exc: None))
 
     # -- generation ---------------------------------------------------------------------------------------------
     async def generate(
@@ -279,130 +206,64 @@ class AsyncEngine:
         def emit(out: RequestOutput | BaseException) -> None:  # on the engine thread, flushed after the step
             self._pending.append((outputs, out))
 
-        def submit() -> None:
-            session = self.sessions.get(session_id, owner) if session_id else None
-            if session is not None and session.busy:
-                raise SessionBusy(f"session {session_id} is in use by another request")
-            if session is not None and not self.sessions.begin_turn(session):
-                raise SessionBusy(f"session {session_id} is running a turn on another replica; retry when it ends")
-            try:
-                self.scheduler.add(
-                    Request(request_id, prompt_token_ids, params, emit, n=n, session=session, prefill_only=prefill_only)
-                )
-            except QueueFull:
-                if session is not None:
-                    self.sessions.end_turn(session)
-                raise
-
-        await self.call(submit)
-        finished: set[int] = set()
-        try:
-            while len(finished) < n:
-                for out in _coalesced(await outputs.get(), outputs):
-                    if isinstance(out, BaseException):
-                        raise out
-                    if out.finish_reason is not None:
-                        finished.add(out.index)
-                    yield out
-                    if prefill_only and out.finish_reason is not None:
-                        return
-        finally:
-            if len(finished) < n and not (prefill_only and finished):
-                self.abort(request_id)
+        await self.call(
+            lambda: self.engine_core.submit(
+                request_id, prompt_token_ids, params, emit, n=n, session_id=session_id, owner=owner,
+                prefill_only=prefill_only,
+            )
+        )  # fmt: skip
+        async for out in stream_outputs(outputs, n, prefill_only, lambda: self.abort(request_id)):
+            yield out
 
     # -- sessions -----------------------------------------------------------------------------------------------
-    def _record(self, session: Session) -> SessionRecord:
-        """`session` as a record, on the engine thread (the live session changes under later steps)."""
-        # The engine keeps last_used on the monotonic clock (immune to clock changes); records carry unix time.
-        last_used = time.time() - (time.monotonic() - session.last_used)
-        return SessionRecord(
-            session_id=session.session_id,
-            created=session.created,
-            last_used=last_used,
-            num_tokens=session.num_tokens,
-            location=session.location,
-            state_bytes=self.llm.pool.bytes_per_session(session.num_tokens),
-        )
-
     async def create_session(self, owner: str | None) -> SessionRecord:
-        return await self.call(lambda: self._record(self.sessions.create(owner)))
+        return await self.call(lambda: self.engine_core.create_session(owner))
 
     async def get_session(self, session_id: str, owner: str | None) -> SessionRecord:
-        return await self.call(lambda: self._record(self.sessions.get(session_id, owner)))
+        return await self.call(lambda: self.engine_core.get_session(session_id, owner))
 
     async def delete_session(self, session_id: str, owner: str | None) -> None:
-        def delete() -> None:
-            session = self.sessions.get(session_id, owner)
-            if session.busy:
-                raise SessionBusy(f"session {session_id} is in use by a running request")
-            self.sessions.delete(session)
-
-        await self.call(delete)
+        await self.call(lambda: self.engine_core.delete_session(session_id, owner))
 
     async def discard_session(self, session_id: str, owner: str | None) -> None:
         """Delete a session now or, while a request still uses it (one just aborted, say), when that request ends."""
-
-        def discard() -> None:
-            session = self.sessions.get(session_id, owner)
-            if session.busy:
-                session.delete_when_released = True
-            else:
-                self.sessions.delete(session)
-
-        await self.call(discard)
+        await self.call(lambda: self.engine_core.discard_session(session_id, owner))
 
     async def fork_session(self, session_id: str, owner: str | None) -> SessionRecord:
-        def fork() -> SessionRecord:
-            session = self.sessions.get(session_id, owner)
-            if session.busy:
-                raise SessionBusy(f"session {session_id} is in use by a running request")
-            return self._record(self.sessions.fork(session, owner))
-
-        return await self.call(fork)
+        return await self.call(lambda: self.engine_core.fork_session(session_id, owner))
 
     async def export_session(self, session_id: str, owner: str | None) -> bytes:
-        def export() -> bytes:
-            session = self.sessions.get(session_id, owner)
-            if session.busy:
-                raise SessionBusy(f"session {session_id} is in use by a running request")
-            return self.sessions.export(session)
-
-        return await self.call(export)
+        return await self.call(lambda: self.engine_core.export_session(session_id, owner))
 
     async def restore_session(self, data: bytes, owner: str | None) -> SessionRecord:
-        return await self.call(lambda: self._record(self.sessions.restore(data, owner)))
+        return await self.call(lambda: self.engine_core.restore_session(data, owner))
 
     # -- numbers for /metrics -----------------------------------------------------------------------------------
     def stats(self) -> dict[str, Any]:
         """A racy but harmless read of engine counters (ints and lengths) from another thread."""
-        pool = self.llm.pool
-        stats = {
-            "running": len(self.scheduler.running),
-            "waiting": len(self.scheduler.waiting),
-            "pool_slots_used": pool.used_slots,
-            "pool_slots_total": pool.capacity,
-            "state_bytes_per_session": pool.bytes_per_session(),
-            # What resident sessions actually hold: constant per session for recurrent layers; the attention
-            # baseline's KV cache counts only its filled entries.
-            "state_bytes_in_use": sum(pool.bytes_per_session(n) for n in self.sessions.resident_tokens()),
-            "sessions": self.sessions.counts(),
-            "pool_reserved_bytes": pool.reserved_bytes(),
-            "host_state_bytes": self.sessions.host_bytes(),
-            "session_moves": dataclasses.asdict(self.sessions.counters),
-            "session_writes_pending": self.sessions.writer.pending if self.sessions.writer is not None else 0,
-            "session_write_lag_seconds": self.sessions.write_lag_seconds,
-            # How many sessions fit: decoding at once (pool slots), idle in host memory, in all (None: only the
-            # session store's disk bounds it).
-            "session_capacity": {
-                "gpu": pool.capacity,
-                "host": self.sessions.max_host_sessions,
-                "total": self.sessions.max_sessions,
-            },
-        }
-        if torch.cuda.is_available() and self.llm.model.device.type == "cuda":
-            stats["gpu_memory_allocated"] = torch.cuda.memory_allocated(self.llm.model.device)
-            stats["gpu_memory_reserved"] = torch.cuda.memory_reserved(self.llm.model.device)
-        return stats
+        return self.engine_core.stats()
+
+
+async def stream_outputs(
+    outputs: asyncio.Queue[RequestOutput | BaseException], n: int, prefill_only: bool, abort: Callable[[], None]
+) -> AsyncIterator[RequestOutput]:
+    """A request's outputs as they arrive on `outputs`, until each of its `n` choices has finished (or, for a
+    prefill-only request, its prompt is in); an exception on the queue is raised. If the caller stops early (its
+    client went away), `abort()` stops the request in the engine."""
+    finished: set[int] = set()
+    try:
+        while len(finished) < n:
+            for out in _coalesced(await outputs.get(), outputs):
+                if isinstance(out, BaseException):
+                    raise out
+                if out.finish_reason is not None:
+                    finished.add(out.index)
+                yield out
+                if prefill_only and out.finish_reason is not None:
+                    return
+    finally:
+        if len(finished) < n and not (prefill_only and finished):
+            abort()
 
 
 def _coalesced(
@@ -433,4 +294,4 @@ def _deliver(items: list[tuple[asyncio.Queue, RequestOutput | BaseException]]) -
         queue_.put_nowait(out)
 
 
-__all__ = ["AsyncEngine", "EngineStopped", "QueueFull", "RequestOutput", "SessionBusy"]
+__all__ = ["AsyncEngine", "EngineConfig", "EngineStopped", "QueueFull", "RequestOutput", "SessionBusy"]

@@ -133,9 +133,9 @@ def cmd_serve(args: argparse.Namespace) -> int:
         cors_origins=args.cors_origin or [],
         config_overrides=parse_overrides(args.overrides),
         enforce_eager=args.enforce_eager,
+        engine_process=not args.engine_in_process,
     )
-    serve(settings)
-    return 0
+    return serve(settings)
 
 
 def cmd_loadtest(args: argparse.Namespace) -> int:
@@ -209,6 +209,13 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--served-model-name", default=None, help="the model id clients send (default: directory name)")
     p.add_argument("--max-sessions", type=int, default=64, help="GPU state slots: sequences decoded at once")
     p.add_argument("--max-waiting", type=int, default=256, help="requests queued for a slot before 429 Retry-After")
+    p.add_argument(
+        "--engine-in-process",
+        action="store_true",
+        help="run the engine on a thread of the HTTP server's process instead of a process of its own (the default, "
+        "where the HTTP front's Python never competes with the engine's for one interpreter; in-process is for "
+        "debugging, profiling both sides in one process, or a CPU too small for two)",
+    )
     p.add_argument(
         "--max-batch-tokens",
         type=int,

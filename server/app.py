@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import logging
+from collections.abc import Callable
 from contextlib import asynccontextmanager
 from pathlib import Path
 
@@ -10,9 +11,8 @@ from fastapi import FastAPI
 from fastapi.middleware.cors import CORSMiddleware
 
 from kvfree.engine.async_engine import AsyncEngine
-from kvfree.engine.llm import LLM
-from kvfree.engine.session_store import open_store
-from kvfree.engine.snapshot import model_fingerprint
+from kvfree.engine.engine_core import EngineConfig
+from kvfree.engine.engine_process import EngineProcess
 from kvfree.server import routes_openai, routes_ops, routes_responses, routes_sessions
 from kvfree.server.auth import APIKeys
 from kvfree.server.errors import install_error_handlers
@@ -26,44 +26,42 @@ from kvfree.server.state import ServerState
 log = logging.getLogger("kvfree.server")
 
 
-def build_engine(settings: ServerSettings) -> AsyncEngine:
-    """Load the checkpoint and wrap it in an (unstarted) AsyncEngine sized by `settings`."""
-    llm = LLM(
-        settings.model,
-        device=settings.device,
-        dtype=settings.dtype,
-        max_sessions=settings.max_sessions,
-        max_context=settings.max_context,
-        config_overrides=settings.config_overrides,
-        enforce_eager=settings.enforce_eager,
-    )
-    store = None
-    if settings.session_store:
-        store = open_store(
-            settings.session_store,
-            model_fingerprint(llm.model),
-            settings.snapshot_hmac_key,
-            ttl_seconds=settings.session_ttl_seconds,
-            lease_seconds=settings.session_lease_seconds,
-        )
-    return AsyncEngine(
-        llm,
-        max_waiting=settings.max_waiting,
-        max_batch_tokens=settings.max_batch_tokens,
-        max_prefill_tokens=settings.max_prefill_tokens,
-        prefill_batch_wait=settings.prefill_batch_wait_ms / 1e3,
-        max_host_sessions=settings.max_host_sessions,
-        snapshot_dir=settings.snapshot_dir,
-        hmac_key=settings.snapshot_hmac_key,
-        store=store,
-        write_through=store is not None and settings.session_write in ("through", "async"),
-        async_writes=settings.session_write == "async",
-    )
+def engine_config(settings: ServerSettings) -> EngineConfig:
+    """What the engine needs of the server's settings."""
+    return EngineConfig(
+        model=settings.model, device=settings.device, dtype=settings.dtype, max_sessions=settings.max_sessions,
+        max_context=settings.max_context, config_overrides=settings.config_overrides,
+        enforce_eager=settings.enforce_eager, max_waiting=settings.max_waiting,
+        max_batch_tokens=settings.max_batch_tokens, max_prefill_tokens=settings.max_prefill_tokens,
+        prefill_batch_wait=settings.prefill_batch_wait_ms / 1e3, max_host_sessions=settings.max_host_sessions,
+        snapshot_dir=settings.snapshot_dir, hmac_key=settings.snapshot_hmac_key, session_store=settings.session_store,
+        session_ttl_seconds=settings.session_ttl_seconds, session_lease_seconds=settings.session_lease_seconds,
+        session_write=settings.session_write,
+    )  # fmt: skip
 
 
-def create_app(settings: ServerSettings, engine: AsyncEngine | None = None) -> FastAPI:
-    """The app for `settings`. The engine is built from them unless given; it starts and stops with the app."""
-    engine = engine or build_engine(settings)
+def build_engine(
+    settings: ServerSettings, on_engine_death: Callable[[], None] | None = None
+) -> AsyncEngine | EngineProcess:
+    """Load the checkpoint into an (unstarted) engine sized by `settings`: in a process of its own (the default), or
+    on a thread of this one (`settings.engine_process` False)."""
+    config = engine_config(settings)
+    if settings.engine_process:
+        return EngineProcess(config, on_death=on_engine_death)
+    return AsyncEngine.build(config)
+
+
+def create_app(
+    settings: ServerSettings,
+    engine: AsyncEngine | EngineProcess | None = None,
+    on_engine_death: Callable[[], None] | None = None,
+) -> FastAPI:
+    """The app for `settings`. The engine is built from them unless given; it starts and stops with the app.
+
+    on_engine_death: called when an engine process dies while serving (`kvfree serve` then exits); until the app
+    stops, /health answers 503 and requests get 503.
+    """
+    engine = engine or build_engine(settings, on_engine_death)
     keys = APIKeys.from_sources(settings.api_keys_file)
     name = settings.served_model_name or _default_name(settings.model)
     metrics = Metrics(model_name=name)
@@ -90,8 +88,8 @@ def create_app(settings: ServerSettings, engine: AsyncEngine | None = None) -> F
     # Stored responses go to the session store too (when there is one), beside the states of their sessions.
     responses = ResponseStore(engine.session_store)
     client = EngineClient(engine, metrics, settings.max_prompt_tokens)
-    # The server's tokenizer, the one place server/ gets one: the engine's own while both share a process (a front
-    # in a process of its own loads `Tokenizer(engine.info.checkpoint)` instead).
+    # The server's tokenizer, the one place server/ gets one: the engine's own while both share a process, the
+    # front's own copy of the checkpoint's (`Tokenizer(info.checkpoint)`) when the engine runs in its own process.
     app.state.kvfree = ServerState(client, engine.tokenizer, settings, metrics, name, responses)
     app.state.api_keys = keys
     app.include_router(routes_openai.router)

@@ -20,10 +20,10 @@ tokens_router = APIRouter(tags=["Tokens"], dependencies=[Depends(api_key_owner)]
 
 @router.get("/health")
 async def health(state: StateDep) -> JSONResponse:
-    """200 while the process and its engine thread are up; 503 when the engine thread has died (restart it)."""
+    """200 while the server and its engine (thread or process) are up; 503 when the engine has died (restart it)."""
     if state.engine.alive or not state.engine.accepting:  # not started yet or shutting down: the process is fine
         return JSONResponse({"status": "ok"})
-    return JSONResponse({"status": "engine thread stopped"}, status_code=503)
+    return JSONResponse({"status": "engine stopped"}, status_code=503)
 
 
 @router.get("/ping")

@@ -12,8 +12,11 @@ tests/test_server_units.py; these tests check what a client sees.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
 import logging
+import os
+import signal
 import struct
 import threading
 import time
@@ -1277,7 +1280,7 @@ def test_tokenize_detokenize_ping_version(tiny_server):
 
 
 def test_health_is_503_when_the_engine_thread_died(ckpts):
-    server = serve(ckpts["tiny"], "kvfree-dying", max_sessions=2)
+    server = serve(ckpts["tiny"], "kvfree-dying", max_sessions=2, engine_process=False)
     try:
         with server.http() as http:
             assert http.get("/health").status_code == 200
@@ -1288,6 +1291,63 @@ def test_health_is_503_when_the_engine_thread_died(ckpts):
             assert http.get("/ready").status_code == 503
     finally:
         server.stop()
+
+
+def test_health_is_503_within_a_second_when_the_engine_process_dies_and_requests_fail_cleanly(ckpts):
+    server = serve(ckpts["tiny"], "kvfree-dying", max_sessions=2)
+    try:
+        with server.http() as http, server.openai() as client:
+            assert http.get("/health").status_code == 200
+            stream = client.completions.create(model="kvfree-dying", prompt="a", max_tokens=4000, stream=True)
+            next(iter(stream))  # a request in flight when the engine dies
+            server.app.state.kvfree.engine._engine.kill()
+            wait_for(lambda: http.get("/health").status_code == 503, timeout=1.0, message="/health to say 503")
+            assert http.get("/ready").status_code == 503
+            assert_openai_error(http.post("/v1/completions", json={"prompt": "a", "max_tokens": 2}), 503)
+            with pytest.raises(openai.APIError):  # the stream in flight ends with an error, not a hang
+                for _ in stream:
+                    pass
+    finally:
+        server.stop()
+
+
+def _engine_processes(pid: int) -> list[int]:
+    """The engine processes the server `pid` started (children spawned by multiprocessing, not its resource
+    tracker), from /proc."""
+    out = []
+    for stat in Path("/proc").glob("[0-9]*/stat"):
+        with contextlib.suppress(OSError, ValueError, IndexError):
+            if int(stat.read_text().rsplit(")", 1)[1].split()[1]) == pid:
+                if b"spawn_main" in (stat.parent / "cmdline").read_bytes():
+                    out.append(int(stat.parent.name))
+    return out
+
+
+def _gone(pid: int) -> bool:
+    try:
+        state = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0]
+    except OSError:
+        return True
+    return state == "Z"  # a zombie has exited; its parent has not reaped it yet
+
+
+@pytest.mark.skipif(not Path("/proc/self/stat").exists(), reason="finds the engine process through /proc")
+def test_the_engine_process_exits_when_the_server_is_killed_and_the_server_exits_when_the_engine_dies(ckpts, tmp_path):
+    first = ProcServer(ckpts["tiny"], ["--max-sessions", "2"], tmp_path / "first.log").start()
+    engines = _engine_processes(first.proc.pid)
+    assert len(engines) == 1, f"one engine process under the server, found {engines}"
+    first.proc.kill()  # kill -9 of the HTTP front: the engine reads the end of its pipe and exits
+    first.proc.wait(30)
+    wait_for(lambda: _gone(engines[0]), timeout=15, message="the orphaned engine process to exit")
+
+    second = ProcServer(ckpts["tiny"], ["--max-sessions", "2"], tmp_path / "second.log").start()
+    try:
+        (engine,) = _engine_processes(second.proc.pid)
+        os.kill(engine, signal.SIGKILL)  # the engine dies: the server answers 503, then exits with status 1
+        assert second.proc.wait(30) == 1, second.log()
+        assert "the engine process died" in second.log()
+    finally:
+        second.kill()
 
 
 def test_health_ready_metrics_request_ids_and_request_log(tiny_server, caplog):
@@ -1479,6 +1539,8 @@ def test_models_card_and_metrics_expose_limits_and_memory(tmp_path) -> None:
             for line in client.get("/metrics").text.splitlines()
             if line.startswith("kvfree_") and " " in line
         }
-        assert metrics["kvfree_pool_reserved_bytes"] == (2 + 1) * per_slot  # two slots and the scratch row
+        # Two slots and the scratch row; the template row of a new session's state holds the length counters only
+        # (a new session's KV cache is never read: engine/state_pool.py).
+        assert metrics["kvfree_pool_reserved_bytes"] == (2 + 1) * per_slot + 4 * 8
         assert metrics["kvfree_host_state_bytes"] == 0
         assert 'kvfree_session_moves{kind="evictions"}' in metrics

@@ -1,0 +1,122 @@
+"""The wire between the HTTP front and the engine process: msgpack frames of plain values, no pickling per token.
+
+Each message is one msgpack array whose first element says what it is:
+
+front -> engine
+    ("submit", request_id, prompt_token_ids, params, n, session_id, owner, prefill_only)
+    ("abort", request_id)
+    ("call", call_id, method, args)         an EngineCore method: session operations, stats, shutdown phases
+engine -> front
+    ("ready", info)                          once, after the model is loaded
+    ("outputs", [[request_id, output], ...]) every request's outputs of one step, in one frame
+    ("result", call_id, ok, value)           a call's return value, or (ok False) its exception
+    ("stats", stats)                         the engine's counters, pushed a few times a second
+
+A request output is `[index, token_ids, text, logprobs, finish_reason, prompt_tokens, cached_tokens,
+completion_tokens]` or, for an error sent to the request, `["error", name, message, code]`. Exceptions travel as
+(class name, message, code) and are raised again as the same class on the other side when it is one of the engine's
+known errors (`ERRORS`), else as a RuntimeError that names the original.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from pathlib import Path
+from typing import Any
+
+import msgpack
+
+from kvfree.engine.engine_core import EngineStopped, SessionBusy
+from kvfree.engine.engine_info import EngineInfo, SessionRecord
+from kvfree.engine.sampling import SamplingParams
+from kvfree.engine.scheduler import QueueFull, RequestOutput
+from kvfree.engine.sequence import TokenLogprob
+from kvfree.engine.session_store import SessionStoreError
+from kvfree.engine.sessions import PoolExhausted, SessionLimitError, SessionNotFound
+from kvfree.engine.snapshot import SnapshotError
+from kvfree.engine.state_pool import SnapshotMismatchError
+
+# The engine's exceptions a front answers with an HTTP status (server/lifecycle.py), by name.
+ERRORS: dict[str, type[Exception]] = {
+    cls.__name__: cls
+    for cls in (
+        QueueFull, PoolExhausted, SessionLimitError, SessionNotFound, SessionBusy, EngineStopped, SessionStoreError,
+        SnapshotError, SnapshotMismatchError, ValueError, KeyError, TypeError,
+    )
+}  # fmt: skip
+
+
+def pack(message: tuple | list) -> bytes:
+    return msgpack.packb(message, use_bin_type=True)
+
+
+def unpack(frame: bytes) -> list:
+    return msgpack.unpackb(frame, raw=False, strict_map_key=False)
+
+
+# -- records ----------------------------------------------------------------------------------------------------------
+def params_to_wire(params: SamplingParams) -> dict[str, Any]:
+    return dataclasses.asdict(params)
+
+
+def params_from_wire(values: dict[str, Any]) -> SamplingParams:
+    return SamplingParams(**values)
+
+
+def info_to_wire(info: EngineInfo) -> dict[str, Any]:
+    values = dataclasses.asdict(info)
+    values["checkpoint"] = str(info.checkpoint)
+    return values
+
+
+def info_from_wire(values: dict[str, Any]) -> EngineInfo:
+    return EngineInfo(**{**values, "checkpoint": Path(values["checkpoint"]), "layers": tuple(values["layers"])})
+
+
+def record_to_wire(record: SessionRecord) -> dict[str, Any]:
+    return dataclasses.asdict(record)
+
+
+def record_from_wire(values: dict[str, Any]) -> SessionRecord:
+    return SessionRecord(**values)
+
+
+# -- a request's outputs ----------------------------------------------------------------------------------------------
+def output_to_wire(out: RequestOutput | BaseException) -> list:
+    if isinstance(out, BaseException):
+        return ["error", *error_to_wire(out)]
+    logprobs = [[lp.token_id, lp.logprob, [list(pair) for pair in lp.top]] for lp in out.logprobs]
+    return [out.index, out.token_ids, out.text, logprobs, out.finish_reason, out.prompt_tokens, out.cached_tokens,
+            out.completion_tokens]  # fmt: skip
+
+
+def output_from_wire(request_id: str, values: list) -> RequestOutput | BaseException:
+    if values[0] == "error":
+        return error_from_wire(*values[1:])
+    index, token_ids, text, logprobs, finish_reason, prompt_tokens, cached_tokens, completion_tokens = values
+    return RequestOutput(
+        request_id=request_id,
+        index=index,
+        token_ids=token_ids,
+        text=text,
+        logprobs=[TokenLogprob(t, lp, [(int(i), v) for i, v in top]) for t, lp, top in logprobs],
+        finish_reason=finish_reason,
+        prompt_tokens=prompt_tokens,
+        cached_tokens=cached_tokens,
+        completion_tokens=completion_tokens,
+    )
+
+
+# -- exceptions -------------------------------------------------------------------------------------------------------
+def error_to_wire(exc: BaseException) -> list:
+    message = exc.args[0] if len(exc.args) == 1 and isinstance(exc.args[0], str) else str(exc)
+    return [type(exc).__name__, message, getattr(exc, "code", None)]
+
+
+def error_from_wire(name: str, message: str, code: str | None = None) -> Exception:
+    cls = ERRORS.get(name)
+    if cls is None:
+        return RuntimeError(f"engine error ({name}): {message}")
+    if cls is SnapshotError:
+        return SnapshotError(message, code or "invalid_snapshot")
+    return cls(message)
