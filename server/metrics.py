@@ -91,7 +91,9 @@ class Metrics:
             "kvfree_gpu_memory_reserved_bytes", "torch.cuda.memory_reserved (0: CPU).", registry=r
         )
         self.pool_reserved_bytes = Gauge(
-            "kvfree_pool_reserved_bytes", "Device bytes of the state pool (every slot, the scratch row and the template row of a new session's state).", registry=r
+            "kvfree_pool_reserved_bytes",
+            "Device bytes of the state pool (every slot, the scratch row and the template row of a new session).",
+            registry=r,
         )
         self.host_state_bytes = Gauge(
             "kvfree_host_state_bytes", "Bytes of session state offloaded to host memory.", registry=r

@@ -1317,9 +1317,9 @@ def _engine_processes(pid: int) -> list[int]:
     out = []
     for stat in Path("/proc").glob("[0-9]*/stat"):
         with contextlib.suppress(OSError, ValueError, IndexError):
-            if int(stat.read_text().rsplit(")", 1)[1].split()[1]) == pid:
-                if b"spawn_main" in (stat.parent / "cmdline").read_bytes():
-                    out.append(int(stat.parent.name))
+            parent = int(stat.read_text().rsplit(")", 1)[1].split()[1])
+            if parent == pid and b"spawn_main" in (stat.parent / "cmdline").read_bytes():
+                out.append(int(stat.parent.name))
     return out
 
 
