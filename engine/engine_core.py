@@ -144,6 +144,8 @@ class EngineCore:
         self.core = LLMEngine(self.scheduler, llm.runner, on_outputs=self._outputs_ready)  # schedule, run, postprocess
         self.on_outputs = on_outputs
         self.info = self._describe()
+        # A session's state: fixed bytes, plus per token of context for a KV cache (`stats` runs every few steps).
+        self._fixed_bytes, self._token_bytes = llm.pool.bytes_per_session(0), llm.pool.bytes_per_token()
 
     def _describe(self) -> EngineInfo:
         pool, model = self.llm.pool, self.llm.model
@@ -306,6 +308,15 @@ class EngineCore:
         return self._record(self.sessions.restore(data, owner))
 
     # -- numbers for /metrics -------------------------------------------------------------------------------------
+    def _bytes_in_use(self) -> int:
+        """`sum(pool.bytes_per_session(n))` over resident sessions, without walking every layer's specs for each."""
+        tokens = self.sessions.resident_tokens()
+        used = len(tokens) * self._fixed_bytes
+        if self._token_bytes:
+            limit = self.llm.pool.max_context
+            used += self._token_bytes * sum(min(n, limit) for n in tokens)
+        return used
+
     def stats(self) -> dict[str, Any]:
         """The engine's counters (ints and lengths); a racy but harmless read when called from another thread."""
         pool = self.llm.pool
@@ -317,7 +328,7 @@ class EngineCore:
             "state_bytes_per_session": pool.bytes_per_session(),
             # What resident sessions actually hold: constant per session for recurrent layers; the attention
             # baseline's KV cache counts only its filled entries.
-            "state_bytes_in_use": sum(pool.bytes_per_session(n) for n in self.sessions.resident_tokens()),
+            "state_bytes_in_use": self._bytes_in_use(),
             "sessions": self.sessions.counts(),
             "pool_reserved_bytes": pool.reserved_bytes(),
             "host_state_bytes": self.sessions.host_bytes(),

@@ -55,7 +55,7 @@ from kvfree.engine.tokenizer import Tokenizer
 
 log = logging.getLogger("kvfree.engine")
 
-STATS_INTERVAL_S = 0.05  # how often, at most, a busy engine pushes its counters to the front
+STATS_INTERVAL_S = 0.05  # a busy engine pushes its counters to the front at least this often
 
 # EngineCore methods the front may call, and how their results cross the wire.
 _CALLS: dict[str, Callable[[Any], Any]] = {
@@ -117,10 +117,17 @@ class EngineLoop:
                         if not self.conn.poll(0):
                             break
                     self._send_outputs()  # admission errors of this round's submits
+                shape = self._shape()
                 if core.has_work:
                     core.step()
                 core.poll_writes()
-                if not core.has_work or time.monotonic() - self._stats_sent >= STATS_INTERVAL_S:
+                # Counters go out when the step admitted or retired requests (what /metrics readers look for right
+                # after acting), when the engine goes idle, and at least every STATS_INTERVAL_S while it is busy.
+                if (
+                    not core.has_work
+                    or self._shape() != shape
+                    or time.monotonic() - self._stats_sent >= STATS_INTERVAL_S
+                ):
                     self._send_stats()
         except (EOFError, OSError):
             # The front died without draining the engine (a drain ends with "stop"): exit as a crash of the whole
@@ -131,6 +138,11 @@ class EngineLoop:
             while core.writing and time.monotonic() < deadline:
                 core.poll_writes()
                 time.sleep(0.01)
+
+    def _shape(self) -> tuple[int, int, int]:
+        """What a step can change that the counters report at once: waiting and running requests, used slots."""
+        scheduler = self.core.scheduler
+        return len(scheduler.waiting), len(scheduler.running), self.core.llm.pool.used_slots
 
     def _handle(self, message: list) -> bool:
         """Carry out one command; False when the front says stop."""
@@ -401,8 +413,8 @@ class EngineProcess:
 
     # -- the rest of the interface --------------------------------------------------------------------------------
     def stats(self) -> dict[str, Any]:
-        """The engine's counters as it last pushed them (at most `STATS_INTERVAL_S` old while it is busy; fresh
-        after every session operation and whenever it goes idle)."""
+        """The engine's counters as it last pushed them: fresh after every session operation, every step that admitted
+        or retired requests, and whenever the engine goes idle; at most `STATS_INTERVAL_S` old otherwise."""
         return self._stats
 
     @property

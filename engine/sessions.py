@@ -166,6 +166,7 @@ class SessionManager:
         self._sessions: dict[str, Session] = {}
         self._resident: dict[str, Session] = {}  # location "gpu"
         self._host: dict[str, Session] = {}  # location "host" with host_state set (new sessions hold nothing)
+        self._host_bytes: dict[str, int] = {}  # each `_host` session's host_state bytes, counted once on arrival
         self._disk: dict[str, Session] = {}  # location "disk"
         self._ephemeral = 0  # how many registered sessions are ephemeral
         self._tick = 0
@@ -197,7 +198,7 @@ class SessionManager:
 
     def host_bytes(self) -> int:
         """Host memory held by sessions' state copies."""
-        return sum(t.numel() * t.element_size() for s in self._host.values() for t in s.host_state.values())
+        return sum(self._host_bytes.values())
 
     def create(self, owner: str | None, ephemeral: bool = False) -> Session:
         """A new session in the initial state. It takes no slot or memory until its first `acquire_slot`.
@@ -555,6 +556,7 @@ class SessionManager:
         session.location, session.slot, session.host_state = "host", None, state
         if state is not None:
             self._host[session.session_id] = session
+            self._host_bytes[session.session_id] = sum(t.numel() * t.element_size() for t in state.values())
 
     def _place_disk(self, session: Session) -> None:
         session.location, session.slot, session.host_state = "disk", None, None
@@ -562,7 +564,7 @@ class SessionManager:
 
     def _detach(self, session: Session) -> None:
         """Remove `session` from the tier indexes (its slot, memory or file are handled by the caller)."""
-        for tier in (self._resident, self._host, self._disk):
+        for tier in (self._resident, self._host, self._disk, self._host_bytes):
             tier.pop(session.session_id, None)
 
     def _drop_stored(self, session: Session) -> None:

@@ -447,7 +447,8 @@ def test_bytes_per_session_constant_and_equal_to_formula() -> None:
     assert per_layer == state_bytes(c, D, b)
     assert pool.session_bytes(0) == pool.session_bytes(1) == pool.bytes_per_session() == 2 * per_layer
     assert pool.bytes_per_session(10) == pool.bytes_per_session(1_000_000) and pool.bytes_per_token() == 0
-    assert pool.reserved_bytes() == 3 * pool.bytes_per_session()  # two sessions and the pool's scratch row
+    # Two sessions, the pool's scratch row and its template row (a new session's state).
+    assert pool.reserved_bytes() == 4 * pool.bytes_per_session()
 
 
 def test_state_stays_bounded_and_exact_at_a_million_positions() -> None:

@@ -391,7 +391,8 @@ def test_new_session_state_is_S0() -> None:
     H, d, m = SUB["num_heads"], SUB["head_dim"], SUB["num_slots"]
     for layer, state in zip(model.layers, pool.tensors, strict=True):
         S0 = layer.mixer.S0
-        assert state["S"].dtype == torch.float32 and state["S"].shape == (pool.capacity + 1, H, d, m)  # + scratch row
+        # + the scratch row and the template row (a new session's state)
+        assert state["S"].dtype == torch.float32 and state["S"].shape == (pool.capacity + 2, H, d, m)
         assert torch.equal(state["S"][slot], S0) and S0.abs().sum() > 0
         assert (S0.transpose(-1, -2) @ S0 - torch.eye(m)).abs().max() < 1e-6  # orthonormal columns
         assert torch.count_nonzero(state["conv"][slot]) == 0
