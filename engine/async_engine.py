@@ -192,11 +192,13 @@ class AsyncEngine:
         owner: str | None = None,
         request_id: str | None = None,
         prefill_only: bool = False,
+        detokenize: bool = True,
     ) -> AsyncIterator[RequestOutput]:
         """Stream a request's outputs: one RequestOutput per choice per step; each choice ends with a finish_reason.
 
         Raises QueueFull, SessionNotFound, SessionBusy or EngineStopped before anything is streamed. If the caller
-        stops iterating early (client gone), the request is aborted and its slots are freed.
+        stops iterating early (client gone), the request is aborted and its slots are freed. Without `detokenize`
+        the outputs carry no text and stop strings are the caller's (see `EngineCore.submit`).
         """
         if not self.accepting:
             raise EngineStopped("the server is shutting down")
@@ -209,7 +211,7 @@ class AsyncEngine:
         await self.call(
             lambda: self.engine_core.submit(
                 request_id, prompt_token_ids, params, emit, n=n, session_id=session_id, owner=owner,
-                prefill_only=prefill_only,
+                prefill_only=prefill_only, detokenize=detokenize,
             )
         )  # fmt: skip
         async for out in stream_outputs(outputs, n, prefill_only, lambda: self.abort(request_id)):

@@ -225,9 +225,11 @@ class EngineCore:
         session_id: str | None = None,
         owner: str | None = None,
         prefill_only: bool = False,
+        detokenize: bool = True,
     ) -> None:
         """Queue a request; its outputs go to `emit` during later steps. Raises QueueFull, SessionNotFound or
-        SessionBusy (nothing queued)."""
+        SessionBusy (nothing queued). Without `detokenize` the outputs carry token ids only (no text) and stop
+        strings are the caller's to find."""
         session = self.sessions.get(session_id, owner) if session_id else None
         if session is not None and session.busy:
             raise SessionBusy(f"session {session_id} is in use by another request")
@@ -235,7 +237,10 @@ class EngineCore:
             raise SessionBusy(f"session {session_id} is running a turn on another replica; retry when it ends")
         try:
             self.scheduler.add(
-                Request(request_id, prompt_token_ids, params, emit, n=n, session=session, prefill_only=prefill_only)
+                Request(
+                    request_id, prompt_token_ids, params, emit, n=n, session=session, prefill_only=prefill_only,
+                    detokenize=detokenize,
+                )  # fmt: skip
             )
         except QueueFull:
             if session is not None:

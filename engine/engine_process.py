@@ -148,11 +148,11 @@ class EngineLoop:
         """Carry out one command; False when the front says stop."""
         kind = message[0]
         if kind == "submit":
-            _, request_id, prompt, params, n, session_id, owner, prefill_only = message
+            _, request_id, prompt, params, n, session_id, owner, prefill_only, detokenize = message
             try:
                 self.core.submit(
                     request_id, prompt, params_from_wire(params), self._emitter(request_id), n=n,
-                    session_id=session_id, owner=owner, prefill_only=prefill_only,
+                    session_id=session_id, owner=owner, prefill_only=prefill_only, detokenize=detokenize,
                 )  # fmt: skip
             except Exception as exc:  # refused at admission: the request's one output is the error
                 self.outbox.append([request_id, output_to_wire(exc)])
@@ -372,22 +372,26 @@ class EngineProcess:
         owner: str | None = None,
         request_id: str | None = None,
         prefill_only: bool = False,
+        detokenize: bool = True,
     ) -> AsyncIterator[RequestOutput]:
         """`AsyncEngine.generate`: the request's outputs as the engine sends them; admission errors (QueueFull,
         SessionNotFound, SessionBusy, EngineStopped) are raised by the first iteration."""
         if not self.accepting or not self.alive:
             raise EngineStopped("the server is shutting down" if self._stopping else "the engine process has stopped")
-        # Unique on the wire whatever the client sent as its request id (two requests may share one).
-        key = f"{request_id or 'req'}#{next(self._ids)}"
+        key = request_id or f"req-{next(self._ids)}"
         outputs: asyncio.Queue[RequestOutput | BaseException] = asyncio.Queue()
         self._streams[key] = outputs
         self._send(["submit", key, list(prompt_token_ids), params_to_wire(params), n, session_id, owner,
-                    prefill_only])  # fmt: skip
+                    prefill_only, detokenize])  # fmt: skip
         try:
-            async for out in stream_outputs(outputs, n, prefill_only, lambda: self._send(["abort", key])):
+            async for out in stream_outputs(outputs, n, prefill_only, lambda: self.abort(key)):
                 yield out
         finally:
             self._streams.pop(key, None)
+
+    def abort(self, request_id: str) -> None:
+        """Stop a request (its client went away, or its front found a stop string): its slots are freed."""
+        self._send(["abort", request_id])
 
     # -- sessions -------------------------------------------------------------------------------------------------
     async def create_session(self, owner: str | None) -> SessionRecord:

@@ -3,7 +3,7 @@
 Each message is one msgpack array whose first element says what it is:
 
 front -> engine
-    ("submit", request_id, prompt_token_ids, params, n, session_id, owner, prefill_only)
+    ("submit", request_id, prompt_token_ids, params, n, session_id, owner, prefill_only, detokenize)
     ("abort", request_id)
     ("call", call_id, method, args)         an EngineCore method: session operations, stats, shutdown phases
 engine -> front

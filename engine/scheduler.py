@@ -30,6 +30,8 @@ class Request:
     """One API request: a prompt continued by `n` choices, optionally inside a persistent session.
 
     prefill_only: feed the prompt into the session and stop (creating a session with a prompt).
+    detokenize: the outputs carry text, cut at stop strings; False: token ids only, for a client that detokenizes
+        on its side (a serving front), stop strings left to it.
     """
 
     request_id: str
@@ -39,6 +41,7 @@ class Request:
     n: int = 1
     session: Session | None = None
     prefill_only: bool = False
+    detokenize: bool = True
     arrival: float = field(default_factory=time.monotonic)
     cached_tokens: int = 0
     sequences: list[Sequence] = field(default_factory=list)
@@ -294,7 +297,7 @@ class Scheduler:
             seed = req.params.seed
             if seed is not None and req.n > 1:
                 seed = (seed + index) % 2**63  # independent but reproducible choices
-            seq = Sequence.create(prompt, req.params, self.tokenizer, seed)
+            seq = Sequence.create(prompt, req.params, self.tokenizer, seed, detokenize=req.detokenize)
             seq.slot = slot
             seq.request_id = req.request_id
             seq.index = index

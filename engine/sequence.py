@@ -6,7 +6,8 @@ import itertools
 from dataclasses import dataclass, field
 
 from kvfree.engine.sampling import SamplingParams, random_seed
-from kvfree.engine.tokenizer import IncrementalDetokenizer, Tokenizer
+from kvfree.engine.text_output import TextOutput
+from kvfree.engine.tokenizer import Tokenizer
 
 _ids = itertools.count()
 
@@ -30,7 +31,6 @@ class Sequence:
 
     prompt_token_ids: list[int]
     params: SamplingParams
-    detokenizer: IncrementalDetokenizer
     seed: int  # of the row's counter-based random stream (engine/sampling.py)
     eos_token_id: int | None = None
     seq_id: int = field(default_factory=lambda: next(_ids))
@@ -50,24 +50,29 @@ class Sequence:
     decoded: int = 0
     emitted_tokens: int = 0
     session: object | None = None
-    # The output text (with any stop string cut off) = the pieces handed out by take_delta() + the rest. Only the
-    # rest is touched per token, so a token costs O(its characters) however long the output grows.
-    _sent: list[str] = field(default_factory=list)
-    _unsent: str = ""
+    # The output's text, cut at the first stop string; None when the engine's client detokenizes (a serving front):
+    # then only token-level stops (EOS, stop token ids, max_tokens) end the sequence here.
+    text_output: TextOutput | None = None
 
     @classmethod
     def create(
-        cls, prompt_token_ids: list[int], params: SamplingParams, tokenizer: Tokenizer, seed: int | None = None
+        cls,
+        prompt_token_ids: list[int],
+        params: SamplingParams,
+        tokenizer: Tokenizer,
+        seed: int | None = None,
+        detokenize: bool = True,
     ) -> Sequence:
-        """A new sequence; `seed` defaults to the request's, or a random one."""
+        """A new sequence; `seed` defaults to the request's, or a random one. Without `detokenize` it produces token
+        ids only, and `params.stop` (stop strings) is left to whoever detokenizes."""
         if seed is None:
             seed = params.seed if params.seed is not None else random_seed()
         return cls(
             prompt_token_ids=list(prompt_token_ids),
             params=params,
-            detokenizer=IncrementalDetokenizer(tokenizer, params.skip_special_tokens),
             seed=seed,
             eos_token_id=tokenizer.eos_token_id,
+            text_output=TextOutput(tokenizer, params.stop, params.skip_special_tokens) if detokenize else None,
         )
 
     @property
@@ -76,7 +81,7 @@ class Sequence:
 
     @property
     def text(self) -> str:
-        return "".join(self._sent) + self._unsent
+        return self.text_output.text if self.text_output is not None else ""
 
     @property
     def consumed(self) -> list[int]:
@@ -93,26 +98,12 @@ class Sequence:
         if is_eos or token_id in p.stop_token_ids:
             self.finish_reason = "stop"
             return
-        new = self.detokenizer.add(token_id)
-        self._unsent += new
-        if p.stop and new:
-            # A stop string can only complete inside the new text plus the longest stop's length before it, which
-            # take_delta() holds back, so the window lies inside the unsent text.
-            start = max(0, len(self._unsent) - len(new) - max(len(s) for s in p.stop) + 1)
-            hits = [i for s in p.stop if (i := self._unsent.find(s, start)) >= 0]
-            if hits:
-                self._unsent = self._unsent[: min(hits)]
-                self.finish_reason = "stop"
-                return
+        if self.text_output is not None and self.text_output.add(token_id):
+            self.finish_reason = "stop"
+            return
         if len(self.output_token_ids) >= p.max_tokens:
             self.finish_reason = "length"
 
     def take_delta(self) -> str:
         """Text not yet handed out. While running, the tail that could still become a stop string is held back."""
-        end = len(self._unsent)
-        if not self.finished and self.params.stop:
-            end = max(0, end - (max(len(s) for s in self.params.stop) - 1))
-        delta, self._unsent = self._unsent[:end], self._unsent[end:]
-        if delta:
-            self._sent.append(delta)
-        return delta
+        return self.text_output.take_delta(final=self.finished) if self.text_output is not None else ""

@@ -87,7 +87,7 @@ def create_app(
     )
     # Stored responses go to the session store too (when there is one), beside the states of their sessions.
     responses = ResponseStore(engine.session_store)
-    client = EngineClient(engine, metrics, settings.max_prompt_tokens)
+    client = EngineClient(engine, metrics, settings.max_prompt_tokens, engine.tokenizer)
     # The server's tokenizer, the one place server/ gets one: the engine's own while both share a process, the
     # front's own copy of the checkpoint's (`Tokenizer(info.checkpoint)`) when the engine runs in its own process.
     app.state.kvfree = ServerState(client, engine.tokenizer, settings, metrics, name, responses)

@@ -12,6 +12,7 @@ the `AsyncEngine`: when the engine moves to a process of its own, this module is
 from __future__ import annotations
 
 import contextlib
+import itertools
 from collections.abc import AsyncIterator, Iterator
 from typing import Any
 
@@ -26,6 +27,8 @@ from kvfree.engine.session_store import SessionStoreError
 from kvfree.engine.sessions import PoolExhausted, SessionLimitError, SessionNotFound
 from kvfree.engine.snapshot import SnapshotError
 from kvfree.engine.state_pool import SnapshotMismatchError
+from kvfree.engine.tokenizer import Tokenizer
+from kvfree.server.detokenize import ChoiceTexts
 from kvfree.server.errors import (
     APIError,
     conflict,
@@ -97,10 +100,11 @@ class EngineClient:
     answers its own way); `start` answers admission errors as HTTP errors itself.
     """
 
-    def __init__(self, engine: AsyncEngine, metrics: Metrics, max_prompt_tokens: int) -> None:
+    def __init__(self, engine: AsyncEngine, metrics: Metrics, max_prompt_tokens: int, tokenizer: Tokenizer) -> None:
         self._engine = engine
         self.metrics = metrics
         self.max_prompt_tokens = max_prompt_tokens
+        self.tokenizer = tokenizer  # the front's: outputs are detokenized here, not in the engine
 
     @property
     def info(self) -> EngineInfo:
@@ -115,6 +119,10 @@ class EngineClient:
     def accepting(self) -> bool:
         """The engine takes new work (False while starting and shutting down)."""
         return self._engine.accepting
+
+    def abort(self, engine_request_id: str) -> None:
+        """Stop a request in the engine (it answers with its choices' last outputs, finish "abort")."""
+        self._engine.abort(engine_request_id)
 
     def stats(self) -> dict[str, Any]:
         """The engine's counters for /metrics (`AsyncEngine.stats`)."""
@@ -170,8 +178,8 @@ class EngineClient:
                 gen.session_before = await self._engine.get_session(session_id, owner)
         gen.timer = self.metrics.request_timer()
         stream = self._engine.generate(
-            prompt_ids, params, n=n, session_id=session_id, owner=owner, request_id=gen.request_id,
-            prefill_only=prefill_only,
+            prompt_ids, params, n=n, session_id=session_id, owner=owner, request_id=gen.engine_request_id,
+            prefill_only=prefill_only, detokenize=False,
         )  # fmt: skip
         with http_errors(self.metrics):
             first = await anext(stream)
@@ -204,6 +212,8 @@ class EngineClient:
 
 # -- one request ----------------------------------------------------------------------------------------------------
 
+_engine_ids = itertools.count()
+
 
 class Generation:
     """One started request: iterate it for its outputs (one per choice per step, the first already received), then
@@ -231,6 +241,8 @@ class Generation:
         self.session_id = session_id
         self.owner = owner
         self.request_id: str = getattr(request.state, "request_id", None) or new_id("req")
+        # Unique in the engine whatever request id the client sent (two requests may share one).
+        self.engine_request_id = f"{self.request_id}.{next(_engine_ids)}"
         self.session_before: SessionRecord | None = None
         self.timer: RequestTimer | None = None
         self.completion_tokens = 0
@@ -238,6 +250,7 @@ class Generation:
         self.finish_reason: str | None = None
         self._stream: AsyncIterator[RequestOutput] | None = None
         self._first: RequestOutput | None = None
+        self._texts = ChoiceTexts(client.tokenizer, params, n)  # the engine sends token ids; text is made here
 
     @property
     def prompt_tokens(self) -> int:
@@ -245,12 +258,28 @@ class Generation:
 
     async def __aiter__(self) -> AsyncIterator[RequestOutput]:
         first, self._first = self._first, None
-        if first is not None:
-            self._count(first)
-            yield first
-        async for out in self._stream:
+        outputs = self._stream if first is None else _then(first, self._stream)
+        engine_done = [False] * self.n
+        last: RequestOutput | None = None
+        async for raw in outputs:
+            if raw.finish_reason is not None:
+                engine_done[raw.index] = True
+            if last is not None:
+                continue  # what the engine ran after the stop, until its abort lands
+            out = self._texts.add(raw)
+            if out is None:
+                continue
             self._count(out)
+            if self._texts.all_finished and not all(engine_done):
+                # Every choice ended here (a stop string) while the engine still runs them: stop them, and send the
+                # last event once the engine has (its session's turn is then recorded before the client can send
+                # the next one, as when the engine itself ends a turn).
+                self.client.abort(self.engine_request_id)
+                last = out
+                continue
             yield out
+        if last is not None:
+            yield last
 
     def _count(self, out: RequestOutput) -> None:
         self.completion_tokens += len(out.token_ids)
@@ -287,3 +316,9 @@ class Generation:
             id=self.session_id, cached_tokens=self.cached_tokens, reset=reset, num_tokens=session.num_tokens,
             resumed_from=resumed_from,
         )  # fmt: skip
+
+
+async def _then(first: RequestOutput, rest: AsyncIterator[RequestOutput]) -> AsyncIterator[RequestOutput]:
+    yield first
+    async for out in rest:
+        yield out

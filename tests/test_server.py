@@ -1544,3 +1544,21 @@ def test_models_card_and_metrics_expose_limits_and_memory(tmp_path) -> None:
         assert metrics["kvfree_pool_reserved_bytes"] == (2 + 1) * per_slot + 4 * 8
         assert metrics["kvfree_host_state_bytes"] == 0
         assert 'kvfree_session_moves{kind="evictions"}' in metrics
+
+
+def test_a_turn_ended_by_a_stop_string_frees_its_session_before_its_last_event(tiny_server):
+    """Stop strings are found by the HTTP front (the engine sends token ids): the front stops the engine's request
+    and sends the turn's last event only once the engine has let the session go, so the next turn is never 409."""
+    with tiny_server.http() as http:
+        free = http.post("/v1/completions", json={"prompt": [1, 2, 3], "max_tokens": 24, "temperature": 0}).json()
+        text = free["choices"][0]["text"]
+        stop = next((text[i : i + 2] for i in range(2, len(text) - 1) if text[i : i + 2].isprintable()), None)
+        if stop is None:
+            pytest.skip(f"the tiny model's greedy text {text!r} has no printable pair to stop at")
+        sid = new_session(tiny_server)["id"]
+        body = {"prompt": [1, 2, 3], "max_tokens": 24, "temperature": 0, "stop": [stop], "session_id": sid}
+        for _ in range(3):  # back to back on one session
+            r = http.post("/v1/completions", json=body)
+            assert r.status_code == 200, r.text
+            choice = r.json()["choices"][0]
+            assert choice["finish_reason"] == "stop" and stop not in choice["text"] and text.startswith(choice["text"])

@@ -1,0 +1,53 @@
+"""The front's side of a request's text: the engine sends token ids, this turns them into text and finds stop strings.
+
+The engine checks only token-level stops (EOS, stop token ids, max_tokens) for the server's requests; detokenizing
+each token and searching for stop strings happen here, in the HTTP front, so that they never take the engine's
+time (with the engine in its own process, they run on another core). When a choice's stop string completes, its
+tokens after the stop are dropped (the engine may already have sampled a few more) and it finishes with "stop";
+the caller then aborts the engine request once every choice has finished.
+"""
+
+from __future__ import annotations
+
+from dataclasses import replace
+
+from kvfree.engine.sampling import SamplingParams
+from kvfree.engine.scheduler import RequestOutput
+from kvfree.engine.text_output import TextOutput
+from kvfree.engine.tokenizer import Tokenizer
+
+
+class ChoiceTexts:
+    """The text of each of a request's `n` choices, as its outputs arrive."""
+
+    def __init__(self, tokenizer: Tokenizer, params: SamplingParams, n: int) -> None:
+        self._texts = [TextOutput(tokenizer, params.stop, params.skip_special_tokens) for _ in range(n)]
+        self._tokens = [0] * n  # each choice's tokens handed out
+        self.finished = [False] * n
+
+    @property
+    def all_finished(self) -> bool:
+        return all(self.finished)
+
+    def add(self, out: RequestOutput) -> RequestOutput | None:
+        """`out` (token ids, no text) with its text, cut at a stop string; None for what follows a finished choice."""
+        i = out.index
+        if self.finished[i]:
+            return None
+        text, kept, finish = self._texts[i], len(out.token_ids), out.finish_reason
+        # An engine "stop" ends on the EOS or stop token: it has no text of its own (as offline generation).
+        speaking = out.token_ids[:-1] if finish == "stop" else out.token_ids
+        for k, token in enumerate(speaking):
+            if text.add(token):
+                kept, finish = k + 1, "stop"
+                break
+        self._tokens[i] += kept
+        self.finished[i] = finish is not None
+        return replace(
+            out,
+            token_ids=out.token_ids[:kept],
+            logprobs=out.logprobs[:kept],
+            text=text.take_delta(final=finish is not None),
+            finish_reason=finish,
+            completion_tokens=self._tokens[i],
+        )
