@@ -6,7 +6,9 @@ admission errors become HTTP errors before a response or a stream is started) ->
 counted, TTFT and inter-token latency timed as they arrive) -> `finish` (usage and metrics) or `aclose` (the
 client went away: the engine aborts the request and frees its slots). The session operations, health and stats go
 through `EngineClient` too, and what the routes need to know of the engine is its `EngineInfo`. Routes never hold
-the `AsyncEngine`: when the engine moves to a process of its own, this module is what speaks to it.
+the engine: an `EngineProcess` (the engine core in a process of its own, the default) or an `AsyncEngine` (on a
+thread of this process), which answer to the same calls. Outputs arrive as token ids; their text and stop strings
+are made here (server/detokenize.py).
 """
 
 from __future__ import annotations
@@ -21,6 +23,7 @@ from fastapi import Request
 
 from kvfree.engine.async_engine import AsyncEngine, EngineStopped, QueueFull, SessionBusy
 from kvfree.engine.engine_info import EngineInfo, SessionRecord
+from kvfree.engine.engine_process import EngineProcess
 from kvfree.engine.sampling import SamplingParams
 from kvfree.engine.scheduler import RequestOutput
 from kvfree.engine.session_store import SessionStoreError
@@ -100,7 +103,9 @@ class EngineClient:
     answers its own way); `start` answers admission errors as HTTP errors itself.
     """
 
-    def __init__(self, engine: AsyncEngine, metrics: Metrics, max_prompt_tokens: int, tokenizer: Tokenizer) -> None:
+    def __init__(
+        self, engine: AsyncEngine | EngineProcess, metrics: Metrics, max_prompt_tokens: int, tokenizer: Tokenizer
+    ) -> None:
         self._engine = engine
         self.metrics = metrics
         self.max_prompt_tokens = max_prompt_tokens
@@ -125,7 +130,7 @@ class EngineClient:
         self._engine.abort(engine_request_id)
 
     def stats(self) -> dict[str, Any]:
-        """The engine's counters for /metrics (`AsyncEngine.stats`)."""
+        """The engine's counters for /metrics (`EngineCore.stats`, as the engine last reported them)."""
         return self._engine.stats()
 
     # -- checks, before anything reaches the engine ---------------------------------------------------------------
