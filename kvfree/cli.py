@@ -224,7 +224,8 @@ def build_parser() -> argparse.ArgumentParser:
         "chunks. This trades time to first token against inter-token latency: a step's time grows with its "
         "tokens, and every running stream waits that step for its next token. Larger: new prompts are fed "
         "faster (lower TTFT) but running streams stutter while they are (higher ITL p99); smaller: smooth "
-        "streams, slower admission. (default: %(default)s)",
+        "streams, slower admission. At 2048, a random mamba2-370m on an H100 served 64 streaming clients 9.1K tok/s "
+        "(TTFT p99 0.24 s, ITL p99 35 ms) and 256 clients 8.7K (BENCHMARKS.md). (default: %(default)s)",
     )
     p.add_argument(
         "--max-prefill-tokens",
