@@ -1546,9 +1546,18 @@ def test_models_card_and_metrics_expose_limits_and_memory(tmp_path) -> None:
         assert 'kvfree_session_moves{kind="evictions"}' in metrics
 
 
-def test_a_turn_ended_by_a_stop_string_frees_its_session_before_its_last_event(tiny_server):
+@pytest.mark.parametrize("engine_process", [True, False], ids=["engine-process", "engine-thread"])
+def test_a_turn_ended_by_a_stop_string_frees_its_session_before_its_last_event(ckpts, engine_process):
     """Stop strings are found by the HTTP front (the engine sends token ids): the front stops the engine's request
     and sends the turn's last event only once the engine has let the session go, so the next turn is never 409."""
+    tiny_server = serve(ckpts["tiny"], "kvfree-tiny", max_sessions=4, engine_process=engine_process)
+    try:
+        _stop_string_turns(tiny_server)
+    finally:
+        tiny_server.stop()
+
+
+def _stop_string_turns(tiny_server) -> None:
     with tiny_server.http() as http:
         free = http.post("/v1/completions", json={"prompt": [1, 2, 3], "max_tokens": 24, "temperature": 0}).json()
         text = free["choices"][0]["text"]
