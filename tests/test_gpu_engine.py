@@ -1,4 +1,4 @@
-"""The engine on a GPU (skipped elsewhere; run by kernels/gpu_run.sh on the device): CUDA-graph decode through the
+"""The engine on a GPU (skipped elsewhere; run by tests/gpu_run.sh on the device): CUDA-graph decode through the
 scheduler gives the tokens eager decode gives, for batches that hit, pad and exceed the graph buckets."""
 
 from __future__ import annotations
