@@ -32,6 +32,8 @@ log = logging.getLogger("kvfree.engine")
 
 Emit = Callable[[RequestOutput | BaseException], None]
 
+STEP_WINDOW = 256  # the steps `stats` averages its step timings over
+
 
 class SessionBusy(RuntimeError):
     """Another request is using this session right now (HTTP 409)."""
@@ -322,6 +324,17 @@ class EngineCore:
             used += self._token_bytes * sum(min(n, limit) for n in tokens)
         return used
 
+    def _step_stats(self, window: int = STEP_WINDOW) -> dict[str, Any]:
+        """How the engine's last `window` steps spent their time: the mean step, and the share of it spent waiting
+        for the device (near 0 with requests running: the engine's host work is the limit, not the GPU)."""
+        recent = list(self.core.history)[-window:]
+        seconds = sum(r.seconds for r in recent)
+        return {
+            "engine_steps": self.core.steps,
+            "engine_step_seconds": seconds / len(recent) if recent else 0.0,
+            "engine_device_wait_fraction": sum(r.wait for r in recent) / seconds if seconds > 0 else 0.0,
+        }
+
     def stats(self) -> dict[str, Any]:
         """The engine's counters (ints and lengths); a racy but harmless read when called from another thread."""
         pool = self.llm.pool
@@ -348,6 +361,7 @@ class EngineCore:
                 "total": self.sessions.max_sessions,
             },
         }
+        stats.update(self._step_stats())
         if torch.cuda.is_available() and self.llm.model.device.type == "cuda":
             stats["gpu_memory_allocated"] = torch.cuda.memory_allocated(self.llm.model.device)
             stats["gpu_memory_reserved"] = torch.cuda.memory_reserved(self.llm.model.device)

@@ -98,6 +98,16 @@ class Metrics:
         self.host_state_bytes = Gauge(
             "kvfree_host_state_bytes", "Bytes of session state offloaded to host memory.", registry=r
         )
+        self.engine_steps = Gauge("kvfree_engine_steps", "Engine steps run since start.", registry=r)
+        self.engine_step_seconds = Gauge(
+            "kvfree_engine_step_seconds", "Mean wall time of the engine's last 256 steps.", registry=r
+        )
+        self.engine_device_wait_fraction = Gauge(
+            "kvfree_engine_device_wait_fraction",
+            "Share of the last 256 steps' time the engine waited for the device (near 0 while requests run: the "
+            "engine's host work, not the GPU, sets the pace).",
+            registry=r,
+        )
         self.session_moves = Gauge(
             "kvfree_session_moves",
             "Session state moves between tiers since start (evictions: GPU->host, spills: host->disk, reloads).",
@@ -160,6 +170,9 @@ class Metrics:
             "host_state_bytes": self.host_state_bytes,
             "session_writes_pending": self.session_writes_pending,
             "session_write_lag_seconds": self.session_write_lag,
+            "engine_steps": self.engine_steps,
+            "engine_step_seconds": self.engine_step_seconds,
+            "engine_device_wait_fraction": self.engine_device_wait_fraction,
         }
         for key, gauge in gauges.items():
             if key in stats:

@@ -1395,6 +1395,9 @@ def test_health_ready_metrics_request_ids_and_request_log(tiny_server, caplog):
     assert metric_value(text, "kvfree_pool_slots_total") == 16
     assert 'kvfree_requests_total{route="/v1/completions",status="400"}' in text
     assert metric_value(text, "kvfree_state_bytes_per_session") > 0
+    # The engine's own pace, reported from its process: it has stepped, and its mean step took some time.
+    assert metric_value(text, "kvfree_engine_steps") > 0 and metric_value(text, "kvfree_engine_step_seconds") > 0
+    assert 0 <= metric_value(text, "kvfree_engine_device_wait_fraction") <= 1
 
     wait_for(
         lambda: all(any(f"my-request-{i} " in m for m in caplog.messages) for i in (1, 2, 3)),
