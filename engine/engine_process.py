@@ -35,6 +35,7 @@ from kvfree.engine.async_engine import stream_outputs
 from kvfree.engine.engine_core import EngineConfig, EngineCore, EngineStopped
 from kvfree.engine.engine_info import EngineInfo, SessionRecord
 from kvfree.engine.ipc import (
+    ERRORS,
     error_from_wire,
     error_to_wire,
     info_from_wire,
@@ -84,7 +85,10 @@ def serve_engine(config: EngineConfig, conn: Connection, log_level: int = loggin
         core = config.build()
         core.load_index()
     except Exception as exc:
-        log.exception("the engine could not start")
+        if type(exc).__name__ in ERRORS:  # a bad checkpoint or setting: the front reports it in one line
+            log.error("the engine could not start: %s", exc)
+        else:
+            log.exception("the engine could not start")
         conn.send_bytes(pack(["failed", *error_to_wire(exc)]))
         return
     EngineLoop(core, conn).run()

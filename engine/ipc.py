@@ -26,6 +26,7 @@ from typing import Any
 
 import msgpack
 
+from kvfree.checkpoints import CheckpointError
 from kvfree.engine.engine_core import EngineStopped, SessionBusy
 from kvfree.engine.engine_info import EngineInfo, SessionRecord
 from kvfree.engine.sampling import SamplingParams
@@ -36,12 +37,13 @@ from kvfree.engine.sessions import PoolExhausted, SessionLimitError, SessionNotF
 from kvfree.engine.snapshot import SnapshotError
 from kvfree.engine.state_pool import SnapshotMismatchError
 
-# The engine's exceptions a front answers with an HTTP status (server/lifecycle.py), by name.
+# The engine's exceptions a front answers with an HTTP status (server/lifecycle.py), or the CLI with a one-line error
+# (a checkpoint that cannot be loaded), by name.
 ERRORS: dict[str, type[Exception]] = {
     cls.__name__: cls
     for cls in (
         QueueFull, PoolExhausted, SessionLimitError, SessionNotFound, SessionBusy, EngineStopped, SessionStoreError,
-        SnapshotError, SnapshotMismatchError, ValueError, KeyError, TypeError,
+        SnapshotError, SnapshotMismatchError, CheckpointError, ValueError, KeyError, TypeError,
     )
 }  # fmt: skip
 

@@ -215,3 +215,15 @@ def test_bench_subcommand_writes_its_json(capsys, tmp_path) -> None:
     assert main(args) == 0
     assert "prefill of 16 tokens" in capsys.readouterr().out
     assert json.loads(out.read_text())["decode"][0]["batch"] == 2
+
+
+def test_serve_with_a_checkpoint_the_engine_cannot_load_says_why_in_one_line(tmp_path):
+    """The engine loads the checkpoint in its own process; its error reaches the command line as the usual one-line
+    `kvfree serve: error: ...` and exit status 2, not a traceback."""
+    result = subprocess.run(
+        [sys.executable, "-m", "kvfree", "serve", str(tmp_path / "missing"), "--device", "cpu"],
+        capture_output=True, text=True, timeout=120, env={**os.environ, "PYTHONUNBUFFERED": "1"},
+    )  # fmt: skip
+    assert result.returncode == 2, result.stderr
+    assert "kvfree serve: error:" in result.stderr and "no such checkpoint directory" in result.stderr
+    assert "Traceback" not in result.stderr
