@@ -12,7 +12,7 @@ from __future__ import annotations
 import dataclasses
 import logging
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -33,6 +33,12 @@ log = logging.getLogger("kvfree.engine")
 Emit = Callable[[RequestOutput | BaseException], None]
 
 STEP_WINDOW = 256  # the steps `stats` averages its step timings over
+
+# What a front may run on the engine by name (`EngineCore.call`): session operations and the phases of a shutdown.
+CALLS = frozenset({
+    "create_session", "get_session", "delete_session", "discard_session", "fork_session", "export_session",
+    "restore_session", "has_work", "abort_all", "persist_all",
+})  # fmt: skip
 
 
 class SessionBusy(RuntimeError):
@@ -214,6 +220,15 @@ class EngineCore:
                 req.settled = True  # nothing of the failed turn is recorded or stored: the store keeps the last one
                 req.session.store_version = -1  # a shared store's copy (the last completed turn) wins next time
         self.scheduler.retire()
+
+    def call(self, method: str, args: Sequence[Any]) -> Any:
+        """Run one of `CALLS` by name with `args`: how either driver carries a front's session operation or shutdown
+        phase to the engine's thread."""
+        if method not in CALLS:
+            raise ValueError(f"unknown engine call {method!r}")
+        if method == "has_work":
+            return self.has_work
+        return getattr(self, method)(*args)
 
     # -- requests -------------------------------------------------------------------------------------------------
     def submit(

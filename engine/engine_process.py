@@ -25,15 +25,15 @@ import queue
 import signal
 import threading
 import time
-from collections.abc import AsyncIterator, Callable
+from collections.abc import Callable
 from multiprocessing.connection import Connection
 from typing import Any
 
 import torch
 
-from kvfree.engine.async_engine import stream_outputs
 from kvfree.engine.engine_core import EngineConfig, EngineCore, EngineStopped
-from kvfree.engine.engine_info import EngineInfo, SessionRecord
+from kvfree.engine.engine_handle import EngineHandle, Outputs
+from kvfree.engine.engine_info import EngineInfo
 from kvfree.engine.ipc import (
     ERRORS,
     error_from_wire,
@@ -45,8 +45,8 @@ from kvfree.engine.ipc import (
     pack,
     params_from_wire,
     params_to_wire,
-    record_from_wire,
-    record_to_wire,
+    result_from_wire,
+    result_to_wire,
     unpack,
 )
 from kvfree.engine.sampling import SamplingParams
@@ -57,20 +57,6 @@ from kvfree.engine.tokenizer import Tokenizer
 log = logging.getLogger("kvfree.engine")
 
 STATS_INTERVAL_S = 0.05  # a busy engine pushes its counters to the front at least this often
-
-# EngineCore methods the front may call, and how their results cross the wire.
-_CALLS: dict[str, Callable[[Any], Any]] = {
-    "create_session": record_to_wire,
-    "get_session": record_to_wire,
-    "fork_session": record_to_wire,
-    "restore_session": record_to_wire,
-    "delete_session": lambda result: None,
-    "discard_session": lambda result: None,
-    "export_session": bytes,
-    "abort_all": lambda result: None,
-    "persist_all": int,
-}
-
 
 # -- the engine process ---------------------------------------------------------------------------------------------
 def serve_engine(config: EngineConfig, conn: Connection, log_level: int = logging.INFO) -> None:
@@ -169,7 +155,7 @@ class EngineLoop:
                 return False
             try:
                 with torch.inference_mode():
-                    value = self._call(method, args)
+                    value = result_to_wire(self.core.call(method, args))
             except Exception as exc:
                 self._send_stats()
                 self._send(["result", call_id, False, error_to_wire(exc)])
@@ -177,13 +163,6 @@ class EngineLoop:
                 self._send_stats()  # counters first: the caller sees them updated when its call returns
                 self._send(["result", call_id, True, value])
         return True
-
-    def _call(self, method: str, args: list) -> Any:
-        if method == "has_work":
-            return self.core.has_work
-        if method not in _CALLS:
-            raise ValueError(f"unknown engine call {method!r}")
-        return _CALLS[method](getattr(self.core, method)(*args))
 
     def _emitter(self, request_id: str) -> Callable[[RequestOutput | BaseException], None]:
         def emit(out: RequestOutput | BaseException) -> None:
@@ -205,8 +184,8 @@ class EngineLoop:
 
 
 # -- the front's handle ---------------------------------------------------------------------------------------------
-class EngineProcess:
-    """An engine in its own process, with `AsyncEngine`'s interface. Construction starts the process and waits for
+class EngineProcess(EngineHandle):
+    """An engine in its own process, behind the `EngineHandle` interface. Construction starts the process and waits for
     the model to load (raising the engine's error if it cannot); `start()` inside the event loop begins serving.
 
     Args:
@@ -284,12 +263,8 @@ class EngineProcess:
         self.accepting = False
         self._stopping = True
         if self.alive:
-            deadline = time.monotonic() + grace_seconds
             try:
-                while time.monotonic() < deadline and await self._call("has_work"):
-                    await asyncio.sleep(0.05)
-                await self._call("abort_all")
-                await self._call("persist_all")
+                await self._drain(grace_seconds)
                 await self._call("stop")
             except EngineStopped:
                 log.error("the engine process stopped during shutdown")
@@ -356,6 +331,7 @@ class EngineProcess:
             if self.on_death is not None:
                 self.on_death()
 
+    # -- EngineHandle ---------------------------------------------------------------------------------------------
     async def _call(self, method: str, *args: Any) -> Any:
         if not self.alive:
             raise EngineStopped("the engine process has stopped; restart the server")
@@ -363,61 +339,21 @@ class EngineProcess:
         future = self._loop.create_future()
         self._calls[call_id] = future
         self._send(["call", call_id, method, list(args)])
-        return await future
+        return result_from_wire(method, await future)
 
-    # -- generation -----------------------------------------------------------------------------------------------
-    async def generate(
-        self,
-        prompt_token_ids: list[int],
-        params: SamplingParams,
-        *,
-        n: int = 1,
-        session_id: str | None = None,
-        owner: str | None = None,
-        request_id: str | None = None,
-        prefill_only: bool = False,
-        detokenize: bool = True,
-    ) -> AsyncIterator[RequestOutput]:
-        """`AsyncEngine.generate`: the request's outputs as the engine sends them; admission errors (QueueFull,
-        SessionNotFound, SessionBusy, EngineStopped) are raised by the first iteration."""
-        if not self.accepting or not self.alive:
-            raise EngineStopped("the server is shutting down" if self._stopping else "the engine process has stopped")
-        key = request_id or f"req-{next(self._ids)}"
-        outputs: asyncio.Queue[RequestOutput | BaseException] = asyncio.Queue()
-        self._streams[key] = outputs
-        self._send(["submit", key, list(prompt_token_ids), params_to_wire(params), n, session_id, owner,
+    async def _submit(
+        self, request_id: str, prompt_token_ids: list[int], params: SamplingParams, outputs: Outputs, *, n: int,
+        session_id: str | None, owner: str | None, prefill_only: bool, detokenize: bool,
+    ) -> None:  # fmt: skip
+        self._streams[request_id] = outputs  # admission errors arrive as the request's first output
+        self._send(["submit", request_id, prompt_token_ids, params_to_wire(params), n, session_id, owner,
                     prefill_only, detokenize])  # fmt: skip
-        try:
-            async for out in stream_outputs(outputs, n, prefill_only, lambda: self.abort(key)):
-                yield out
-        finally:
-            self._streams.pop(key, None)
+
+    def _forget(self, request_id: str) -> None:
+        self._streams.pop(request_id, None)
 
     def abort(self, request_id: str) -> None:
-        """Stop a request (its client went away, or its front found a stop string): its slots are freed."""
         self._send(["abort", request_id])
-
-    # -- sessions -------------------------------------------------------------------------------------------------
-    async def create_session(self, owner: str | None) -> SessionRecord:
-        return record_from_wire(await self._call("create_session", owner))
-
-    async def get_session(self, session_id: str, owner: str | None) -> SessionRecord:
-        return record_from_wire(await self._call("get_session", session_id, owner))
-
-    async def delete_session(self, session_id: str, owner: str | None) -> None:
-        await self._call("delete_session", session_id, owner)
-
-    async def discard_session(self, session_id: str, owner: str | None) -> None:
-        await self._call("discard_session", session_id, owner)
-
-    async def fork_session(self, session_id: str, owner: str | None) -> SessionRecord:
-        return record_from_wire(await self._call("fork_session", session_id, owner))
-
-    async def export_session(self, session_id: str, owner: str | None) -> bytes:
-        return await self._call("export_session", session_id, owner)
-
-    async def restore_session(self, data: bytes, owner: str | None) -> SessionRecord:
-        return record_from_wire(await self._call("restore_session", data, owner))
 
     # -- the rest of the interface --------------------------------------------------------------------------------
     def stats(self) -> dict[str, Any]:

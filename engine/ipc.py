@@ -5,7 +5,7 @@ Each message is one msgpack array whose first element says what it is:
 front -> engine
     ("submit", request_id, prompt_token_ids, params, n, session_id, owner, prefill_only, detokenize)
     ("abort", request_id)
-    ("call", call_id, method, args)         an EngineCore method: session operations, stats, shutdown phases
+    ("call", call_id, method, args)         one of `EngineCore.CALLS`: session operations, shutdown phases
 engine -> front
     ("ready", info)                          once, after the model is loaded
     ("outputs", [[request_id, output], ...]) every request's outputs of one step, in one frame
@@ -81,6 +81,18 @@ def record_to_wire(record: SessionRecord) -> dict[str, Any]:
 
 def record_from_wire(values: dict[str, Any]) -> SessionRecord:
     return SessionRecord(**values)
+
+
+# The calls (`EngineCore.CALLS`) that answer a SessionRecord; the others answer plain values (bytes, ints, None).
+RECORD_CALLS = frozenset({"create_session", "get_session", "fork_session", "restore_session"})
+
+
+def result_to_wire(value: Any) -> Any:
+    return record_to_wire(value) if isinstance(value, SessionRecord) else value
+
+
+def result_from_wire(method: str, value: Any) -> Any:
+    return record_from_wire(value) if method in RECORD_CALLS else value
 
 
 # -- a request's outputs ----------------------------------------------------------------------------------------------

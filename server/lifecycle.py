@@ -21,9 +21,9 @@ from typing import Any
 import anyio
 from fastapi import Request
 
-from kvfree.engine.async_engine import AsyncEngine, EngineStopped, QueueFull, SessionBusy
+from kvfree.engine.async_engine import EngineStopped, QueueFull, SessionBusy
+from kvfree.engine.engine_handle import EngineHandle
 from kvfree.engine.engine_info import EngineInfo, SessionRecord
-from kvfree.engine.engine_process import EngineProcess
 from kvfree.engine.sampling import SamplingParams
 from kvfree.engine.scheduler import RequestOutput
 from kvfree.engine.session_store import SessionStoreError
@@ -104,7 +104,7 @@ class EngineClient:
     """
 
     def __init__(
-        self, engine: AsyncEngine | EngineProcess, metrics: Metrics, max_prompt_tokens: int, tokenizer: Tokenizer
+        self, engine: EngineHandle, metrics: Metrics, max_prompt_tokens: int, tokenizer: Tokenizer
     ) -> None:
         self._engine = engine
         self.metrics = metrics
