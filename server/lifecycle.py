@@ -117,7 +117,7 @@ class EngineClient:
 
     @property
     def alive(self) -> bool:
-        """The engine's thread is running (False before start and after it died or stopped)."""
+        """The engine (its thread or its process) is running (False before start and after it died or stopped)."""
         return self._engine.alive
 
     @property
@@ -266,23 +266,26 @@ class Generation:
         outputs = self._stream if first is None else _then(first, self._stream)
         engine_done = [False] * self.n
         last: RequestOutput | None = None
-        async for raw in outputs:
-            if raw.finish_reason is not None:
-                engine_done[raw.index] = True
-            if last is not None:
-                continue  # what the engine ran after the stop, until its abort lands
-            out = self._texts.add(raw)
-            if out is None:
-                continue
-            self._count(out)
-            if self._texts.all_finished and not all(engine_done):
-                # Every choice ended here (a stop string) while the engine still runs them: stop them, and send the
-                # last event once the engine has (its session's turn is then recorded before the client can send
-                # the next one, as when the engine itself ends a turn).
-                self.client.abort(self.engine_request_id)
-                last = out
-                continue
-            yield out
+        # An engine error in mid-request (the engine died, a store write failed) is an HTTP error for every route.
+        with http_errors():
+            async for raw in outputs:
+                if raw.finish_reason is not None:
+                    engine_done[raw.index] = True
+                if last is not None:
+                    continue  # what the engine ran after the stop, until its abort lands
+                out = self._texts.add(raw)
+                if out is None:
+                    continue
+                self._count(out)
+                if out.finish_reason is not None and self._texts.all_finished and not all(engine_done):
+                    # Every choice ended here (a stop string) while the engine still runs them: stop them, and send
+                    # the last event once the engine has (its session's turn is then recorded before the client can
+                    # send the next one, as when the engine itself ends a turn). With n > 1, a choice stopped here
+                    # runs on in the engine until the others end: the engine aborts whole requests only.
+                    self.client.abort(self.engine_request_id)
+                    last = out
+                    continue
+                yield out
         if last is not None:
             yield last
 

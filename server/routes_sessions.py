@@ -47,9 +47,8 @@ async def create_session(
                 request, ids, params, session_id=session.session_id, owner=owner, prefill_only=True
             )
             try:
-                with http_errors():
-                    async for _ in gen:
-                        pass
+                async for _ in gen:
+                    pass
             finally:
                 await gen.aclose()
         except APIError:  # the prompt never made it into the state: no half-made session is left behind

@@ -12,6 +12,7 @@ tests/test_server_units.py; these tests check what a client sees.
 from __future__ import annotations
 
 import asyncio
+import concurrent.futures
 import contextlib
 import json
 import logging
@@ -1299,8 +1300,14 @@ def test_health_is_503_within_a_second_when_the_engine_process_dies_and_requests
         with server.http() as http, server.openai() as client:
             assert http.get("/health").status_code == 200
             stream = client.completions.create(model="kvfree-dying", prompt="a", max_tokens=4000, stream=True)
-            next(iter(stream))  # a request in flight when the engine dies
-            server.app.state.kvfree.engine._engine.kill()
+            next(iter(stream))  # a streamed request in flight when the engine dies, and a non-streamed one
+            body = {"prompt": "b", "max_tokens": 4000, "ignore_eos": True}
+            with concurrent.futures.ThreadPoolExecutor(1) as pool:
+                whole = pool.submit(lambda: httpx.post(server.url + "/v1/completions", json=body, timeout=60))
+                wait_for(lambda: metric_value(metrics(server), "kvfree_requests_running") == 2, timeout=10,
+                         message="both requests to run")  # fmt: skip
+                server.app.state.kvfree.engine._engine.kill()
+                assert_openai_error(whole.result(), 503)
             wait_for(lambda: http.get("/health").status_code == 503, timeout=1.0, message="/health to say 503")
             assert http.get("/ready").status_code == 503
             assert_openai_error(http.post("/v1/completions", json={"prompt": "a", "max_tokens": 2}), 503)

@@ -850,7 +850,7 @@ def test_text_events_are_byte_identical_to_serialised_chunks(text):
 def test_queued_outputs_of_one_choice_are_coalesced():
     import asyncio
 
-    from kvfree.engine.async_engine import _coalesced
+    from kvfree.engine.engine_handle import _coalesced
     from kvfree.engine.scheduler import RequestOutput
 
     def out(index: int, tokens: list[int], finish: str | None = None) -> RequestOutput:
