@@ -88,8 +88,8 @@ def create_app(
     # Stored responses go to the session store too (when there is one), beside the states of their sessions.
     responses = ResponseStore(engine.session_store)
     client = EngineClient(engine, metrics, settings.max_prompt_tokens, engine.tokenizer)
-    # The server's tokenizer, the one place server/ gets one: the engine's own while both share a process, the
-    # front's own copy of the checkpoint's (`Tokenizer(info.checkpoint)`) when the engine runs in its own process.
+    # The server's one tokenizer (prompts, templates, and the text of the engine's token ids): the engine's own while
+    # both share a process, the front's copy of the checkpoint's (`Tokenizer(info.checkpoint)`) otherwise.
     app.state.kvfree = ServerState(client, engine.tokenizer, settings, metrics, name, responses)
     app.state.api_keys = keys
     app.include_router(routes_openai.router)

@@ -22,7 +22,6 @@ class ChoiceTexts:
 
     def __init__(self, tokenizer: Tokenizer, params: SamplingParams, n: int) -> None:
         self._texts = [TextOutput(tokenizer, params.stop, params.skip_special_tokens) for _ in range(n)]
-        self._tokens = [0] * n  # each choice's tokens handed out
         self.finished = [False] * n
 
     @property
@@ -41,13 +40,10 @@ class ChoiceTexts:
             if text.add(token):
                 kept, finish = k + 1, "stop"
                 break
-        self._tokens[i] += kept
         self.finished[i] = finish is not None
-        return replace(
-            out,
-            token_ids=out.token_ids[:kept],
-            logprobs=out.logprobs[:kept],
-            text=text.take_delta(final=finish is not None),
-            finish_reason=finish,
-            completion_tokens=self._tokens[i],
-        )
+        delta = text.take_delta(final=finish is not None)
+        if kept < len(out.token_ids):  # cut at a stop string: what the engine sampled after it is not the reply's
+            return replace(out, token_ids=out.token_ids[:kept], logprobs=out.logprobs[:kept], text=delta,
+                           finish_reason=finish)  # fmt: skip
+        out.text, out.finish_reason = delta, finish  # (a fresh object from the engine: nothing else holds it)
+        return out

@@ -20,7 +20,7 @@ class ServerState:
     """Everything a route needs, kept on `app.state.kvfree`.
 
     engine: the one way to the engine (server/lifecycle.py). tokenizer: the server's, for prompts, templates and
-    logprob tokens (the only one in server/; the engine detokenizes its outputs with its own).
+    logprob tokens; the same object the lifecycle detokenizes the engine's token ids with (server/detokenize.py).
     """
 
     engine: EngineClient
