@@ -13,10 +13,10 @@ from kvfree.engine.presets import PRESETS
 
 def _add_model_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--model", "-m", default=None, help="checkpoint directory (default: the one shipped with kvfree)")
-    _add_load_args(p)
+    add_load_args(p)
 
 
-def _add_load_args(p: argparse.ArgumentParser) -> None:
+def add_load_args(p: argparse.ArgumentParser) -> None:
     """How to load a model: device, dtype and config overrides (shared by generate and serve)."""
     p.add_argument("--device", default="auto", help="cpu, cuda, cuda:1, ... (default: cuda if available)")
     p.add_argument("--dtype", default="auto", help="float32, bfloat16 or float16 (default: bf16 on GPU, fp32 on CPU)")
@@ -31,8 +31,8 @@ def _add_load_args(p: argparse.ArgumentParser) -> None:
     p.add_argument(
         "--enforce-eager",
         action="store_true",
-        help="on a GPU, decode without CUDA graphs (default: every decode batch size replays a graph captured at "
-        "start-up, for models whose mixers allow it)",
+        help="on a GPU, run without CUDA graphs (default: every decode batch size replays a graph captured at "
+        "start-up, and prefill steps of all-Mamba-2 models one captured per token bucket, where the mixers allow it)",
     )
 
 
@@ -205,7 +205,7 @@ def build_parser() -> argparse.ArgumentParser:
     )
     p.add_argument("--host", default="127.0.0.1")
     p.add_argument("--port", type=int, default=8000)
-    _add_load_args(p)
+    add_load_args(p)
     p.add_argument("--served-model-name", default=None, help="the model id clients send (default: directory name)")
     p.add_argument("--max-sessions", type=int, default=64, help="GPU state slots: sequences decoded at once")
     p.add_argument("--max-waiting", type=int, default=256, help="requests queued for a slot before 429 Retry-After")
@@ -224,8 +224,7 @@ def build_parser() -> argparse.ArgumentParser:
         "chunks. This trades time to first token against inter-token latency: a step's time grows with its "
         "tokens, and every running stream waits that step for its next token. Larger: new prompts are fed "
         "faster (lower TTFT) but running streams stutter while they are (higher ITL p99); smaller: smooth "
-        "streams, slower admission. At 2048, a random mamba2-370m on an H100 served 64 streaming clients 9.1K tok/s "
-        "(TTFT p99 0.24 s, ITL p99 35 ms) and 256 clients 8.7K (BENCHMARKS.md). (default: %(default)s)",
+        "streams, slower admission; BENCHMARKS.md has this default measured served. (default: %(default)s)",
     )
     p.add_argument(
         "--max-prefill-tokens",

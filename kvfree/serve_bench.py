@@ -43,17 +43,19 @@ from typing import Any
 import httpx
 
 from kvfree.checkpoints import CONFIG_FILE, CheckpointError, default_checkpoint_path
+from kvfree.cli import add_load_args
 from kvfree.engine.config import parse_overrides
 from kvfree.engine.loader import resolve_device, resolve_dtype
 from kvfree.engine.throughput import offline_run, random_prompts
-from kvfree.kernels.benchmarking import environment
+from kvfree.kernels.benchmarking import environment, write_json
+from kvfree.loadtest.cli import positive
 from kvfree.loadtest.progress import Progress
 from kvfree.loadtest.report import json_safe
 from kvfree.loadtest.served_levels import level_numbers, run_served_levels
 from kvfree.server.settings import ServerSettings
 
 SERVER_DEFAULTS = ServerSettings()
-WARMUP_PROMPTS = 8  # as `kvfree bench --offline`: at most this many prompts of 4 tokens before anything is timed
+WARMUP_PROMPTS = 8  # as `kvfree bench --offline`: at most this many prompts, 4 tokens generated each, before timing
 WARMUP_TOKENS = 4
 
 
@@ -337,10 +339,10 @@ def evaluate_targets(device_type: str, levels: list[dict[str, Any]]) -> list[dic
                 row["server_value"] = server  # the same from the server's per-token histograms: a cross-check
             chunks = level["text_chunks_per_token"]
             if target.metric.startswith(("itl", "ttft")) and chunks is not None and chunks < 0.95:
-                row["note"] = (
+                row["note"] = "; ".join(filter(None, [row.get("note"), (
                     f"measured on text events: {chunks:.0%} as many events as tokens (tokens that are not yet whole "
                     "characters send none), so some gaps span several tokens; server_value is per token"
-                )
+                )]))  # fmt: skip
         out.append(row)
     return out
 
@@ -430,7 +432,7 @@ def run(args: argparse.Namespace) -> int:
 
     levels = []
     for level in served:
-        row = level_numbers(level, min(level.concurrency, args.client_processes))
+        row = level_numbers(level)
         expected = level.planned_requests * args.max_tokens
         row["expected_completion_tokens"] = expected
         row["complete"] = row["ok"] == row["requests"] and row["completion_tokens"] == expected
@@ -478,30 +480,18 @@ def run(args: argparse.Namespace) -> int:
             "wall time / client_processes: near 1, the client itself may limit the rate; client and server share "
             "this machine",
         },
-        "warmup": None if warm is None else level_numbers(warm, min(warm.concurrency, args.client_processes)),
+        "warmup": None if warm is None else level_numbers(warm),
         "served_seconds": served_seconds,
         "levels": levels,
-        "offline_tokens_per_s": {str(r["clients"]): r["offline"]["output_tokens_per_s"] for r in levels},
         "targets": evaluate_targets(device.type, levels),
         "out": str(out),
     }
-    out.parent.mkdir(parents=True, exist_ok=True)
-    out.write_text(json.dumps(json_safe(payload), indent=1, allow_nan=False) + "\n")
+    write_json(out, json_safe(payload))
     print_table(payload)
     return 0 if all(r["complete"] for r in levels) else 1
 
 
 # -- command line -------------------------------------------------------------------------------------------------
-
-
-def _positive_int(raw: str) -> int:
-    try:
-        value = int(raw)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"{raw!r} is not an integer") from None
-    if value <= 0:
-        raise argparse.ArgumentTypeError(f"{raw!r} must be positive")
-    return value
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -521,7 +511,7 @@ def build_parser() -> argparse.ArgumentParser:
     g = p.add_argument_group("the work")
     g.add_argument(
         "--clients",
-        type=_positive_int,
+        type=positive(int),
         nargs="+",
         default=[1, 64, 256],
         metavar="C",
@@ -529,40 +519,39 @@ def build_parser() -> argparse.ArgumentParser:
     )
     g.add_argument(
         "--requests-per-client",
-        type=_positive_int,
+        type=positive(int),
         default=4,
         metavar="R",
         help="a level of C clients sends C x R requests in all (default: %(default)s)",
     )
     g.add_argument(
-        "--prompt-tokens", type=_positive_int, default=512, help="random token ids per prompt (default: %(default)s)"
+        "--prompt-tokens", type=positive(int), default=512, help="random token ids per prompt (default: %(default)s)"
     )
     g.add_argument(
         "--max-tokens",
-        type=_positive_int,
+        type=positive(int),
         default=64,
         help="greedy tokens generated per request, EOS ignored (default: %(default)s)",
     )
     g.add_argument("--seed", type=int, default=0, help="seed of the random prompts (default: %(default)s)")
     g = p.add_argument_group("server settings (the offline run gets the same)")
-    g.add_argument("--device", default="auto", help="cpu, cuda, cuda:1, ... (default: cuda if available)")
-    g.add_argument("--dtype", default="auto", help="float32, bfloat16 or float16 (default: bf16 on GPU, fp32 on CPU)")
+    add_load_args(g)  # --device, --dtype, --set, --enforce-eager: as `kvfree serve` and `kvfree generate` take them
     g.add_argument(
         "--max-sessions",
-        type=_positive_int,
+        type=positive(int),
         default=None,
         help="server state slots; the offline run of C clients gets min(C, this) (default: the largest --clients)",
     )
     g.add_argument(
         "--max-batch-tokens",
-        type=_positive_int,
+        type=positive(int),
         default=SERVER_DEFAULTS.max_batch_tokens,
         help="tokens per engine step, the server's --max-batch-tokens and LLM's prefill_chunk (default: %(default)s, "
         "the server's)",
     )
     g.add_argument(
         "--max-context",
-        type=_positive_int,
+        type=positive(int),
         default=SERVER_DEFAULTS.max_context,
         help="KV-cache size for models with attention layers (default: %(default)s, the server's)",
     )
@@ -572,15 +561,6 @@ def build_parser() -> argparse.ArgumentParser:
         default=SERVER_DEFAULTS.prefill_batch_wait_ms,
         help="the server's --prefill-batch-wait-ms (offline never waits; default: %(default)s, the server's)",
     )
-    g.add_argument(
-        "--set",
-        dest="overrides",
-        action="append",
-        default=[],
-        metavar="KEY=VALUE",
-        help="override a config value at load, in the server and offline (repeatable)",
-    )
-    g.add_argument("--enforce-eager", action="store_true", help="on a GPU, decode without CUDA graphs (both runs)")
     g.add_argument(
         "--serve-arg",
         dest="serve_args",
@@ -603,16 +583,19 @@ def build_parser() -> argparse.ArgumentParser:
     )
     g.add_argument(
         "--start-timeout",
-        type=float,
+        type=positive(float),
         default=600.0,
         help="seconds the server may take to load and answer /ready (default: %(default)s)",
     )
     g.add_argument(
-        "--request-timeout", type=float, default=600.0, help="seconds one request may take (default: %(default)s)"
+        "--request-timeout",
+        type=positive(float),
+        default=600.0,
+        help="seconds one request may take (default: %(default)s)",
     )
     g.add_argument(
         "--client-processes",
-        type=_positive_int,
+        type=positive(int),
         default=None,
         metavar="N",
         help="split each level's clients over up to N processes, so the client's own Python does not limit a fast "

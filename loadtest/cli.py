@@ -72,7 +72,7 @@ def _int_list(raw: str) -> list[int]:
     return out
 
 
-def _positive(kind: type[int] | type[float]) -> Callable[[str], int | float]:
+def positive(kind: type[int] | type[float]) -> Callable[[str], int | float]:
     """An argparse type: a number of `kind` above zero."""
 
     def parse(raw: str) -> int | float:
@@ -157,7 +157,7 @@ def build_parser() -> argparse.ArgumentParser:
 
     g = p.add_argument_group("context sweep")
     g.add_argument("--contexts", type=_int_list, metavar="LIST", help="context lengths to measure (tokens)")
-    g.add_argument("--decode-tokens", type=_positive(int), metavar="N", help="tokens decoded at each length")
+    g.add_argument("--decode-tokens", type=positive(int), metavar="N", help="tokens decoded at each length")
     g.add_argument(
         "--capacity-contexts",
         type=_int_list,
@@ -166,7 +166,7 @@ def build_parser() -> argparse.ArgumentParser:
     )
     g.add_argument(
         "--device-memory-gib",
-        type=_positive(float),
+        type=positive(float),
         metavar="GIB",
         help="device memory for the sessions-that-fit table (default 80)",
     )
@@ -176,33 +176,33 @@ def build_parser() -> argparse.ArgumentParser:
         "--concurrency", type=_int_list, metavar="LIST", help="concurrent clients per level, e.g. 1,16,64,256"
     )
     g.add_argument(
-        "--requests-per-worker", type=_positive(int), metavar="N", help="requests each client sends per level"
+        "--requests-per-worker", type=positive(int), metavar="N", help="requests each client sends per level"
     )
     g.add_argument(
-        "--min-requests", type=_positive(int), metavar="N", dest="min_requests_per_level", help="per level, at least"
+        "--min-requests", type=positive(int), metavar="N", dest="min_requests_per_level", help="per level, at least"
     )
-    g.add_argument("--level-seconds", type=_positive(float), metavar="S", help="time bound of one level")
+    g.add_argument("--level-seconds", type=positive(float), metavar="S", help="time bound of one level")
     g.add_argument(
         "--temperature", type=float, metavar="T", help="sampling temperature of the chat requests (default 0.7)"
     )
     g.add_argument(
-        "--prompt-median", type=_positive(int), metavar="N", help="median prompt length (characters; lognormal)"
+        "--prompt-median", type=positive(int), metavar="N", help="median prompt length (characters; lognormal)"
     )
     g.add_argument("--prompt-sigma", type=float, metavar="X", help="sigma of log prompt length")
-    g.add_argument("--prompt-max", type=_positive(int), metavar="N", help="longest prompt (characters)")
-    g.add_argument("--output-median", type=_positive(int), metavar="N", help="median max_tokens (lognormal)")
+    g.add_argument("--prompt-max", type=positive(int), metavar="N", help="longest prompt (characters)")
+    g.add_argument("--output-median", type=positive(int), metavar="N", help="median max_tokens (lognormal)")
     g.add_argument("--output-sigma", type=float, metavar="X", help="sigma of log max_tokens")
-    g.add_argument("--output-max", type=_positive(int), metavar="N", help="largest max_tokens")
+    g.add_argument("--output-max", type=positive(int), metavar="N", help="largest max_tokens")
 
     g = p.add_argument_group("session soak")
-    g.add_argument("--soak-seconds", type=_positive(float), metavar="S", help="time bound of the soak")
+    g.add_argument("--soak-seconds", type=positive(float), metavar="S", help="time bound of the soak")
     g.add_argument(
-        "--soak-sessions", type=_positive(int), metavar="N", help="sessions (default: twice the server's pool slots)"
+        "--soak-sessions", type=positive(int), metavar="N", help="sessions (default: twice the server's pool slots)"
     )
-    g.add_argument("--soak-turns", type=_positive(int), metavar="N", help="most turns per session")
-    g.add_argument("--soak-max-tokens", type=_positive(int), metavar="N", help="tokens per reply")
+    g.add_argument("--soak-turns", type=positive(int), metavar="N", help="most turns per session")
+    g.add_argument("--soak-max-tokens", type=positive(int), metavar="N", help="tokens per reply")
     g.add_argument(
-        "--soak-concurrency", type=_positive(int), metavar="N", help="turns in flight at once (default: pool slots)"
+        "--soak-concurrency", type=positive(int), metavar="N", help="turns in flight at once (default: pool slots)"
     )
     g.add_argument(
         "--inject-mismatch",
@@ -211,9 +211,9 @@ def build_parser() -> argparse.ArgumentParser:
     )
 
     g = p.add_argument_group("bounds and output")
-    g.add_argument("--request-timeout", type=_positive(float), metavar="S", help="seconds one request may take")
+    g.add_argument("--request-timeout", type=positive(float), metavar="S", help="seconds one request may take")
     g.add_argument(
-        "--time-limit", type=_positive(float), metavar="S", help="seconds the whole run may take (quick: 110)"
+        "--time-limit", type=positive(float), metavar="S", help="seconds the whole run may take (quick: 110)"
     )
     g.add_argument("--no-progress", action="store_true", help="no progress bars (they are off when not a TTY)")
     g.add_argument("--no-plots", action="store_true", help="skip the PNG plots (no matplotlib needed)")

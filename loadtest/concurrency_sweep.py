@@ -48,7 +48,8 @@ class LevelResult:
     requests_per_s: float
     server_ttft: dict[str, float] | None = None  # seconds, estimated from kvfree's histogram buckets
     server_itl: dict[str, float] | None = None
-    client_cpu_seconds: float | None = None  # the client's CPU time over the level (all its threads and processes)
+    client_cpu_seconds: float | None = None  # the client's CPU time over the level (summed over its processes)
+    client_processes: int = 1  # the processes the level's clients ran in
     requests: list[RequestRecord] = field(default_factory=list)
 
     @classmethod

@@ -82,7 +82,7 @@ def _merge(
     records = [
         replace(r, sent_at=round(r.sent_at + started - start, 6)) for started, level in parts for r in level.requests
     ]
-    return LevelResult.of(
+    merged = LevelResult.of(
         clients,
         sum(level.planned_requests for _, level in parts),
         end - start,
@@ -90,8 +90,9 @@ def _merge(
         records,
         before,
         after,
-        sum(level.client_cpu_seconds or 0.0 for _, level in parts),
+        sum(level.client_cpu_seconds for _, level in parts),
     )
+    return replace(merged, client_processes=len(parts))
 
 
 async def run_served_levels(
@@ -166,9 +167,9 @@ async def run_served_levels(
     return warm, results
 
 
-def level_numbers(level: LevelResult, client_processes: int = 1) -> dict[str, Any]:
-    """The numbers of one level that `kvfree bench --serve` reports (seconds; None where nothing was measured).
-    `client_processes`: how many processes ran the level's clients (the CPU fraction is per process)."""
+def level_numbers(level: LevelResult) -> dict[str, Any]:
+    """The numbers of one level that `kvfree bench --serve` reports (seconds; None where nothing was measured); the
+    client's CPU fraction is per process it ran in."""
     s = level.summary
     # Streams that sent text sent one event for their first text and one per later gap.
     chunks = s.ttft.n + s.itl.n
@@ -194,8 +195,8 @@ def level_numbers(level: LevelResult, client_processes: int = 1) -> dict[str, An
         "server_ttft_s": level.server_ttft,
         "server_itl_s": level.server_itl,
         "client_cpu_s": level.client_cpu_seconds,
-        "client_processes": client_processes,
-        "client_cpu_fraction": level.client_cpu_seconds / level.wall_seconds / client_processes
+        "client_processes": level.client_processes,
+        "client_cpu_fraction": level.client_cpu_seconds / level.wall_seconds / level.client_processes
         if level.client_cpu_seconds is not None and level.wall_seconds > 0
         else None,
     }

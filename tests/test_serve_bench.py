@@ -64,6 +64,7 @@ def test_every_level_did_the_asked_work_served_and_offline(report):
         assert offline["prompts"] == requests and offline["output_tokens"] == requests * MAX_TOKENS
         assert offline["sessions"] == min(level["clients"], max(CLIENTS))
         assert offline["prompt_tokens"] == PROMPT_TOKENS and offline["max_tokens"] == MAX_TOKENS
+        # Split over the bench's 2 client processes where there are clients to split (the value the level records).
         assert level["client_processes"] == min(level["clients"], 2)
     assert data["warmup"]["ok"] == data["warmup"]["requests"] > 0
 
@@ -77,12 +78,11 @@ def test_rates_latencies_and_ratios_are_positive_and_consistent(report):
         offline_rate = level["offline"]["output_tokens_per_s"]
         assert offline_rate == pytest.approx(level["offline"]["output_tokens"] / level["offline"]["wall_s"])
         assert level["served_over_offline"] == pytest.approx(level["output_tokens_per_s"] / offline_rate)
-        assert data["offline_tokens_per_s"][str(level["clients"])] == offline_rate
         assert 0 < level["ttft_p50_s"] <= level["ttft_p99_s"] and level["ttft_p50_s"] <= level["e2e_p50_s"]
         if level["itl_p50_s"] is not None:  # a stream whose tokens all came in one text event has no gap
             assert 0 < level["itl_p50_s"] <= level["itl_p99_s"]
         assert 0 < level["text_chunks_per_token"] <= 1
-        assert level["client_cpu_s"] >= 0
+        assert level["client_cpu_s"] > 0 and level["client_cpu_fraction"] > 0
 
 
 def test_targets_are_in_the_json_and_judged_only_where_they_apply(report):
@@ -134,7 +134,7 @@ def test_an_interrupted_run_still_stops_its_server(tmp_path):
     assert server.exit_code == 0  # SIGTERM: a clean shutdown
 
 
-def test_bench_serve_help_describes_every_flag(capsys):
+def test_bench_serve_help_names_its_flags_and_the_offline_rule(capsys):
     with pytest.raises(SystemExit) as exit_info:
         kvfree_main(["bench", "--serve", "--help"])
     assert exit_info.value.code == 0
