@@ -25,7 +25,7 @@ from dataclasses import dataclass
 
 import torch
 
-from kvfree.engine.host_copy import upload
+from kvfree.engine.host_copy import upload, upload_into
 from kvfree.engine.step_batch import StepBatch, pad_prefill
 
 log = logging.getLogger("kvfree.engine")
@@ -162,8 +162,7 @@ class DecodeGraphs:
         size = self.bucket(n)
         if size is None:
             raise ValueError(f"{n} sessions exceed the largest captured batch {self.sizes[-1]}")
-        host = torch.tensor(padded_slots(slots, size, self.scratch_slot), dtype=torch.int32, pin_memory=True)
-        self.state_indices[:size].copy_(host, non_blocking=True)  # pinned: a true asynchronous copy
+        upload_into(self.state_indices[:size], padded_slots(slots, size, self.scratch_slot))
         self.graphs[size].replay()
         return self.logits[size][:n]
 
@@ -223,19 +222,20 @@ class PrefillGraphs:
         """The (tokens, sequences) bucket a prefill of `seqs` sequences and `tokens` tokens replays, or None."""
         return prefill_bucket(tokens, seqs, self.token_sizes, self.seq_sizes)
 
-    def replay(self, slots: list[int], chunks: list[list[int]]) -> torch.Tensor:
+    def replay(self, slots: list[int], chunks: list[list[int]]) -> torch.Tensor | None:
         """Feed `chunks[i]` into pool row `slots[i]` -> logits `[N, V]` of each chunk's last token (a view, valid until
-        the next prefill replay). Captures the bucket first if it is new (see the class docstring)."""
+        the next prefill replay), or None, doing nothing, when no bucket holds the step. Captures the bucket first if
+        it is new (see the class docstring)."""
         lens = [len(c) for c in chunks]
         key = self.bucket(sum(lens), len(lens))
         if key is None:
-            raise ValueError(f"a prefill of {len(lens)} sequences, {sum(lens)} tokens exceeds every captured bucket")
+            return None
         layout = pad_prefill(slots, lens, *key, self.scratch_slot)
-        host = torch.tensor(layout.host_buffer([t for c in chunks for t in c]), dtype=torch.int32, pin_memory=True)
+        buffer = layout.host_buffer([t for c in chunks for t in c])
         entry = self.graphs.get(key)
         if entry is None:
-            entry = self.graphs[key] = _PrefillGraph(torch.empty(host.shape, dtype=torch.int32, device=self.device))
-        entry.inputs.copy_(host, non_blocking=True)  # pinned: a true asynchronous copy
+            entry = self.graphs[key] = _PrefillGraph(torch.empty(len(buffer), dtype=torch.int32, device=self.device))
+        upload_into(entry.inputs, buffer)
         if entry.graph is None:
             logits = self.prefill(*self._step(entry, key))  # this step, eagerly, through the graph's own buffers
             self._capture(entry, key)

@@ -10,6 +10,7 @@ return, and `stats()`: plain records, so that they can cross a process boundary.
 from __future__ import annotations
 
 import dataclasses
+import itertools
 import logging
 import time
 from collections.abc import Callable, Sequence
@@ -342,7 +343,7 @@ class EngineCore:
     def _step_stats(self, window: int = STEP_WINDOW) -> dict[str, Any]:
         """How the engine's last `window` steps spent their time: the mean step, and the share of it spent waiting
         for the device (near 0 with requests running: the engine's host work is the limit, not the GPU)."""
-        recent = list(self.core.history)[-window:]
+        recent = list(itertools.islice(reversed(self.core.history), window))  # not a copy of the whole history
         seconds = sum(r.seconds for r in recent)
         return {
             "engine_steps": self.core.steps,

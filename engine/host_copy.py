@@ -21,6 +21,13 @@ def upload(values: Sequence[int] | Sequence[float], dtype: torch.dtype, device: 
     return torch.tensor(values, dtype=dtype, pin_memory=True).to(device, non_blocking=True)
 
 
+def upload_into(dst: torch.Tensor, values: Sequence[int]) -> None:
+    """Copy `values` into `dst` (`[len(values)]`, on any device; a CUDA graph's static input, say), asynchronously
+    from pinned memory on a GPU."""
+    host = torch.tensor(values, dtype=dst.dtype, pin_memory=dst.device.type == "cuda")
+    dst.copy_(host, non_blocking=True)
+
+
 def upload_tensor(host: torch.Tensor, device: torch.device) -> torch.Tensor:
     """A host tensor on `device`, through pinned memory on a GPU (the same tensor on the CPU)."""
     if device.type != "cuda":

@@ -175,9 +175,10 @@ class ModelRunner:
     def prefill(self, seqs: list, chunks: list[list[int]], all_logits: bool = False) -> torch.Tensor:
         """Feed `chunks[i]` into `seqs[i]`'s slot (one packed call). Returns logits `[B, V]` of each chunk's last
         token (`[T, V]` for every token with `all_logits`). Replays a prefill graph when one serves the step."""
-        graphs = self.prefill_graphs
-        if graphs is not None and not all_logits and graphs.bucket(sum(map(len, chunks)), len(chunks)) is not None:
-            return graphs.replay([s.slot for s in seqs], chunks)
+        if self.prefill_graphs is not None and not all_logits:
+            logits = self.prefill_graphs.replay([s.slot for s in seqs], chunks)
+            if logits is not None:  # else no bucket holds the step: eager
+                return logits
         ids = upload([t for chunk in chunks for t in chunk], torch.long, self.device)
         batch = StepBatch.prefill([s.slot for s in seqs], [len(c) for c in chunks], self.device)
         return self.model.prefill(ids, self.pool.tensors, batch, all_logits=all_logits)
