@@ -185,13 +185,15 @@ class PrefillGraphs:
     boundaries and last-token indices from pinned memory into that buffer, then `graph.replay()`.
 
     Buckets are captured lazily, on their first step, which runs eagerly through the very same buffers and ops
-    (computing the step, and meeting every kernel shape the graph will launch) before the capture. The trade: a
-    bucket's first step costs about twice an eager step plus a device sync, where capturing every bucket at start-up
-    (`prefill_token_sizes` x `PREFILL_SEQ_SIZES`, ~100 graphs for a 4,096-token budget) would add seconds to every
-    start for buckets most servers never meet. The graphs share one memory pool (not the decode graphs', so a replay
-    never overwrites decode logits still to be sampled). In lazy order a larger bucket may not fit the blocks a
-    smaller one freed, so the pool can grow towards the sum of the captured buckets' activation peaks (each about one
-    layer's activations of its tokens) rather than the largest one's. `capture` forces a bucket early.
+    (computing the step, and meeting every kernel shape the graph will launch) before the capture: a bucket's first
+    step costs about twice an eager step plus a device sync, and every sequence decoding beside it waits that long.
+    Offline (`LLM.generate`) that is a one-off cost; a server calls `capture_up_to` its step budget at start-up
+    instead (60 graphs for 2,048 tokens), largest first, so no request meets a capture.
+
+    The graphs share one memory pool (not the decode graphs', so a replay never overwrites decode logits still to be
+    sampled). In lazy order a larger bucket may not fit the blocks a smaller one freed, so the pool can grow towards
+    the sum of the captured buckets' activation peaks (each about one layer's activations of its tokens) rather than
+    the largest one's. `capture` forces a bucket early.
 
     Args:
         prefill: the eager prefill to capture, `(token ids [T], StepBatch of N sequences) -> logits [N, V]` for each
@@ -221,6 +223,23 @@ class PrefillGraphs:
     def bucket(self, tokens: int, seqs: int) -> tuple[int, int] | None:
         """The (tokens, sequences) bucket a prefill of `seqs` sequences and `tokens` tokens replays, or None."""
         return prefill_bucket(tokens, seqs, self.token_sizes, self.seq_sizes)
+
+    def capture_up_to(self, max_tokens: int) -> int:
+        """Capture every bucket a step of at most `max_tokens` tokens can replay (every sequence bucket of each token
+        bucket up to the one holding `max_tokens`), largest first so the smaller ones reuse its memory. A server
+        does this before its first request: a bucket captured on its first step stalls every stream of that step
+        for the capture (about a tenth of a second). Returns how many were captured now."""
+        top = bucket_for(min(max_tokens, self.token_sizes[-1]), self.token_sizes)
+        keys = [(t, n) for t in self.token_sizes if t <= top for n in self.seq_sizes]
+        new = [key for key in sorted(keys, reverse=True) if not self.captured(key)]
+        for key in new:
+            self.capture(*key)
+        return len(new)
+
+    def captured(self, key: tuple[int, int]) -> bool:
+        """Whether bucket `key` has its graph (its next step is a replay, not an eager step and a capture)."""
+        entry = self.graphs.get(key)
+        return entry is not None and entry.graph is not None
 
     def replay(self, slots: list[int], chunks: list[list[int]]) -> torch.Tensor | None:
         """Feed `chunks[i]` into pool row `slots[i]` -> logits `[N, V]` of each chunk's last token (a view, valid until

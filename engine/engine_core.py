@@ -151,6 +151,8 @@ class EngineCore:
             self.sessions, llm.tokenizer, max_waiting, max_batch_tokens, max_prefill_tokens, prefill_batch_wait
         )
         self.core = LLMEngine(self.scheduler, llm.runner, on_outputs=self._outputs_ready)  # schedule, run, postprocess
+        # Serving: every prefill graph a step can meet is captured before the first request, not in its middle.
+        llm.runner.capture_prefill_graphs(self.scheduler.max_prefill_tokens)
         self.on_outputs = on_outputs
         self.info = self._describe()
         # A session's state: fixed bytes, plus per token of context for a KV cache (`stats` runs every few steps).
@@ -342,13 +344,20 @@ class EngineCore:
 
     def _step_stats(self, window: int = STEP_WINDOW) -> dict[str, Any]:
         """How the engine's last `window` steps spent their time: the mean step, and the share of it spent waiting
-        for the device (near 0 with requests running: the engine's host work is the limit, not the GPU)."""
+        for the device (near 0 with requests running: the engine's host work is the limit, not the GPU); and the
+        same summed over every step since start."""
         recent = list(itertools.islice(reversed(self.core.history), window))  # not a copy of the whole history
         seconds = sum(r.seconds for r in recent)
+        totals = self.core.totals
         return {
-            "engine_steps": self.core.steps,
+            "engine_steps": totals.steps,
             "engine_step_seconds": seconds / len(recent) if recent else 0.0,
             "engine_device_wait_fraction": sum(r.wait for r in recent) / seconds if seconds > 0 else 0.0,
+            # Since start, for differences over an interval (`kvfree bench --serve` reports them per level).
+            "engine_busy_seconds": totals.seconds,
+            "engine_device_wait_seconds": totals.wait,
+            "engine_decode_rows": totals.decode_rows,
+            "engine_prefill_tokens": totals.prefill_tokens,
         }
 
     def stats(self) -> dict[str, Any]:

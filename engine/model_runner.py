@@ -11,6 +11,7 @@ waits for the one device-to-host copy of the step's sampled tokens.
 from __future__ import annotations
 
 import logging
+import time
 from dataclasses import dataclass
 
 import torch
@@ -170,6 +171,25 @@ class ModelRunner:
             done = torch.cuda.Event()
             done.record()
         return StepHandle(ids, extra, logprobs, done)
+
+    def capture_prefill_graphs(self, max_tokens: int) -> None:
+        """Capture now every prefill graph a step of up to `max_tokens` tokens replays (a server, before serving:
+        a lazy capture would stall the streams of the step that meets it). Nothing to do without prefill graphs."""
+        if self.prefill_graphs is None:
+            return
+        start = time.perf_counter()
+        with torch.inference_mode():
+            count = self.prefill_graphs.capture_up_to(max_tokens)
+        if count:
+            log.info("captured %d CUDA graphs for prefill steps of up to %d tokens in %.1f s", count,
+                     min(max_tokens, self.prefill_graphs.token_sizes[-1]), time.perf_counter() - start)  # fmt: skip
+
+    def replays_prefill(self, step: ScheduledStep) -> bool:
+        """Whether `step`'s prefill will be a CUDA graph replay (a bucket already captured) rather than eager."""
+        if self.prefill_graphs is None or not step.prefill:
+            return False
+        key = self.prefill_graphs.bucket(sum(map(len, step.chunks)), len(step.chunks))
+        return key is not None and self.prefill_graphs.captured(key)
 
     @torch.inference_mode()
     def prefill(self, seqs: list, chunks: list[list[int]], all_logits: bool = False) -> torch.Tensor:
