@@ -36,6 +36,28 @@ class StepRecord:
         return self.end - self.start
 
 
+@dataclass
+class StepTotals:
+    """Every step since start, summed (what a benchmark differences over an interval to see where the time went).
+
+    seconds: wall time inside steps; wait: the part of it blocked on the device; decode_rows and prefill_tokens: the
+    tokens the steps fed.
+    """
+
+    steps: int = 0
+    seconds: float = 0.0
+    wait: float = 0.0
+    decode_rows: int = 0
+    prefill_tokens: int = 0
+
+    def add(self, record: StepRecord) -> None:
+        self.steps += 1
+        self.seconds += record.seconds
+        self.wait += record.wait
+        self.decode_rows += record.decode_rows
+        self.prefill_tokens += record.prefill_tokens
+
+
 class LLMEngine:
     """Steps a Scheduler's requests through a ModelRunner.
 
@@ -59,8 +81,8 @@ class LLMEngine:
         self.runner = runner
         self.overlap = runner.device.type == "cuda" if overlap is None else overlap
         self._in_flight: tuple[ScheduledStep, StepHandle] | None = None
-        self.steps = 0
         self.history: deque[StepRecord] = deque(maxlen=history)  # the latest steps, for benchmarks and metrics
+        self.totals = StepTotals()
         self._wait = 0.0
         self.on_outputs = on_outputs
 
@@ -68,14 +90,19 @@ class LLMEngine:
     def has_work(self) -> bool:
         return self.scheduler.has_work or self._in_flight is not None
 
+    @property
+    def steps(self) -> int:
+        return self.totals.steps
+
     def step(self) -> None:
         """Schedule and launch one step; postprocess it (or, overlapped, the one before it)."""
         start, self._wait = time.perf_counter(), 0.0
         step = self.scheduler.schedule()
         previous, self._in_flight = self._in_flight, None
-        if previous is not None and step.prefill:
-            # Launching a prefill takes the host tens of milliseconds (hundreds of kernel launches): the tokens of
-            # the step in flight go out first rather than wait for it.
+        if previous is not None and step.prefill and not self.runner.replays_prefill(step):
+            # Launching an eager prefill takes the host tens of milliseconds (hundreds of kernel launches): the
+            # tokens of the step in flight go out first rather than wait for it. A replayed one (a CUDA graph) is
+            # queued in well under a millisecond, so it goes first and the device never idles behind the host.
             self._postprocess(*previous)
             previous = None
         launched = (step, self.runner.launch(step)) if step.runs_model else None
@@ -88,9 +115,10 @@ class LLMEngine:
                 self._postprocess(*launched)
         if launched is None and previous is None:
             self.scheduler.retire()  # only aborted requests left: free their slots
-        self.steps += 1
         prefill_tokens = sum(map(len, step.chunks))
-        self.history.append(StepRecord(start, time.perf_counter(), len(step.decode), prefill_tokens, self._wait))
+        record = StepRecord(start, time.perf_counter(), len(step.decode), prefill_tokens, self._wait)
+        self.history.append(record)
+        self.totals.add(record)
 
     def _postprocess(self, step: ScheduledStep, handle: StepHandle) -> None:
         start = time.perf_counter()

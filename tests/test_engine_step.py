@@ -122,6 +122,52 @@ def test_overlapped_steps_give_the_same_tokens(llm):
     assert llm.pool.used_slots == 0
 
 
+class RecordingRunner:
+    """The real runner, recording when each step is launched and when its tokens are read; it says every prefill
+    step replays a CUDA graph (`graphed`) or that each runs eagerly."""
+
+    def __init__(self, runner, graphed: bool) -> None:
+        self.runner, self.graphed, self.device = runner, graphed, runner.device
+        self.events: list[tuple[str, int]] = []
+        self.launched = 0
+
+    def replays_prefill(self, step) -> bool:
+        return self.graphed and bool(step.prefill)
+
+    def launch(self, step):
+        index, self.launched = self.launched, self.launched + 1
+        self.events.append(("launch", index))
+        handle, events = self.runner.launch(step), self.events
+
+        class Recorded:
+            def result(self):
+                events.append(("read", index))
+                return handle.result()
+
+        return Recorded()
+
+
+@pytest.mark.parametrize("graphed", [True, False])
+def test_a_graphed_prefill_is_launched_before_the_step_in_flight_is_read(llm, graphed):
+    """Overlapped, a prefill step that replays a graph (cheap to launch) is queued behind the step in flight before
+    the host waits for that step's tokens; an eager one (a long launch) lets those tokens go out first."""
+    runner = RecordingRunner(llm.runner, graphed)
+    sessions = SessionManager(llm.pool, fingerprint="test", max_host_sessions=0)
+    engine = LLMEngine(Scheduler(sessions, llm.tokenizer), runner, overlap=True)
+    params = SamplingParams(temperature=0, max_tokens=6, ignore_eos=True)
+    engine.scheduler.add(Request("a", llm.tokenizer.encode("Hello"), params, emit=lambda out: None))
+    engine.step()  # step 0: a's prompt
+    engine.step()  # step 1: a decodes (step 0 read)
+    engine.scheduler.add(Request("b", llm.tokenizer.encode("Another prompt"), params, emit=lambda out: None))
+    del runner.events[:]
+    engine.step()  # step 2: a decodes, b's prompt is fed
+    assert engine.history[-1].prefill_tokens > 0
+    assert runner.events == ([("launch", 2), ("read", 1)] if graphed else [("read", 1), ("launch", 2)])
+    while engine.has_work:
+        engine.step()
+    assert llm.pool.used_slots == 0
+
+
 def test_overlapped_session_turns_stay_exact(llm):
     """A turn that ends on a stop token leaves one token more in the session when steps overlap (the next step
     was already decoding it); the session records it, so the next turn is still exactly a full-history replay."""
