@@ -351,6 +351,14 @@ def _ms(x: float | None) -> str:
     return "-" if x is None or not math.isfinite(x) else f"{x * 1e3:.1f}"
 
 
+def _engine_columns(pace: dict[str, float] | None) -> str:
+    """The engine's mean step, the share of the level it was stepping, and the share of that it waited for the
+    device (loadtest.prom.engine_pace)."""
+    if pace is None:
+        return f"{'-':>14} {'-':>5} {'-':>8}"
+    return f"{pace['step_ms_mean']:>14.2f} {pace['busy_share']:>5.0%} {pace['device_wait_share']:>8.0%}"
+
+
 def print_table(payload: dict[str, Any]) -> None:
     """The summary a person reads: one row per level, then the targets."""
     env = payload["environment"]
@@ -362,7 +370,8 @@ def print_table(payload: dict[str, Any]) -> None:
     )
     print(
         f"{'clients':>7} {'requests':>8} {'served tok/s':>12} {'offline tok/s':>13} {'ratio':>6} "
-        f"{'TTFT p50/p99 ms':>17} {'ITL p50/p99 ms':>16} {'chunks/tok':>10} {'client CPU':>10}"
+        f"{'TTFT p50/p99 ms':>17} {'ITL p50/p99 ms':>16} {'chunks/tok':>10} {'client CPU':>10} "
+        f"{'engine step ms':>14} {'busy':>5} {'GPU wait':>8}"
     )
     for r in payload["levels"]:
         ratio, chunks, cpu = r["served_over_offline"], r["text_chunks_per_token"], r["client_cpu_fraction"]
@@ -372,7 +381,7 @@ def print_table(payload: dict[str, Any]) -> None:
             f"{_ms(r['ttft_p50_s']) + ' / ' + _ms(r['ttft_p99_s']):>17} "
             f"{_ms(r['itl_p50_s']) + ' / ' + _ms(r['itl_p99_s']):>16} "
             f"{'-' if chunks is None else f'{chunks:.2f}':>10} "
-            f"{'-' if cpu is None else f'{cpu:.0%}':>10}"
+            f"{'-' if cpu is None else f'{cpu:.0%}':>10} {_engine_columns(r['server_engine'])}"
         )
     for t in payload["targets"]:
         if t["met"] is None and t["device"] != payload["device_type"]:
@@ -479,6 +488,9 @@ def run(args: argparse.Namespace) -> int:
             "client_cpu_fraction": "the client's CPU time over the level (summed over its processes) / the level's "
             "wall time / client_processes: near 1, the client itself may limit the rate; client and server share "
             "this machine",
+            "server_engine": "the engine's own counters over the level (loadtest.prom.engine_pace): steps, mean step "
+            "ms, busy_share (stepping / the level's wall time), device_wait_share (waiting for the device / "
+            "stepping), decode rows and prefill tokens per step",
         },
         "warmup": None if warm is None else level_numbers(warm),
         "served_seconds": served_seconds,

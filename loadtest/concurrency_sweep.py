@@ -26,7 +26,7 @@ from typing import Any
 from kvfree.loadtest.client import ServerClient
 from kvfree.loadtest.deadline import Deadline
 from kvfree.loadtest.progress import Bar
-from kvfree.loadtest.prom import ITL_HISTOGRAM, TTFT_HISTOGRAM, MetricsSnapshot, histogram_quantiles
+from kvfree.loadtest.prom import ITL_HISTOGRAM, TTFT_HISTOGRAM, MetricsSnapshot, engine_pace, histogram_quantiles
 from kvfree.loadtest.records import LatencySummary, RequestRecord
 from kvfree.loadtest.workload import RequestSpec, WorkloadSpec, sample_requests
 
@@ -48,6 +48,7 @@ class LevelResult:
     requests_per_s: float
     server_ttft: dict[str, float] | None = None  # seconds, estimated from kvfree's histogram buckets
     server_itl: dict[str, float] | None = None
+    server_engine: dict[str, float] | None = None  # where a kvfree engine's time went (loadtest.prom.engine_pace)
     client_cpu_seconds: float | None = None  # the client's CPU time over the level (summed over its processes)
     client_processes: int = 1  # the processes the level's clients ran in
     requests: list[RequestRecord] = field(default_factory=list)
@@ -78,6 +79,7 @@ class LevelResult:
             requests_per_s=summary.ok / wall if wall > 0 else 0.0,
             server_ttft=histogram_quantiles(before, after, TTFT_HISTOGRAM, _SERVER_QUANTILES),
             server_itl=histogram_quantiles(before, after, ITL_HISTOGRAM, _SERVER_QUANTILES),
+            server_engine=engine_pace(before, after, wall),
             client_cpu_seconds=round(cpu, 6),
             requests=records,
         )

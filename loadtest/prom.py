@@ -128,3 +128,37 @@ def histogram_quantiles(
             prev_le, prev_count = le, count
         out[f"p{round(q * 100):d}"] = value
     return out
+
+
+def engine_pace(before: MetricsSnapshot | None, after: MetricsSnapshot | None, wall: float) -> dict[str, float] | None:
+    """Where a kvfree engine's time went between two scrapes `wall` seconds apart, from its counters since start
+    (server/metrics.py): the steps it ran, the mean step, the share of the interval it was stepping (`busy_share`; the
+    rest it idled waiting for requests or handled commands), the share of its step time spent waiting for the device
+    (`device_wait_share`; near 0: the engine's host work sets the pace, near 1: the GPU does), and the decode rows and
+    prefill tokens of a mean step. None when the server does not export them or ran no step in between."""
+    names = {
+        "steps": "kvfree_engine_steps",
+        "busy": "kvfree_engine_busy_seconds",
+        "wait": "kvfree_engine_device_wait_seconds",
+        "decode": "kvfree_engine_decode_rows",
+        "prefill": "kvfree_engine_prefill_tokens",
+    }
+    if before is None or after is None or wall <= 0:
+        return None
+    delta: dict[str, float] = {}
+    for key, name in names.items():
+        early, late = before.value(name), after.value(name)
+        if early is None or late is None:
+            return None
+        delta[key] = late - early
+    if delta["steps"] <= 0 or delta["busy"] <= 0:
+        return None
+    steps = delta["steps"]
+    return {
+        "steps": steps,
+        "step_ms_mean": 1000 * delta["busy"] / steps,
+        "busy_share": delta["busy"] / wall,
+        "device_wait_share": delta["wait"] / delta["busy"],
+        "decode_rows_per_step": delta["decode"] / steps,
+        "prefill_tokens_per_step": delta["prefill"] / steps,
+    }

@@ -194,6 +194,7 @@ def level_numbers(level: LevelResult) -> dict[str, Any]:
         "text_chunks_per_token": chunks / s.output_tokens if s.output_tokens else None,
         "server_ttft_s": level.server_ttft,
         "server_itl_s": level.server_itl,
+        "server_engine": level.server_engine,
         "client_cpu_s": level.client_cpu_seconds,
         "client_processes": level.client_processes,
         "client_cpu_fraction": level.client_cpu_seconds / level.wall_seconds / level.client_processes

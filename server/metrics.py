@@ -108,6 +108,23 @@ class Metrics:
             "engine's host work, not the GPU, sets the pace).",
             registry=r,
         )
+        self.engine_busy_seconds = Gauge(
+            "kvfree_engine_busy_seconds",
+            "Wall time the engine has spent in steps since start (its rate over an interval: the share of the "
+            "interval the engine was stepping, not idle or handling commands).",
+            registry=r,
+        )
+        self.engine_device_wait_seconds = Gauge(
+            "kvfree_engine_device_wait_seconds",
+            "The part of kvfree_engine_busy_seconds spent waiting for the device.",
+            registry=r,
+        )
+        self.engine_decode_rows = Gauge(
+            "kvfree_engine_decode_rows", "Decode rows (one token of one sequence) the engine's steps ran.", registry=r
+        )
+        self.engine_prefill_tokens = Gauge(
+            "kvfree_engine_prefill_tokens", "Prompt tokens the engine's steps prefilled.", registry=r
+        )
         self.session_moves = Gauge(
             "kvfree_session_moves",
             "Session state moves between tiers since start (evictions: GPU->host, spills: host->disk, reloads).",
@@ -173,6 +190,10 @@ class Metrics:
             "engine_steps": self.engine_steps,
             "engine_step_seconds": self.engine_step_seconds,
             "engine_device_wait_fraction": self.engine_device_wait_fraction,
+            "engine_busy_seconds": self.engine_busy_seconds,
+            "engine_device_wait_seconds": self.engine_device_wait_seconds,
+            "engine_decode_rows": self.engine_decode_rows,
+            "engine_prefill_tokens": self.engine_prefill_tokens,
         }
         for key, gauge in gauges.items():
             if key in stats:

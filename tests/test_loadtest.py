@@ -31,7 +31,7 @@ from kvfree.loadtest.capacity import capacity_table
 from kvfree.loadtest.cli import main as loadtest_main
 from kvfree.loadtest.client import TokenLogprob, sse_lines
 from kvfree.loadtest.context_sweep import ContextPoint, ContextSweepResult
-from kvfree.loadtest.prom import MetricsSnapshot, ServerMemory, histogram_quantiles
+from kvfree.loadtest.prom import MetricsSnapshot, ServerMemory, engine_pace, histogram_quantiles
 from kvfree.loadtest.soak import NEAR_TIE_NATS, tie_margin
 from kvfree.loadtest.stats import fit_line
 from kvfree.loadtest.target import TargetError, is_loopback, parse_target_url
@@ -391,6 +391,24 @@ def test_fit_line_recovers_a_slope_and_refuses_a_single_length():
     flat = fit_line([64, 128, 256], [146432] * 3)
     assert flat.slope == 0 and flat.r2 is None
     assert fit_line([64, 64], [1, 2]) is None
+
+
+def test_engine_pace_is_the_difference_of_the_engine_counters_over_the_interval():
+    def scrape(steps: int, busy: float, wait: float, decode: int, prefill: int) -> MetricsSnapshot:
+        return MetricsSnapshot.parse(
+            f"kvfree_engine_steps {steps}\nkvfree_engine_busy_seconds {busy}\nkvfree_engine_device_wait_seconds "
+            f"{wait}\nkvfree_engine_decode_rows {decode}\nkvfree_engine_prefill_tokens {prefill}\n"
+        )
+
+    before, after = scrape(10, 1.0, 0.5, 100, 4096), scrape(110, 1.8, 1.1, 6500, 12288)
+    pace = engine_pace(before, after, wall=1.0)
+    assert pace == pytest.approx({
+        "steps": 100, "step_ms_mean": 8.0, "busy_share": 0.8, "device_wait_share": 0.75,
+        "decode_rows_per_step": 64.0, "prefill_tokens_per_step": 81.92,
+    })  # fmt: skip
+    assert engine_pace(after, after, wall=1.0) is None  # no step in between
+    assert engine_pace(MetricsSnapshot.parse("other_metric 1\n"), after, wall=1.0) is None  # not a kvfree server
+    assert engine_pace(None, after, wall=1.0) is None
 
 
 def test_histogram_quantiles_from_two_scrapes():

@@ -285,3 +285,25 @@ def test_graph_prefill_gives_the_eager_tokens_through_llm_generate():
     want = [o.token_ids for o in eager.generate(prompts, params)]
     assert [o.token_ids for o in graphed.generate(prompts, params)] == want
     assert set(graphs.graphs) - captured == {(768, 32)}  # no other bucket met
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+def test_a_server_captures_every_bucket_of_its_step_budget_before_its_first_request():
+    """`capture_up_to` (what a serving engine calls at start-up) captures each (token, sequence) bucket a step of the
+    budget can meet, once; steps then replay without a capture, and give the eager tokens."""
+    from kvfree import LLM, SamplingParams
+    from kvfree.engine.cuda_graphs import PREFILL_SEQ_SIZES
+    from tests.paths import TINY_CHECKPOINT
+
+    graphed = LLM(TINY_CHECKPOINT, max_sessions=16, prefill_chunk=512)
+    eager = LLM(TINY_CHECKPOINT, max_sessions=16, prefill_chunk=512, enforce_eager=True)
+    graphs = graphed.runner.prefill_graphs
+    assert graphs.capture_up_to(300) == 4 * len(PREFILL_SEQ_SIZES)  # tokens 64, 128, 256, 512
+    buckets = {(t, n) for t in (64, 128, 256, 512) for n in PREFILL_SEQ_SIZES}
+    assert {key for key in graphs.graphs if graphs.captured(key)} == buckets
+    assert graphs.capture_up_to(300) == 0  # nothing new
+    params = SamplingParams(max_tokens=8, temperature=0)
+    prompts = [f"prompt {i}: " + "ab" * (7 * i) for i in range(9)]
+    want = [o.token_ids for o in eager.generate(prompts, params)]
+    assert [o.token_ids for o in graphed.generate(prompts, params)] == want
+    assert set(graphs.graphs) == buckets  # every step was a replay of a bucket captured ahead

@@ -83,6 +83,12 @@ def test_rates_latencies_and_ratios_are_positive_and_consistent(report):
             assert 0 < level["itl_p50_s"] <= level["itl_p99_s"]
         assert 0 < level["text_chunks_per_token"] <= 1
         assert level["client_cpu_s"] > 0 and level["client_cpu_fraction"] > 0
+        # The engine's own account of the level: it stepped, fed every prompt and decoded the rest of the tokens.
+        pace = level["server_engine"]
+        assert pace["steps"] > 0 and pace["step_ms_mean"] > 0 and 0 <= pace["device_wait_share"] <= 1
+        assert 0 < pace["busy_share"] <= 1.05  # the engine's counters can trail the level's end by one push
+        prompts = level["requests"] * PROMPT_TOKENS
+        assert pace["prefill_tokens_per_step"] * pace["steps"] == pytest.approx(prompts, abs=PROMPT_TOKENS)
 
 
 def test_targets_are_in_the_json_and_judged_only_where_they_apply(report):

@@ -1405,6 +1405,11 @@ def test_health_ready_metrics_request_ids_and_request_log(tiny_server, caplog):
     # The engine's own pace, reported from its process: it has stepped, and its mean step took some time.
     assert metric_value(text, "kvfree_engine_steps") > 0 and metric_value(text, "kvfree_engine_step_seconds") > 0
     assert 0 <= metric_value(text, "kvfree_engine_device_wait_fraction") <= 1
+    # ... and the same since start: the steps fed the prompts and the decode rows of the requests above.
+    busy = metric_value(text, "kvfree_engine_busy_seconds")
+    assert busy > 0 and 0 <= metric_value(text, "kvfree_engine_device_wait_seconds") <= busy
+    assert metric_value(text, "kvfree_engine_prefill_tokens") > 0
+    assert metric_value(text, "kvfree_engine_decode_rows") > 0
 
     wait_for(
         lambda: all(any(f"my-request-{i} " in m for m in caplog.messages) for i in (1, 2, 3)),
