@@ -299,7 +299,10 @@ def offline_main(args: argparse.Namespace) -> int:
             prefill_chunk=args.max_batch_tokens,
             enforce_eager=args.enforce_eager,
         )
-    offline_run(llm, min(args.prompts, 8), args.prompt_tokens, 4)  # warm-up: Triton compiles, allocator grows
+    # Warm-up: Triton compiles, the allocator grows, and every prefill graph a step can meet is captured, as a
+    # server does at start-up (an LLM captures a bucket on its first step, which the timed runs must not meet).
+    llm.runner.capture_prefill_graphs(args.max_batch_tokens)
+    offline_run(llm, min(args.prompts, 8), args.prompt_tokens, 4)
     runs = [offline_run(llm, args.prompts, args.prompt_tokens, args.max_tokens)]
     if args.prompts > 1:
         runs.append(offline_run(llm, 1, args.prompt_tokens, args.max_tokens))

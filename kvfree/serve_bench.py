@@ -89,7 +89,8 @@ FAIRNESS = (
     "sampling, with the server's dtype, device, max batch tokens (LLM prefill_chunk) and max context, in a pool of "
     "min(clients, max sessions) slots: the closed loop never has more requests running than it has clients, so "
     "a larger offline pool would batch more than the server can. Run after the server has stopped, in the "
-    "benchmark's own process, after a warm-up of its own."
+    "benchmark's own process, after a warm-up of its own (its prefill CUDA graphs captured up to the step "
+    "budget first, as the server's are at start-up)."
 )
 
 
@@ -278,6 +279,7 @@ def run_offline(
         )
         if llm.config.vocab_size != vocab_size:
             raise ValueError(f"the model's vocab_size {llm.config.vocab_size} is not config.json's {vocab_size}")
+        llm.runner.capture_prefill_graphs(args.max_batch_tokens)  # as the server did at start-up (FAIRNESS)
         offline_run(llm, min(sessions, WARMUP_PROMPTS), args.prompt_tokens, WARMUP_TOKENS)
         for clients in levels:
             prompts = clients * args.requests_per_client
