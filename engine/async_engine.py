@@ -171,9 +171,9 @@ class AsyncEngine(EngineHandle):
             )
         )  # fmt: skip
 
-    def abort(self, request_id: str) -> None:
-        """Thread-safe: stop a request (client disconnected, or its front found a stop string)."""
-        self._commands.put((lambda: self.engine_core.abort(request_id), lambda result, exc: None))
+    def abort(self, request_id: str, choice: int | None = None) -> None:
+        """Thread-safe: stop a request (client disconnected, or its front found a stop string), or one choice of it."""
+        self._commands.put((lambda: self.engine_core.abort(request_id, choice), lambda result, exc: None))
 
     # -- numbers for /metrics -----------------------------------------------------------------------------------
     def stats(self) -> dict[str, Any]:

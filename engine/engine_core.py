@@ -267,9 +267,10 @@ class EngineCore:
                 self.sessions.end_turn(session)
             raise
 
-    def abort(self, request_id: str) -> None:
-        """Stop a request (its client went away): its slots are freed, its session keeps what it consumed."""
-        self.scheduler.abort(request_id)
+    def abort(self, request_id: str, choice: int | None = None) -> None:
+        """Stop a request (its client went away), or one of its choices (`Scheduler.abort`): its slots are freed
+        once every choice has ended, its session keeps what it consumed."""
+        self.scheduler.abort(request_id, choice)
 
     def abort_all(self) -> None:
         """Abort every request and step until their slots are free and their sessions released."""

@@ -47,9 +47,10 @@ class EngineHandle:
         """`EngineCore.call(method, args)` on the engine's side, between steps; raises its exception."""
         raise NotImplementedError
 
-    def abort(self, request_id: str) -> None:
-        """Stop a request (its client went away, or its front found a stop string): its slots are freed, its choices
-        end with finish "abort"."""
+    def abort(self, request_id: str, choice: int | None = None) -> None:
+        """Stop a request (its client went away, or its front found a stop string in every choice): its choices end
+        with finish "abort" and its slots are freed. With `choice`, only that choice ends (its front found a stop
+        string in it while others run on); the slots are freed when the last one ends."""
         raise NotImplementedError
 
     def _forget(self, request_id: str) -> None:

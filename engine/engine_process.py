@@ -147,7 +147,8 @@ class EngineLoop:
             except Exception as exc:  # refused at admission: the request's one output is the error
                 self.outbox.append([request_id, output_to_wire(exc)])
         elif kind == "abort":
-            self.core.abort(message[1])
+            _, request_id, choice = message
+            self.core.abort(request_id, choice)
         elif kind == "call":
             _, call_id, method, args = message
             if method == "stop":
@@ -352,8 +353,8 @@ class EngineProcess(EngineHandle):
     def _forget(self, request_id: str) -> None:
         self._streams.pop(request_id, None)
 
-    def abort(self, request_id: str) -> None:
-        self._send(["abort", request_id])
+    def abort(self, request_id: str, choice: int | None = None) -> None:
+        self._send(["abort", request_id, choice])
 
     # -- the rest of the interface --------------------------------------------------------------------------------
     def stats(self) -> dict[str, Any]:

@@ -4,7 +4,7 @@ Each message is one msgpack array whose first element says what it is:
 
 front -> engine
     ("submit", request_id, prompt_token_ids, params, n, session_id, owner, prefill_only, detokenize)
-    ("abort", request_id)
+    ("abort", request_id, choice)            the whole request (choice None), or one of its choices
     ("call", call_id, method, args)         one of `EngineCore.CALLS`: session operations, shutdown phases
 engine -> front
     ("ready", info)                          once, after the model is loaded

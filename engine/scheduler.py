@@ -165,21 +165,26 @@ class Scheduler:
             request.session.busy = True  # reserved from now on: no other request may use it concurrently
         self.waiting.append(request)
 
-    def abort(self, request_id: str) -> bool:
-        """Stop a request (client gone). Its slots are freed; a session keeps what it has consumed so far."""
+    def abort(self, request_id: str, choice: int | None = None) -> bool:
+        """Stop a request (client gone), or only its choice `choice` (its front ended it at a stop string while
+        the others run on). A request's slots are freed when all its choices have ended; a session keeps what it has
+        consumed so far. False when no such request (or choice) is waiting or running."""
         for req in list(self.waiting):
             if req.request_id == request_id:
+                if choice is not None:
+                    return False  # nothing has run, so no choice has ended in the front
                 self.waiting.remove(req)
                 req.aborted = req.settled = True  # nothing ran: nothing to record or store
                 self._release_session(req)
                 return True
         for req in self.running:
             if req.request_id == request_id:
-                req.aborted = True
+                if choice is None:
+                    req.aborted = True
                 for seq in req.sequences:
-                    if not seq.finished:
+                    if not seq.finished and choice in (None, seq.index):
                         seq.finish_reason = "abort"
-                return True
+                return choice is None or choice < len(req.sequences)
         return False
 
     # -- deciding a step ----------------------------------------------------------------------------------------

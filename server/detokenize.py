@@ -4,7 +4,7 @@ The engine checks only token-level stops (EOS, stop token ids, max_tokens) for t
 each token and searching for stop strings happen here, in the HTTP front, so that they never take the engine's
 time (with the engine in its own process, they run on another core). When a choice's stop string completes, its
 tokens after the stop are dropped (the engine may already have sampled a few more) and it finishes with "stop";
-the caller then aborts the engine request once every choice has finished.
+the caller then stops that choice in the engine (the whole request once every choice has finished).
 """
 
 from __future__ import annotations

@@ -125,9 +125,10 @@ class EngineClient:
         """The engine takes new work (False while starting and shutting down)."""
         return self._engine.accepting
 
-    def abort(self, engine_request_id: str) -> None:
-        """Stop a request in the engine (it answers with its choices' last outputs, finish "abort")."""
-        self._engine.abort(engine_request_id)
+    def abort(self, engine_request_id: str, choice: int | None = None) -> None:
+        """Stop a request in the engine, or only its choice `choice` (it answers with their last outputs, finish
+        "abort")."""
+        self._engine.abort(engine_request_id, choice)
 
     def stats(self) -> dict[str, Any]:
         """The engine's counters for /metrics (`EngineCore.stats`, as the engine last reported them)."""
@@ -278,13 +279,16 @@ class Generation:
                     continue
                 self._count(out)
                 if out.finish_reason is not None and self._texts.all_finished and not all(engine_done):
-                    # Every choice ended here (a stop string) while the engine still runs them: stop them, and send
+                    # Every choice ended here (a stop string) while the engine still runs some: stop them, and send
                     # the last event once the engine has (its session's turn is then recorded before the client can
-                    # send the next one, as when the engine itself ends a turn). With n > 1, a choice stopped here
-                    # runs on in the engine until the others end: the engine aborts whole requests only.
+                    # send the next one, as when the engine itself ends a turn).
                     self.client.abort(self.engine_request_id)
                     last = out
                     continue
+                if out.finish_reason is not None and not engine_done[out.index]:
+                    # This choice ended here while others run on: the engine stops decoding it now, not when the
+                    # others end.
+                    self.client.abort(self.engine_request_id, out.index)
                 yield out
         if last is not None:
             yield last

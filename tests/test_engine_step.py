@@ -269,6 +269,25 @@ def _run_all(engine: LLMEngine, requests: list[Request]) -> None:
         engine.step()
 
 
+@pytest.mark.parametrize("overlap", [False, True])
+def test_aborting_one_choice_stops_it_while_the_others_run_to_their_end(llm, overlap):
+    engine = _engine(llm, overlap)
+    params = SamplingParams(temperature=1.0, seed=3, max_tokens=12, ignore_eos=True)
+    outputs: list[RequestOutput] = []
+    engine.scheduler.add(_request("r", llm.tokenizer.encode("Hello"), params, outputs, n=3))
+    while len(_tokens(outputs, 1)) < 3:
+        engine.step()
+    assert engine.scheduler.abort("r", 1) and not engine.scheduler.abort("r", 7)
+    assert not engine.scheduler.abort("missing", 0)
+    while engine.has_work:
+        engine.step()
+    finish = {out.index: out.finish_reason for out in outputs if out.finish_reason is not None}
+    assert finish == {0: "length", 1: "abort", 2: "length"}
+    assert len(_tokens(outputs, 0)) == len(_tokens(outputs, 2)) == 12
+    assert 3 <= len(_tokens(outputs, 1)) <= 5  # what it had, and at most the step in flight (overlapped) after
+    assert llm.pool.used_slots == 0
+
+
 def test_a_request_no_slot_can_ever_be_freed_for_is_refused_not_kept_waiting():
     """Idle sessions in every slot, host memory full, no store: a sessionless request would wait forever for a
     slot; it fails with PoolExhausted instead. But requests whose sessions are resident run first, and once they

@@ -1586,3 +1586,32 @@ def _stop_string_turns(tiny_server) -> None:
             assert r.status_code == 200, r.text
             choice = r.json()["choices"][0]
             assert choice["finish_reason"] == "stop" and stop not in choice["text"] and text.startswith(choice["text"])
+
+
+def test_a_choice_ended_by_a_stop_string_stops_decoding_while_the_others_run_on(tiny_server):
+    """With n > 1 the front finds each choice's stop string: the engine stops decoding that choice at once (the
+    engine's decode rows say so) while the other runs to its end, its text unchanged."""
+
+    def decode_rows_when_idle(http) -> float:
+        def idle() -> bool:
+            return metric_value(http.get("/metrics").text, "kvfree_requests_running") == 0
+
+        wait_for(idle, timeout=5, message="the engine to go idle")
+        return metric_value(http.get("/metrics").text, "kvfree_engine_decode_rows")
+
+    with tiny_server.http() as http:
+        body = {"prompt": [1, 2, 3], "max_tokens": 24, "temperature": 1.0, "seed": 11, "n": 2, "ignore_eos": True}
+        free = {c["index"]: c["text"] for c in http.post("/v1/completions", json=body).json()["choices"]}
+        pairs = (free[0][i : i + 2] for i in range(1, min(8, len(free[0]) - 1)))
+        stop = next((p for p in pairs if p.isprintable() and p not in free[1]), None)
+        if stop is None:
+            pytest.skip(f"no early printable pair of {free[0]!r} is absent from {free[1]!r}")
+        before = decode_rows_when_idle(http)
+        r = http.post("/v1/completions", json={**body, "stop": [stop]})
+        assert r.status_code == 200, r.text
+        choices = {c["index"]: c for c in r.json()["choices"]}
+        assert choices[0]["finish_reason"] == "stop" and free[0].startswith(choices[0]["text"] + stop)
+        assert (choices[1]["finish_reason"], choices[1]["text"]) == ("length", free[1])
+        # Choice 1 decodes 23 rows; choice 0 stopped within its first 8 characters (a few rows, and the steps in
+        # flight when its abort landed), not after 23.
+        assert decode_rows_when_idle(http) - before <= 23 + 8 + 4
