@@ -130,9 +130,10 @@ class Scheduler:
         max_prefill_tokens: prefill tokens per step when nothing decodes (no one is waiting on a token, so a
             larger chunk only speeds up prefill). Defaults to `max_batch_tokens`.
         prefill_batch_wait: seconds a new prompt may wait, while sequences decode, for others to share its
-            prefill step. On a GPU a prefill step has a fixed host cost of tens of milliseconds whatever its size,
-            and every decoding sequence waits for it; sharing one step among several prompts raises throughput
-            and makes fewer long steps, at the price of up to this much time to first token. 0: never wait.
+            prefill step. A prefill step has a fixed cost whatever its size (on a GPU, milliseconds replayed from a
+            CUDA graph, tens of them launched eagerly), and every decoding sequence waits for it; sharing one step
+            among several prompts raises throughput and makes fewer long steps, at the price of up to this much
+            time to first token. 0: never wait.
     """
 
     def __init__(

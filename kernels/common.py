@@ -28,6 +28,18 @@ def state_math(fn: F) -> F:
     return wrapper  # type: ignore[return-value]
 
 
+def cdiv(a: int, b: int) -> int:
+    """`ceil(a / b)` of ints, as `triton.cdiv`, in plain Python: Triton's is a constexpr function whose call from the
+    host costs a few microseconds (its arguments unwrapped), a third of a small op's host work when a wrapper makes
+    three such calls."""
+    return -(-a // b)
+
+
+def next_power_of_2(n: int) -> int:
+    """The smallest power of two >= n (0 for 0), as `triton.next_power_of_2`, in plain Python (see `cdiv`)."""
+    return 0 if n == 0 else 1 << (n - 1).bit_length()
+
+
 def output_buffer(shape: tuple[int, ...], dtype: torch.dtype, device: torch.device) -> torch.Tensor:
     """Allocate an output or scratch buffer of a Triton op (uninitialised: the kernel writes every element).
 

@@ -231,16 +231,17 @@ def build_parser() -> argparse.ArgumentParser:
         type=int,
         default=None,
         help="prompt tokens per step when nothing decodes, so no stream waits on the step "
-        "(default: --max-batch-tokens)",
+        "(default: --max-batch-tokens). On a GPU, the prefill CUDA graphs of every step size up to the larger of "
+        "the two (at most 8,192 tokens) are captured at start-up: 60 graphs for 2,048 tokens, ~3 s on an H100",
     )
     p.add_argument(
         "--prefill-batch-wait-ms",
         type=float,
         default=50.0,
         help="while streams decode, how long a new prompt may wait for others to share its prefill step. A prefill "
-        "step holds up every running stream and costs tens of ms on a GPU whatever its size, so sharing it raises "
-        "throughput and makes fewer ITL spikes, for up to this much more TTFT; 0 prefills every prompt at once "
-        "(default: %(default)s)",
+        "step holds up every running stream and has a fixed cost whatever its size (milliseconds replayed from a "
+        "CUDA graph, tens of them launched eagerly), so sharing it raises throughput and makes fewer ITL spikes, "
+        "for up to this much more TTFT; 0 prefills every prompt at once (default: %(default)s)",
     )
     p.add_argument("--max-prompt-tokens", type=int, default=32768)
     p.add_argument("--max-output-tokens", type=int, default=4096, help="upper bound for max_tokens")

@@ -22,6 +22,18 @@ def test_the_key_tells_apart_every_integer_triton_specialises_on():
     assert len({keys[1], keys[2], keys[16], keys[2**31], keys[2**40 + 1]}) == 5  # 1, plain, %16, wide %16, wide
 
 
+def test_the_host_side_grid_arithmetic_is_tritons():
+    """Wrappers size grids and blocks with kernels.common's plain-Python cdiv and next_power_of_2 (Triton's are
+    constexpr functions, slow to call from the host): the same numbers."""
+    from kvfree.kernels import common
+
+    for n in range(0, 1100):
+        assert common.next_power_of_2(n) == triton.next_power_of_2(n), n
+        for d in (1, 3, 16, 64, 255):
+            assert common.cdiv(n, d) == triton.cdiv(n, d), (n, d)
+    assert common.next_power_of_2(2**31 + 1) == triton.next_power_of_2(2**31 + 1) == 2**32
+
+
 def test_the_key_tells_apart_tensors_by_dtype_and_sixteen_byte_alignment():
     x = torch.zeros(64, dtype=torch.float32)
     assert _arg_key(x) == _arg_key(x[4:])  # 16 bytes in: still aligned

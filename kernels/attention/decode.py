@@ -20,6 +20,7 @@ import torch
 import triton
 import triton.language as tl
 
+from .. import common
 from ..launcher import launch_kernel
 
 _INTERPRET = os.environ.get("TRITON_INTERPRET", "0") in ("1", "true", "True")
@@ -102,9 +103,9 @@ def decode_attention(
     BLOCK_N = 64
     # Enough programs to fill the GPU (~4 per SM) when sessions are few; each split at least 256 keys.
     sms = _multiprocessors(q.device) if q.is_cuda else 4
-    splits = max(1, min(triton.cdiv(max_used, 256), triton.cdiv(4 * sms, B * Hkv)))
-    split_len = triton.cdiv(triton.cdiv(max(max_used, 1), splits), BLOCK_N) * BLOCK_N
-    splits = triton.cdiv(max(max_used, 1), split_len)
+    splits = max(1, min(common.cdiv(max_used, 256), common.cdiv(4 * sms, B * Hkv)))
+    split_len = common.cdiv(common.cdiv(max(max_used, 1), splits), BLOCK_N) * BLOCK_N
+    splits = common.cdiv(max(max_used, 1), split_len)
     o_part = torch.empty(B, Hq, splits, D, device=q.device, dtype=torch.float32)
     m_part = torch.empty(B, Hq, splits, device=q.device, dtype=torch.float32)
     l_part = torch.empty_like(m_part)
@@ -115,7 +116,7 @@ def decode_attention(
         v_cache.stride(0), v_cache.stride(1), v_cache.stride(2),
         o_part.stride(0), o_part.stride(1), o_part.stride(2), m_part.stride(0), m_part.stride(1),
         D**-0.5, split_len,
-        G=G, BLOCK_G=max(16, triton.next_power_of_2(G)), D=D, BLOCK_D=max(16, triton.next_power_of_2(D)),
+        G=G, BLOCK_G=max(16, common.next_power_of_2(G)), D=D, BLOCK_D=max(16, common.next_power_of_2(D)),
         # fp32 caches: IEEE fp32 dots, not tf32. The interpreter is always told "ieee" (it mishandles "tf32").
         BLOCK_N=BLOCK_N, PREC="ieee" if k_cache.dtype == torch.float32 or _INTERPRET else "tf32", INTERP=_INTERPRET,
     )  # fmt: skip

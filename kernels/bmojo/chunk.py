@@ -322,7 +322,7 @@ def launch(
     # 4. The attention of every chunk row's queries.
     rows = torch.cat([r_bos[:, None], r_t0[:, None], seq[row_seq, 3:4], r_slot[:, None], r_start[:, None], mem_n,
                       torch.zeros_like(mem_n[:, :1])], 1).contiguous()  # fmt: skip
-    BM = block_m or min(64, max(16, triton.next_power_of_2(w)))
+    BM = block_m or min(64, max(16, common.next_power_of_2(w)))
     # 32-key blocks: in the H100 sweep (BENCHMARKS.md) 5.95 M tokens/s for 8 x 4,096 and 3.17 M for one 16K prompt,
     # against 5.21 M / 3.08 M with 64.
     BN = block_n or 32
@@ -335,7 +335,7 @@ def launch(
     launch_kernel(_prefill_attn_kernel, (G * QB, Hq),
         q, k, v, ring_k, ring_v, mem_k, mem_v, rows, o,
         q.stride(0), q.stride(1), k.stride(0), k.stride(1), v.stride(0), v.stride(1), LOG2E / math.sqrt(dh),
-        HQ=Hq, HKV=Hkv, DH=dh, W=w, M=M, M_F=m_f, BD=max(16, triton.next_power_of_2(dh)), BM=BM, BN=BN, QB=QB,
+        HQ=Hq, HKV=Hkv, DH=dh, W=w, M=M, M_F=m_f, BD=max(16, common.next_power_of_2(dh)), BM=BM, BN=BN, QB=QB,
         PREC=prec, INTERP=INTERPRET, num_warps=num_warps or 4, num_stages=stages,
     )  # fmt: skip
 

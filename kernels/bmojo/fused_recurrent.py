@@ -429,13 +429,13 @@ def launch(
     else:
         fk = fv = fad_k
         f_strides = (0, 0, 0)
-    BD = max(16, triton.next_power_of_2(dh))
-    bme = max(16, triton.next_power_of_2(max(m_e, 1)))
-    bc = min(64, max(16, triton.next_power_of_2(m_e + w)))  # candidates per block of the pairwise rank count
+    BD = max(16, common.next_power_of_2(dh))
+    bme = max(16, common.next_power_of_2(max(m_e, 1)))
+    bc = min(64, max(16, common.next_power_of_2(m_e + w)))  # candidates per block of the pairwise rank count
     launch_kernel(_publish_kernel, (B, Hkv),
         t, fad_n, eid_n, ring_k, ring_v, ring_eps, fad_k, fad_v, eid_k, eid_v, eid_eps, eid_pos, fk, fv,
         state_indices, meta, new_eps, new_pos, *f_strides,
-        HKV=Hkv, DH=dh, W=w, M_F=m_f, M_E=m_e, BD=BD, BC=bc, BME=bme, BMF=max(16, triton.next_power_of_2(max(m_f, 1))),
+        HKV=Hkv, DH=dh, W=w, M_F=m_f, M_E=m_e, BD=BD, BC=bc, BME=bme, BMF=max(16, common.next_power_of_2(max(m_f, 1))),
         num_warps=4,
     )  # fmt: skip
 
@@ -454,11 +454,11 @@ def launch(
         q.stride(0), q.stride(1), k.stride(0), k.stride(1), v.stride(0), v.stride(1), y.stride(0),
         LOG2E / math.sqrt(dh),
         HQ=Hq, HKV=Hkv, DH=dh, W=w, M_F=m_f, M_E=m_e, L=L, TAPS=int(predictor_taps), D=D, BD=BD, BME=bme, BN=BN,
-        BL=max(2, triton.next_power_of_2(L)), BY=min(1024, max(16, triton.next_power_of_2(D))), NS=ns, BPS=bps,
+        BL=max(2, common.next_power_of_2(L)), BY=min(1024, max(16, common.next_power_of_2(D))), NS=ns, BPS=bps,
         INTERP=INTERPRET, num_warps=num_warps or 4,
     )  # fmt: skip
     if ns > 1:
-        BS = max(2, triton.next_power_of_2(ns))
+        BS = max(2, common.next_power_of_2(ns))
         launch_kernel(_combine_kernel, (B * Hq,), o, part_o, part_ml, DH=dh, NS=ns, BD=BD, BS=BS)
     return o
 

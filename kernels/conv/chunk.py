@@ -122,7 +122,7 @@ def chunk_causal_conv1d(
     if K < 2 or tuple(state.shape[1:]) != (K - 1, C):
         raise ValueError(f"state {tuple(state.shape)} must be [S, K-1={K - 1}, C={C}] with K >= 2")
     BT = 16 if INTERPRET else 32  # [32, 128] tiles: 32 fp32 values per thread and tensor, no spills at K=4
-    BC = min(128, max(16, triton.next_power_of_2(C)))
+    BC = min(128, max(16, common.next_power_of_2(C)))
     if K - 1 > BT:
         raise ValueError(f"kernel size K={K} is larger than the token block {BT} + 1")
     if device_chunks is not None:  # nb is a bound; the kernel skips the blocks past the real count
@@ -133,11 +133,11 @@ def chunk_causal_conv1d(
     y = common.output_buffer((T, C), x.dtype, x.device)
     if nb == 0:
         return y
-    launch_kernel(_conv_varlen_kernel, (nb, triton.cdiv(C, BC)),
+    launch_kernel(_conv_varlen_kernel, (nb, common.cdiv(C, BC)),
         x, y, state, state_indices, cu_seqlens, blocks, weight, bias if bias is not None else weight,
         x.stride(0), x.stride(1), state.stride(0), state.stride(1), state.stride(2), weight.stride(0),
         weight.stride(1), C,
-        K=K, KP=max(2, triton.next_power_of_2(K - 1)), BT=BT, BC=BC, HAS_BIAS=bias is not None,
+        K=K, KP=max(2, common.next_power_of_2(K - 1)), BT=BT, BC=BC, HAS_BIAS=bias is not None,
         SILU=activation == "silu", num_warps=4,
     )
     return y

@@ -84,12 +84,12 @@ def fused_recurrent_causal_conv1d(
     y = common.output_buffer((Bs, C), x.dtype, x.device)
     if Bs == 0:
         return y
-    BC = min(256, max(16, triton.next_power_of_2(C)))
-    launch_kernel(_conv_step_kernel, (Bs, triton.cdiv(C, BC)),
+    BC = min(256, max(16, common.next_power_of_2(C)))
+    launch_kernel(_conv_step_kernel, (Bs, common.cdiv(C, BC)),
         x, y, state, state_indices, weight, bias if bias is not None else weight,
         x.stride(0), x.stride(1), state.stride(0), state.stride(1), state.stride(2), weight.stride(0),
         weight.stride(1), C,
-        K=K, KP=max(2, triton.next_power_of_2(K - 1)), BC=BC, HAS_BIAS=bias is not None,
+        K=K, KP=max(2, common.next_power_of_2(K - 1)), BC=BC, HAS_BIAS=bias is not None,
         SILU=activation == "silu", num_warps=4,
     )
     return y

@@ -308,7 +308,7 @@ def _chunk_len(chunk_size: int) -> int:
     32 rather than the layer's 64: per token and Chebyshev step the solve costs D^2 + 2 L D multiply-adds, so a
     shorter chunk does less work, and an H100 sweep (BENCHMARKS.md) found 32 fastest; 16 stores twice the chunk
     states."""
-    return min(32, max(16, triton.next_power_of_2(int(chunk_size))))
+    return min(32, max(16, common.next_power_of_2(int(chunk_size))))
 
 
 def launch(
@@ -332,8 +332,8 @@ def launch(
     prec = precision or ("tf32x3" if q.dtype == torch.float32 else "tf32")
     if INTERPRET:
         prec = "ieee"  # the interpreter computes its dots in fp32 whatever it is told
-    BD = max(16, triton.next_power_of_2(D))
-    BDV = max(16, triton.next_power_of_2(Dv))
+    BD = max(16, common.next_power_of_2(D))
+    BDV = max(16, common.next_power_of_2(Dv))
     f32 = torch.float32
 
     hbuf = common.output_buffer((NC, He, D, D), f32, dev)
@@ -342,7 +342,7 @@ def launch(
     # for one long prompt.
     BN = block_n or min(64, BD, BDV)
     BR = min(BD, block_r or 64)
-    launch_kernel(_gka_state_kernel, (nseq * He, triton.cdiv(D, BR) * (triton.cdiv(D, BN) + triton.cdiv(Dv, BN))),
+    launch_kernel(_gka_state_kernel, (nseq * He, common.cdiv(D, BR) * (common.cdiv(D, BN) + common.cdiv(Dv, BN))),
         k, v, g, h, s, hbuf, sbuf, state_indices, cu_seqlens, chunk_offsets,
         k.stride(0), k.stride(1), v.stride(0), v.stride(1), g.stride(0), g.stride(1),
         h.stride(0), h.stride(1), h.stride(2), s.stride(0), s.stride(1), s.stride(2),

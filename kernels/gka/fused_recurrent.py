@@ -168,8 +168,8 @@ def launch(
     out = common.output_buffer((B, He, Dv), q.dtype, q.device)
     if B == 0:
         return out
-    BD = max(16, triton.next_power_of_2(D))
-    BVmax = max(16, triton.next_power_of_2(Dv))
+    BD = max(16, common.next_power_of_2(D))
+    BVmax = max(16, common.next_power_of_2(Dv))
     # 64-column S blocks after the solve and 4 warps: the fastest at B = 64 and 256 in the H100 sweep (BENCHMARKS.md).
     # S whole before the solve needs more registers (spills); 8 warps fit one program per multiprocessor, 2x slower.
     BV = min(BVmax, block_v or 64)

@@ -177,7 +177,7 @@ class LatticeScan(torch.autograd.Function):
         B, T, H, m = q.shape
         d = v.shape[-1]
         BD, BM, warps = tile_blocks(d, m)
-        NC = triton.cdiv(T, SEGMENT)
+        NC = common.cdiv(T, SEGMENT)
         dev = q.device
         y = common.output_buffer((B, T, H, d), torch.float32, dev)
         s_out = common.output_buffer((B, H, d, m), torch.float32, dev)

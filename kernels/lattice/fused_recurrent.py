@@ -323,7 +323,7 @@ def check_gated_shapes(v: torch.Tensor, state: torch.Tensor, gated: GatedArgs, v
 def tile_blocks(d: int, m: int) -> tuple[int, int, int]:
     """(BD, BM, warps): the state tile and 4 warps for it (32 registers per thread at 64 x 64; in the H100 sweep
     2 warps were 15% slower for prefill and 8 warps 1.6x slower)."""
-    BD, BM = max(16, triton.next_power_of_2(d)), max(16, triton.next_power_of_2(m))
+    BD, BM = max(16, common.next_power_of_2(d)), max(16, common.next_power_of_2(m))
     return BD, BM, 4 if BD * BM <= 64 * 64 else 8
 
 
@@ -366,7 +366,7 @@ def scan_launch(
         q.stride(0), q.stride(1), k.stride(0), k.stride(1), v.stride(0), v.stride(1), gamma.stride(0),
         gamma.stride(1), mu_arg.stride(0), mu_arg.stride(1), g.p.stride(0), g.step.stride(0), g.tail.stride(0),
         g.tail.stride(1), gate.stride(0), state.stride(0), state.stride(1), state.stride(2),
-        H=H, D=d, M=m, K=K, BD=BD, BM=BM, BK=max(2, triton.next_power_of_2(max(K - 1, 1))),
+        H=H, D=d, M=m, K=K, BD=BD, BM=BM, BK=max(2, common.next_power_of_2(max(K - 1, 1))),
         VARIANT=VARIANTS.index(variant), HAS_MU=(g.step.shape[1] == 2 * H) if gates_inside else mu is not None,
         GATED=gates_inside, QK_L2=bool(g.qk_l2), HAS_BIAS=bq is not None, UPDATE_TAIL=gated is not None and K > 1,
         OUT_GATE=out_gate, VARLEN=cu_seqlens is not None, NORM_FLOOR_SQ=_NORM_FLOOR**2, INTERP=INTERPRET,
@@ -409,10 +409,10 @@ def gates_pass(
         return q, k, gamma
     wq, bq, _, _ = gated.conv
     BT = 16
-    launch_kernel(_lattice_gates_kernel, (len(lens), triton.cdiv(max(lens), BT), H),
+    launch_kernel(_lattice_gates_kernel, (len(lens), common.cdiv(max(lens), BT), H),
         gated.p, gated.step, *conv_pointers(gated), q, k, gamma, cu_seqlens, float(gated.mu_min), gated.p.stride(0),
         gated.step.stride(0), gated.tail.stride(0), gated.tail.stride(1), state_indices, H=H, M=m, K=wq.shape[-1],
-        BM=max(16, triton.next_power_of_2(m)), BT=BT, HAS_MU=gated.step.shape[1] == 2 * H, QK_L2=bool(gated.qk_l2),
+        BM=max(16, common.next_power_of_2(m)), BT=BT, HAS_MU=gated.step.shape[1] == 2 * H, QK_L2=bool(gated.qk_l2),
         HAS_BIAS=bq is not None, num_warps=2,
     )  # fmt: skip
     return q, k, gamma

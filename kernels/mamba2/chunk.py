@@ -353,7 +353,7 @@ def _par_bucket(nseq: int) -> int:
 
 def _chunk_len(chunk_size: int) -> int:
     """The kernels' chunk length: chunk_size as a power of two in [16, 256] (the output does not depend on it)."""
-    return min(256, max(16, triton.next_power_of_2(int(chunk_size))))
+    return min(256, max(16, common.next_power_of_2(int(chunk_size))))
 
 
 def chunk_mamba2(
@@ -400,15 +400,15 @@ def chunk_mamba2(
 
     dtv = common.output_buffer((H, T), f32, dev)
     acs = common.output_buffer((H, T), f32, dev)
-    BH = min(32, triton.next_power_of_2(H))
-    launch_kernel(_chunk_dt_kernel, (NC, triton.cdiv(H, BH)),
+    BH = min(32, common.next_power_of_2(H))
+    launch_kernel(_chunk_dt_kernel, (NC, common.cdiv(H, BH)),
         dt, dt_bias, A, dtv, acs, cu_seqlens, chunk_indices, T, dt.stride(0), dt.stride(1), lo, hi,
         H=H, L=L, BH=BH, HAS_LIMIT=dt_limit is not None, num_warps=4,
     )
 
     hbuf = common.output_buffer((NC, H, P, N), x.dtype if x.dtype in (torch.bfloat16, torch.float16) else f32, dev)
     final = common.output_buffer((nseq, H, P, N), f32, dev)
-    launch_kernel(_chunk_state_kernel, lambda meta: (nseq * H, triton.cdiv(P, meta["BP"]), triton.cdiv(N, meta["BN"])),
+    launch_kernel(_chunk_state_kernel, lambda meta: (nseq * H, common.cdiv(P, meta["BP"]), common.cdiv(N, meta["BN"])),
         x, B, dtv, acs, state, state_indices, cu_seqlens, chunk_offsets, hbuf, final, T,
         x.stride(0), x.stride(1), x.stride(2), B.stride(0), B.stride(1), B.stride(2),
         state.stride(0), state.stride(1), state.stride(2), state.stride(3), _par_bucket(nseq),
@@ -416,11 +416,11 @@ def chunk_mamba2(
     )
 
     BM = min(L, 16 if INTERPRET else (32 if x.dtype == f32 else 64))
-    launch_kernel(_chunk_out_kernel, lambda meta: (NC * (L // BM), triton.cdiv(P, meta["BP"]), H),
+    launch_kernel(_chunk_out_kernel, lambda meta: (NC * (L // BM), common.cdiv(P, meta["BP"]), H),
         x, B, C, dtv, acs, hbuf, final, state, state_indices, D, y, cu_seqlens, chunk_indices, T,
         x.stride(0), x.stride(1), x.stride(2), B.stride(0), B.stride(1), B.stride(2), C.stride(0), C.stride(1),
         C.stride(2), state.stride(0), state.stride(1), state.stride(2), state.stride(3),
-        H=H, HG=H // G, P=P, N=N, L=L, BM=BM, BN=max(16, triton.next_power_of_2(N)), PREC=prec,
+        H=H, HG=H // G, P=P, N=N, L=L, BM=BM, BN=max(16, common.next_power_of_2(N)), PREC=prec,
         INTERP=INTERPRET,
     )
     return y

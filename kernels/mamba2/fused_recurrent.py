@@ -104,8 +104,8 @@ def _block_p(Bs: int, H: int, P: int, N: int, device: torch.device) -> int:
     """P rows per program: 16 (8 KB of fp32 state at N=128) when that fills the chip several times over, else fewer,
     so that a small batch still spreads over every multiprocessor."""
     want = 4 * _sm_count(device)
-    bp = min(16, triton.next_power_of_2(P))
-    while bp > 4 and Bs * H * triton.cdiv(P, bp) < want:
+    bp = min(16, common.next_power_of_2(P))
+    while bp > 4 and Bs * H * common.cdiv(P, bp) < want:
         bp //= 2
     return bp
 
@@ -122,12 +122,12 @@ def launch(
     y = common.output_buffer((Bs, H, P), x.dtype, x.device)
     if Bs == 0:
         return y
-    BN = max(16, triton.next_power_of_2(N))
+    BN = max(16, common.next_power_of_2(N))
     BP = block_p or _block_p(Bs, H, P, N, x.device)
     if num_warps is None:
         num_warps = 4 if BP * BN >= 2048 else 2
     lo, hi = (float(dt_limit[0]), float(dt_limit[1])) if dt_limit is not None else (0.0, 0.0)
-    launch_kernel(_ssd_step_kernel, (Bs * H * triton.cdiv(P, BP),),
+    launch_kernel(_ssd_step_kernel, (Bs * H * common.cdiv(P, BP),),
         x, dt, B, C, state, state_indices, A, D, dt_bias, y,
         x.stride(0), x.stride(1), x.stride(2), dt.stride(0), dt.stride(1),
         B.stride(0), B.stride(1), B.stride(2), C.stride(0), C.stride(1), C.stride(2),

@@ -48,8 +48,8 @@ def _config(N: int, width: int, block_n: int | None, num_warps: int | None) -> t
     they are short), 256 per warp (8 a thread: one 16-byte vector of bf16, two of fp32, per tensor), 1 to 16 warps."""
     if width > MAX_D:
         raise ValueError(f"rows of {width} elements: the Triton norms hold a row in one block, at most {MAX_D}")
-    BD = triton.next_power_of_2(width)
-    BN = block_n or max(1, min(_MAX_ROWS, _TILE // BD, triton.next_power_of_2(N)))
+    BD = common.next_power_of_2(width)
+    BN = block_n or max(1, min(_MAX_ROWS, _TILE // BD, common.next_power_of_2(N)))
     nw = num_warps or max(1, min(16, BN * BD // 256))
     return BD, BN, nw
 
@@ -169,7 +169,7 @@ def rms_norm(
     y = common.output_buffer((N, D), weight.dtype, x.device)
     if N:
         BD, BN, nw = _config(N, D, block_n, num_warps)
-        launch_kernel(_rms_norm_kernel, (triton.cdiv(N, BN),),
+        launch_kernel(_rms_norm_kernel, (common.cdiv(N, BN),),
             x2, x2, x2, weight, y, N, D, x2.stride(0), 0, 0, eps,
             BLOCK_N=BN, BLOCK_D=BD, ADD=False, HAS_RES=False, INTERP=INTERPRET,
             num_warps=nw,
@@ -219,7 +219,7 @@ def add_rms_norm(
     y = common.output_buffer((N, D), weight.dtype, x.device)
     if N:
         BD, BN, nw = _config(N, D, block_n, num_warps)
-        launch_kernel(_rms_norm_kernel, (triton.cdiv(N, BN),),
+        launch_kernel(_rms_norm_kernel, (common.cdiv(N, BN),),
             x2, r2, ro2, weight, y, N, D, x2.stride(0), r2.stride(0), ro2.stride(0), eps,
             BLOCK_N=BN, BLOCK_D=BD, ADD=True, HAS_RES=residual is not None,
             INTERP=INTERPRET, num_warps=nw,
@@ -277,7 +277,7 @@ def gated_rms_norm(
     y = common.output_buffer((N, D), weight.dtype, x.device)
     if N:
         BG, BN, nw = _config(N, group_size, block_n, num_warps)
-        launch_kernel(_gated_rms_norm_kernel, (triton.cdiv(N, BN), D // group_size),
+        launch_kernel(_gated_rms_norm_kernel, (common.cdiv(N, BN), D // group_size),
             x2, g2, weight, y, N, D, group_size, x2.stride(0), g2.stride(0), eps,
             BLOCK_N=BN, BLOCK_G=BG, NORM_BEFORE_GATE=bool(norm_before_gate),
             INTERP=INTERPRET, num_warps=nw,

@@ -350,7 +350,7 @@ def launch(
     P = v.shape[-1]
     R, PB = sizes(r, P)
     S = int(chunk_size)
-    BS = max(16, triton.next_power_of_2(S))
+    BS = max(16, common.next_power_of_2(S))
     dev = z.device
     cu = host_cu_seqlens(cu_seqlens, cu_seqlens_cpu, T)
     nseq = len(cu) - 1
@@ -382,7 +382,7 @@ def launch(
         H=H, r=r, P=P, R=R, PB=PB, S=S, BS=BS, LOCAL=local, USE_DOT=bool(stats_dot), PREC=prec, num_warps=4,
     )  # fmt: skip
     BR = block_rows
-    launch_kernel(_ska_prefix_kernel, (nseq * H, triton.cdiv(W, BR)),
+    launch_kernel(_ska_prefix_kernel, (nseq * H, common.cdiv(W, BR)),
         G, M, C, m, pos, state_indices, cu_seqlens, chunk_offsets, sbuf, mbuf, posbuf,
         G.stride(0), G.stride(1), G.stride(2), C.stride(0), C.stride(1), C.stride(2), m.stride(0), m.stride(1),
         H=H, r=r, P=P, RC=R, BR=BR, S=S, LOCAL=local, FROZEN=frozen, num_warps=4,

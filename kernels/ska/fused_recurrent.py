@@ -204,7 +204,7 @@ def _ska_update_kernel(
 
 def sizes(r: int, P: int) -> tuple[int, int]:
     """The register tile sizes (R, PB): r and P padded to powers of two >= 16 (`tl.dot`'s smallest)."""
-    return max(16, triton.next_power_of_2(r)), max(16, triton.next_power_of_2(P))
+    return max(16, common.next_power_of_2(r)), max(16, common.next_power_of_2(P))
 
 
 def check_state(z: torch.Tensor, v: torch.Tensor, state: SKAState) -> None:
