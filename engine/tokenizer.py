@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import functools
 import json
 from pathlib import Path
 from typing import Any
@@ -49,6 +50,13 @@ class Tokenizer:
     @property
     def vocab_size(self) -> int:
         return self._tok.get_vocab_size(with_added_tokens=True)
+
+    @functools.cached_property
+    def max_token_chars(self) -> int:
+        """The most characters one token can stand for: the longest entry of the vocabulary, added tokens included
+        (a byte-level entry spells one byte per character, and a character is at least one byte). A text of C
+        characters is therefore at least C / max_token_chars tokens, known before tokenizing it."""
+        return max(1, max(map(len, self._tok.get_vocab(with_added_tokens=True)), default=1))
 
     def encode(self, text: str) -> list[int]:
         """Text -> token ids (special-token strings in the text are recognised as special tokens)."""

@@ -22,6 +22,7 @@ from kvfree.server.middleware import BodySizeLimitMiddleware, RequestContextMidd
 from kvfree.server.responses import ResponseStore
 from kvfree.server.settings import ServerSettings
 from kvfree.server.state import ServerState
+from kvfree.server.unicode_check import UnicodeCheckMiddleware
 
 log = logging.getLogger("kvfree.server")
 
@@ -98,6 +99,7 @@ def create_app(
     app.include_router(routes_ops.router)
     app.include_router(routes_ops.tokens_router)
     install_error_handlers(app)
+    app.add_middleware(UnicodeCheckMiddleware)  # inside the size limit: it reads bodies already bounded
     app.add_middleware(BodySizeLimitMiddleware, max_bytes=settings.max_body_bytes)
     if settings.cors_origins:
         app.add_middleware(

@@ -96,6 +96,16 @@ def prompt_too_long(num_tokens: int, limit: int, param: str = "prompt") -> APIEr
     )
 
 
+def prompt_too_many_chars(num_chars: int, fewest_tokens: int, limit: int, param: str = "prompt") -> APIError:
+    """400 for a prompt whose characters alone rule it out: it cannot tokenize to fewer than `fewest_tokens`."""
+    return invalid_request(
+        f"the prompt is {num_chars} characters long, at least {fewest_tokens} tokens; this server's limit is {limit} "
+        "tokens",
+        param,
+        code="context_length_exceeded",
+    )
+
+
 def unauthorized(message: str, code: str = "invalid_api_key") -> APIError:
     """401, with `WWW-Authenticate: Bearer` so generic HTTP clients know which scheme to use."""
     return APIError(401, message, code=code, headers={"WWW-Authenticate": "Bearer"})

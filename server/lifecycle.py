@@ -13,10 +13,11 @@ are made here (server/detokenize.py).
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
 import itertools
-from collections.abc import AsyncIterator, Iterator
-from typing import Any
+from collections.abc import AsyncIterator, Callable, Iterator
+from typing import Any, TypeVar
 
 import anyio
 from fastapi import Request
@@ -38,11 +39,18 @@ from kvfree.server.errors import (
     invalid_request,
     not_found,
     prompt_too_long,
+    prompt_too_many_chars,
     service_unavailable,
     too_many_requests,
 )
 from kvfree.server.metrics import Metrics, RequestTimer
 from kvfree.server.protocol import SessionUsage, new_id
+
+T = TypeVar("T")
+
+# Texts up to this many characters are tokenized on the event loop (well under a millisecond); longer ones on a
+# worker thread.
+INLINE_TOKENIZE_CHARS = 32_768
 
 # -- engine errors --------------------------------------------------------------------------------------------------
 
@@ -133,6 +141,26 @@ class EngineClient:
     def stats(self) -> dict[str, Any]:
         """The engine's counters for /metrics (`EngineCore.stats`, as the engine last reported them)."""
         return self._engine.stats()
+
+    # -- tokenizing prompts ---------------------------------------------------------------------------------------
+    def check_prompt_chars(self, num_chars: int, param: str) -> None:
+        """A 400 `context_length_exceeded` for a prompt text of `num_chars` characters that cannot fit the prompt
+        limit whatever it tokenizes to (a bound from the longest token: no need to tokenize megabytes to say no)."""
+        fewest = -(-num_chars // self.tokenizer.max_token_chars)
+        if fewest > self.max_prompt_tokens:
+            raise prompt_too_many_chars(num_chars, fewest, self.max_prompt_tokens, param)
+
+    async def encode_prompt(self, text: str, param: str) -> list[int]:
+        """A prompt's token ids, after `check_prompt_chars`."""
+        self.check_prompt_chars(len(text), param)
+        return await self.tokenize(self.tokenizer.encode, text)
+
+    async def tokenize(self, encode: Callable[[str], T], text: str) -> T:
+        """`encode(text)`: inline for a short text, on a worker thread for a long one (tokenizing a megabyte takes
+        seconds, during which the event loop would serve no one else)."""
+        if len(text) <= INLINE_TOKENIZE_CHARS:
+            return encode(text)
+        return await asyncio.to_thread(encode, text)
 
     # -- checks, before anything reaches the engine ---------------------------------------------------------------
     def check_token_ids(self, ids: list[int], param: str) -> None:

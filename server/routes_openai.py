@@ -86,7 +86,10 @@ async def completions(body: CompletionRequest, request: Request, state: StateDep
     """Continue a prompt (text or token ids). Set `stream` for server-sent events."""
     check_model(state, body.model)
     tok = state.tokenizer
-    prompt_ids = tok.encode(body.prompt) if isinstance(body.prompt, str) else list(body.prompt)
+    if isinstance(body.prompt, str):
+        prompt_ids = await state.engine.encode_prompt(body.prompt, "prompt")
+    else:
+        prompt_ids = list(body.prompt)
     if not prompt_ids:
         raise invalid_request("prompt is empty after tokenization", "prompt")
     params = body.to_sampling_params(state.settings.max_output_tokens)
@@ -122,7 +125,8 @@ async def chat_completions(body: ChatCompletionRequest, request: Request, state:
     fmt = ToolCallFormat.from_tokenizer_config(tok.config) if body.uses_tools else None
     allowed = accepted_tool_names(body.tools, choice)
     thinking = ReasoningFormat.from_tokenizer_config(tok.config)
-    gen = await _start(state, request, body, tok.encode(text), params, owner, "messages")
+    prompt_ids = await state.engine.encode_prompt(text, "messages")
+    gen = await _start(state, request, body, prompt_ids, params, owner, "messages")
     if body.stream:
         return StreamingResponse(_chat_stream(state, body, gen, fmt, allowed, thinking), media_type="text/event-stream")
     choices = await _collect(gen)

@@ -66,7 +66,7 @@ async def tokenize(body: TokenizeRequest, state: StateDep) -> TokenizeResponse:
     text = body.prompt
     if body.messages is not None:
         text = render_chat(tok, body.messages, None, add_generation_prompt=body.add_generation_prompt)
-    ids = tok.encode(text)
+    ids = await state.engine.tokenize(tok.encode, text)  # any length (up to the body limit): it only counts
     return TokenizeResponse(count=len(ids), max_model_len=state.settings.max_prompt_tokens, tokens=ids)
 
 

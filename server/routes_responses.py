@@ -91,9 +91,10 @@ async def create_response(body: ResponsesRequest, request: Request, state: State
     # did then); otherwise the whole conversation encoded.
     prompt_ids = None
     if previous is not None and previous.turn is not None:
-        prompt_ids = previous.turn.continued(text, tok.encode)
+        state.engine.check_prompt_chars(len(text), "input")
+        prompt_ids = await state.engine.tokenize(lambda t: previous.turn.continued(t, tok.encode), text)
     if prompt_ids is None:
-        prompt_ids = tok.encode(text)
+        prompt_ids = await state.engine.encode_prompt(text, "input")
     state.engine.check(prompt_ids, params, "input")
 
     session_id = await _session_for(state, previous, body.store, owner)

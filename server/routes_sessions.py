@@ -34,9 +34,11 @@ async def create_session(
     ids: list[int] = []
     if body.messages is not None:
         text = render_chat(tok, body.messages, template_tools(body.tools, None), add_generation_prompt=False)
-        ids = tok.encode(text)
+        ids = await state.engine.encode_prompt(text, "messages")
+    elif isinstance(body.prompt, str):
+        ids = await state.engine.encode_prompt(body.prompt, "prompt")
     elif body.prompt is not None:
-        ids = tok.encode(body.prompt) if isinstance(body.prompt, str) else list(body.prompt)
+        ids = list(body.prompt)
     params = SamplingParams(max_tokens=1)
     state.engine.check(ids, params, "messages" if body.messages else "prompt")
     with http_errors():

@@ -1020,6 +1020,53 @@ def test_session_limit_without_snapshot_dir_is_429_not_500(ckpts):
         server.stop()
 
 
+def test_a_lone_utf16_surrogate_is_a_400_naming_the_field_on_every_route(limits_server):
+    """JSON can spell half a surrogate pair (`"\\ud83d"`), which no UTF-8 text holds: every route answers 400
+    `invalid_unicode` naming the field (it was a 500, or on /v1/responses a connection reset); a whole pair (an
+    emoji) is valid text and served."""
+    bodies = {
+        "/v1/chat/completions": ('{"messages": [{"role": "user", "content": "hi %s"}], "max_tokens": 2}',
+                                 "messages[0].content"),
+        "/v1/completions": ('{"prompt": "a %s", "max_tokens": 2}', "prompt"),
+        "/v1/responses": ('{"input": "hey %s", "max_output_tokens": 2}', "input"),
+        "/v1/sessions": ('{"prompt": "sess %s"}', "prompt"),
+        "/tokenize": ('{"prompt": "tok %s"}', "prompt"),
+    }  # fmt: skip
+    with limits_server.http() as http:
+        for path, (template, param) in bodies.items():
+            for bad in ("\\ud83d", "\\uDC00x", "x\\ud800\\ud800"):
+                r = http.post(path, content=template % bad, headers={"content-type": "application/json"})
+                err = assert_openai_error(r, 400, param=param)
+                assert err["code"] == "invalid_unicode" and "surrogate" in err["message"], (path, bad, err)
+            r = http.post(path, content=template % "\\ud83d\\ude00", headers={"content-type": "application/json"})
+            assert r.status_code == 200, (path, r.text)
+        # A key is text too; the field named is the object holding it.
+        r = http.post("/v1/completions", content='{"prompt": "a", "max_tokens": 2, "metadata": {"k\\udfff": "v"}}',
+                      headers={"content-type": "application/json"})  # fmt: skip
+        assert assert_openai_error(r, 400, param="metadata")["code"] == "invalid_unicode"
+
+
+def test_a_prompt_too_long_by_its_characters_alone_is_refused_without_tokenizing_it(tiny_server):
+    """5 MB of text cannot fit 32,768 tokens whatever it tokenizes to (a token is at most the vocabulary's longest
+    entry): every route refuses it from its length, naming the characters, instead of tokenizing for seconds."""
+    huge = "x" * 5_000_000
+    cases = {
+        "/v1/completions": ({"prompt": huge, "max_tokens": 2}, "prompt"),
+        "/v1/chat/completions": ({"messages": [{"role": "user", "content": huge}], "max_tokens": 2}, "messages"),
+        "/v1/responses": ({"input": huge, "max_output_tokens": 2}, "input"),
+        "/v1/sessions": ({"prompt": huge}, "prompt"),
+    }
+    with tiny_server.http() as http:
+        for path, (body, param) in cases.items():
+            err = assert_openai_error(http.post(path, json=body), 400, param=param, code="context_length_exceeded")
+            assert "characters long, at least" in err["message"] and "limit is 32768" in err["message"], (path, err)
+        # A long text within the bound is tokenized (on a worker thread) and refused by its real count.
+        err = assert_openai_error(http.post("/v1/completions", json={"prompt": "y" * 40_000}), 400, param="prompt")
+        assert err["message"].startswith("the prompt is 40000 tokens long"), err
+        # /tokenize only counts: any length the body limit allows.
+        assert http.post("/tokenize", json={"prompt": "z" * 100_000}).json()["count"] == 100_000
+
+
 # == 7. client disconnect ==========================================================================================
 
 
@@ -1448,6 +1495,72 @@ def _fuzz(strategy, base_url: str, label: str, seen: dict[str, set[int]], max_ex
         case.validate_response(response, checks=[not_a_server_error])
 
     run()
+
+
+# Text no route may answer with a 5xx, put into every string of a valid body: half a surrogate pair (JSON can spell
+# it; no UTF-8 text holds it), a NUL, and more text than any prompt limit (within the body limit).
+BAD_TEXTS = {
+    "lone high surrogate": "\ud83d", "lone low surrogate": "a\udfffb", "NUL": "a\x00b", "oversized": "x" * 60_000,
+}  # fmt: skip
+
+
+JSON_HEADERS = {"content-type": "application/json"}
+
+
+def _with_text(value: Any, text: str) -> tuple[Any, int]:
+    """`value` (a parsed JSON body) with every string replaced by `text`; and how many were."""
+    if isinstance(value, str):
+        return text, 1
+    if isinstance(value, list):
+        items = [_with_text(v, text) for v in value]
+        return [v for v, _ in items], sum(n for _, n in items)
+    if isinstance(value, dict):
+        items = {k: _with_text(v, text) for k, v in value.items()}
+        return {k: v for k, (v, _) in items.items()}, sum(n for _, n in items.values())
+    return value, 0
+
+
+def test_fuzz_every_route_with_invalid_unicode_and_oversized_text(limits_server):
+    """Every route of the OpenAPI schema that takes a JSON body (routes added later included), with valid bodies
+    drawn by schemathesis whose every string is then replaced by one of BAD_TEXTS: no 5xx, and a lone surrogate is
+    always the 400 `invalid_unicode`. Path parameters get the same text, percent-encoded."""
+    import schemathesis
+    from hypothesis import HealthCheck, Phase, given, settings
+    from schemathesis.generation import GenerationMode
+
+    schema = schemathesis.openapi.from_url(limits_server.url + "/openapi.json")
+    operations = [result.ok() for result in schema.get_all_operations()]
+    with_body = [op for op in operations if op.body and any(b.media_type == "application/json" for b in op.body)]
+    assert len(with_body) >= 6, [op.label for op in with_body]  # generation, sessions, (de)tokenize
+    statuses: dict[tuple[str, str], set[int]] = {}
+
+    def send_bad_text(op, name: str, text: str) -> None:
+        @settings(max_examples=3, deadline=None, database=None, phases=[Phase.generate],
+                  suppress_health_check=list(HealthCheck))  # fmt: skip
+        @given(case=op.as_strategy(generation_mode=GenerationMode.POSITIVE, media_type="application/json"))
+        def run(case):
+            body, replaced = _with_text(case.body, text)
+            url, content = limits_server.url + case.formatted_path, json.dumps(body).encode()
+            r = httpx.request(op.method.upper(), url, content=content, headers=JSON_HEADERS, timeout=60)
+            statuses.setdefault((op.label, name), set()).add(r.status_code)
+            assert r.status_code < 500, (op.label, name, r.status_code, r.text[:300])
+            if replaced and "surrogate" in name:
+                assert r.status_code == 400 and r.json()["error"]["code"] == "invalid_unicode", (op.label, r.text)
+
+        run()
+
+    for op in with_body:
+        for name, text in BAD_TEXTS.items():
+            send_bad_text(op, name, text)
+    assert {label for label, _ in statuses} == {op.label for op in with_body}
+    with limits_server.http() as http:
+        for op in operations:
+            if "{session_id}" in op.path:
+                for raw in ("%ED%A0%BD", "a%00b", "x" * 4000):
+                    r = http.request(op.method.upper(), op.path.replace("{session_id}", raw))
+                    assert r.status_code < 500, (op.label, raw, r.status_code, r.text[:300])
+        r = http.post("/v1/completions", json={"prompt": "still serving", "max_tokens": 2})
+        assert r.status_code == 200, r.text
 
 
 def test_fuzz_from_openapi_schema_no_server_errors(limits_server):

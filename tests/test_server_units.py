@@ -909,3 +909,36 @@ def test_reasoning_format_is_declared_by_the_checkpoint():
     assert ReasoningFormat.from_tokenizer_config({}) is None
     assert ReasoningFormat.from_tokenizer_config({"reasoning_start": "<think>"}) is None
     assert ReasoningFormat.from_tokenizer_config({"reasoning_start": "<think>", "reasoning_end": "</think>"}) == THINK
+
+
+def test_prompts_are_refused_by_their_length_first_and_long_ones_tokenized_off_the_event_loop() -> None:
+    import threading
+
+    from kvfree.server.errors import APIError
+    from kvfree.server.lifecycle import INLINE_TOKENIZE_CHARS, EngineClient
+
+    class Tokens:
+        max_token_chars = 4  # no token is longer than 4 characters
+
+        def __init__(self) -> None:
+            self.threads: list[str] = []
+
+        def encode(self, text: str) -> list[int]:
+            self.threads.append(threading.current_thread().name)
+            return [0] * -(-len(text) // 4)
+
+    tok = Tokens()
+    client = EngineClient(engine=None, metrics=None, max_prompt_tokens=100_000, tokenizer=tok)  # type: ignore[arg-type]
+
+    async def main() -> None:
+        loop_thread = threading.current_thread().name
+        assert len(await client.encode_prompt("a" * 400_000, "prompt")) == 100_000  # at the limit: tokenized
+        with pytest.raises(APIError) as refused:
+            await client.encode_prompt("a" * 400_001, "messages")  # at least 100,001 tokens: never tokenized
+        assert (refused.value.status, refused.value.param, refused.value.code) == (
+            400, "messages", "context_length_exceeded"
+        )  # fmt: skip
+        await client.encode_prompt("b" * INLINE_TOKENIZE_CHARS, "prompt")
+        assert tok.threads == [tok.threads[0], loop_thread] and tok.threads[0] != loop_thread
+
+    asyncio.run(main())
