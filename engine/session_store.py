@@ -85,6 +85,10 @@ class SessionStore(ABC):
     @abstractmethod
     def delete_record(self, key: str) -> None: ...
 
+    @abstractmethod
+    def ping(self) -> None:
+        """Raise SessionStoreError when the store cannot be reached now (a readiness probe asks)."""
+
     def acquire_lease(self, session_id: str, holder: str) -> bool:
         """Claim the session for one turn; False when another holder has it (one process: always True)."""
         return True
@@ -152,6 +156,11 @@ class DirectoryStore(SessionStore):
 
     def delete(self, session_id: str) -> None:
         self._file(session_id).unlink(missing_ok=True)
+
+    def ping(self) -> None:
+        # A directory that is gone or read-only (a lost volume) can hold no new turn.
+        if not (self.path.is_dir() and os.access(self.path, os.W_OK | os.X_OK)):
+            raise SessionStoreError(f"the session store directory {self.path} is missing or not writable")
 
     def ids(self) -> list[str]:
         return sorted(p.name.removesuffix(SUFFIX) for p in self.path.glob(f"sess_*{SUFFIX}"))
@@ -242,6 +251,9 @@ class RedisStore(SessionStore):
 
     def delete_record(self, key: str) -> None:
         self._call(self.client.delete, self._key("record", check_record_key(key)))
+
+    def ping(self) -> None:
+        self._call(self.client.ping)
 
     def acquire_lease(self, session_id: str, holder: str) -> bool:
         return bool(self._call(self.client.set, self._key("lease", session_id), holder, nx=True, px=self.lease_ms))

@@ -48,6 +48,8 @@ from kvfree.server.protocol import SessionUsage, new_id
 
 T = TypeVar("T")
 
+STORE_PING_TIMEOUT_S = 2.0  # a store that does not answer a ping this fast is reported unavailable
+
 # Texts up to this many characters are tokenized on the event loop (well under a millisecond); longer ones on a
 # worker thread.
 INLINE_TOKENIZE_CHARS = 32_768
@@ -141,6 +143,20 @@ class EngineClient:
     def stats(self) -> dict[str, Any]:
         """The engine's counters for /metrics (`EngineCore.stats`, as the engine last reported them)."""
         return self._engine.stats()
+
+    async def session_store_problem(self) -> str | None:
+        """Why the session store cannot be used now, or None when it can (or there is none): what /ready reports,
+        and why a turn that must be stored is refused before it runs."""
+        store = self._engine.session_store
+        if store is None:
+            return None
+        try:
+            await asyncio.wait_for(asyncio.to_thread(store.ping), STORE_PING_TIMEOUT_S)
+        except SessionStoreError as exc:
+            return str(exc)
+        except TimeoutError:
+            return f"the session store did not answer within {STORE_PING_TIMEOUT_S:g} s"
+        return None
 
     # -- tokenizing prompts ---------------------------------------------------------------------------------------
     def check_prompt_chars(self, num_chars: int, param: str) -> None:

@@ -43,11 +43,17 @@ async def version() -> dict[str, str]:
 
 @router.get("/ready")
 async def ready(state: StateDep) -> JSONResponse:
-    """200 while the engine accepts work; 503 while starting or shutting down."""
+    """200 while the engine accepts work and the session store (if any) answers; 503 with the reason while starting,
+    shutting down, or while the store is unreachable (a load balancer then sends sessions elsewhere; liveness,
+    `/health`, stays 200)."""
     engine = state.engine
-    if engine.accepting and engine.alive:
-        return JSONResponse({"status": "ready"})
-    return JSONResponse({"status": "unavailable"}, status_code=503)
+    if not (engine.accepting and engine.alive):
+        reason = "the engine has stopped" if engine.accepting else "the server is starting or shutting down"
+        return JSONResponse({"status": "unavailable", "reason": reason}, status_code=503)
+    problem = await engine.session_store_problem()
+    if problem is not None:
+        return JSONResponse({"status": "unavailable", "reason": problem}, status_code=503)
+    return JSONResponse({"status": "ready"})
 
 
 @router.get("/metrics")

@@ -32,7 +32,7 @@ from kvfree.engine.session_store import SessionStoreError
 from kvfree.engine.sessions import SessionNotFound
 from kvfree.server.auth import OwnerDep, api_key_owner
 from kvfree.server.chat_template import render_chat, stop_at_turn_end
-from kvfree.server.errors import APIError, error_responses, not_found
+from kvfree.server.errors import APIError, error_responses, not_found, service_unavailable
 from kvfree.server.lifecycle import ENGINE_ERRORS, Generation, http_errors
 from kvfree.server.protocol import ChatMessage, ResponseModel, SystemMessage
 from kvfree.server.responses import (
@@ -97,6 +97,10 @@ async def create_response(body: ResponsesRequest, request: Request, state: State
         prompt_ids = await state.engine.encode_prompt(text, "input")
     state.engine.check(prompt_ids, params, "input")
 
+    if body.store and (problem := await state.engine.session_store_problem()) is not None:
+        # Refused before it runs: a stored response whose record cannot be written could never be fetched or continued.
+        raise service_unavailable(f"{problem}; this response asks to be stored: retry, or send store: false",
+                                  retry_after=5)  # fmt: skip
     session_id = await _session_for(state, previous, body.store, owner)
     fmt = ToolCallFormat.from_tokenizer_config(tok.config) if body.uses_tools else None
     turn = Turn(

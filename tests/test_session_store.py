@@ -103,6 +103,13 @@ def test_store_contract(kind, tmp_path, request):
     assert store.read_record(key) is None
     with pytest.raises(ValueError, match="record key"):
         store.write_record("../escape", b"x")
+    store.ping()  # reachable: nothing raised
+    if kind == "redis":
+        request.getfixturevalue("redis_server").stop()
+    else:
+        shutil.rmtree(tmp_path / "sessions")  # a lost volume
+    with pytest.raises(SessionStoreError):
+        store.ping()
     store.close()
 
 
@@ -263,8 +270,21 @@ def test_redis_restart_keeps_sessions_and_an_outage_fails_only_session_requests(
             client.chat(_turn(history, "x"), session_id=session.id, **GREEDY)
         assert err.value.status == 503 and "session store" in err.value.message
         assert client.chat(_turn(SYSTEM, "no session"), **GREEDY).finish_reason == "length"
+        with httpx.Client(base_url=server.url, timeout=30) as http:
+            # Not ready (a load balancer sends sessions elsewhere), yet alive.
+            ready = http.get("/ready")
+            assert ready.status_code == 503 and "session store" in ready.json()["reason"], ready.text
+            assert http.get("/health").status_code == 200
+            # A response that asks to be stored (OpenAI's default) is refused before it runs, with Retry-After;
+            # one that does not is served.
+            turn = {"input": "Hello", "max_output_tokens": 4}
+            refused = http.post("/v1/responses", json={**turn, "store": True})
+            assert refused.status_code == 503 and "store: false" in refused.json()["error"]["message"]
+            assert refused.headers["retry-after"] == "5"
+            assert http.post("/v1/responses", json={**turn, "store": False}).status_code == 200
 
         redis_server.start()  # back, from its append-only file: nothing was lost
+        assert httpx.get(server.url + "/ready", timeout=30).status_code == 200
         assert client.get_session(session.id).num_tokens == tokens
         history = _turn([*history, {"role": "assistant", "content": reply.text}], "Then?")
         assert client.chat(history, session_id=session.id, **GREEDY).text == _reference(server, history)
