@@ -10,8 +10,9 @@
         saved = client.snapshot(session.id)           # bytes: restore them here or on another server
         restored = client.restore(saved)
 
-`AsyncKvfreeClient` has the same methods as coroutines (and `chat_stream` as an async iterator). Both retry on 429
-and 503 honouring `Retry-After`, and on refused connections (clients/retry.py); other errors raise
+`AsyncKvfreeClient` has the same methods as coroutines (and `chat_stream` as an async iterator). Both retry on 429,
+503 and a 409 with `Retry-After` (a session busy on another replica) honouring it, and on refused connections
+(clients/retry.py); other errors raise
 `KvfreeAPIError` with the server's message.
 """
 
@@ -182,7 +183,8 @@ class KvfreeClient:
         base_url: the server, e.g. http://127.0.0.1:8000 (no /v1).
         api_key: sent as a bearer token (default: none).
         timeout: seconds per request (a stream's reads each get this long).
-        retry: when to retry (default: 3 retries on 429/503/refused connections, honouring Retry-After).
+        retry: when to retry (default: 3 retries on 429/503, a 409 with Retry-After, refused connections,
+            honouring Retry-After).
     """
 
     def __init__(

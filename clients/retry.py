@@ -1,5 +1,6 @@
-"""When to retry a request: on 429 and 503 (the server is busy or shutting down), after its `Retry-After` when it
-sends one, else after an exponential backoff; and on a refused connection (a replica restarting)."""
+"""When to retry a request: on 429 and 503 (the server is busy or shutting down) and on a 409 that carries
+`Retry-After` (a session busy with another turn, which ends by itself), after that `Retry-After` when it is sent,
+else after an exponential backoff; and on a refused connection (a replica restarting)."""
 
 from __future__ import annotations
 
@@ -22,7 +23,9 @@ class RetryPolicy:
 
         status: the response's HTTP status, or None when the connection failed.
         """
-        if attempt >= self.max_retries or (status is not None and status not in RETRY_STATUSES):
+        if attempt >= self.max_retries:
+            return None
+        if status is not None and status not in RETRY_STATUSES and not (status == 409 and retry_after is not None):
             return None
         if retry_after is not None:
             try:

@@ -104,7 +104,7 @@ class AsyncEngine(EngineHandle):
                 self._run_command(*command)
             if core.has_work:
                 core.step()
-            core.poll_writes()
+            core.poll_store()
 
     def _flush(self) -> None:
         """Hand this step's outputs to the event loop in one call."""

@@ -78,7 +78,7 @@ class EngineConfig:
     hmac_key: bytes | None = None
     session_store: str | None = None
     session_ttl_seconds: float | None = None
-    session_lease_seconds: float = 60.0
+    session_lease_seconds: float = 10.0
     session_write: str = "through"
 
     def build(self) -> EngineCore:
@@ -204,8 +204,11 @@ class EngineCore:
             self._fail_in_flight(exc)
         self._outputs_ready()
 
-    def poll_writes(self) -> None:
+    def poll_store(self) -> None:
+        """The session store's background work, between steps: apply the writes that landed, renew the leases of
+        the turns that run."""
         self.sessions.poll_writes()
+        self.sessions.renew_leases()
 
     def _fail_in_flight(self, exc: Exception) -> None:
         """Send `exc` to every request in flight and free their slots. A session in the failed batch may hold a

@@ -110,7 +110,7 @@ class EngineLoop:
                 shape = self._shape()
                 if core.has_work:
                     core.step()
-                core.poll_writes()
+                core.poll_store()
                 # Counters go out when the step admitted or retired requests (what /metrics readers look for right
                 # after acting), when the engine goes idle, and at least every STATS_INTERVAL_S while it is busy.
                 if (
@@ -126,7 +126,7 @@ class EngineLoop:
             log.warning("the front has gone: exiting after the session writes under way")
             deadline = time.monotonic() + 10
             while core.writing and time.monotonic() < deadline:
-                core.poll_writes()
+                core.poll_store()
                 time.sleep(0.01)
 
     def _shape(self) -> tuple[int, int, int]:

@@ -55,6 +55,7 @@ class SessionStore(ABC):
     """Snapshots and metadata of sessions, by session id, for one model (the fingerprint is in every snapshot)."""
 
     shared = False  # other replicas may write it (check versions and take leases)
+    lease_seconds: float | None = None  # how long a claim lasts unless its holder renews it (None: no leases)
 
     @abstractmethod
     def write(self, meta: StoredSession, data: bytes) -> StoredSession:
@@ -91,6 +92,10 @@ class SessionStore(ABC):
 
     def acquire_lease(self, session_id: str, holder: str) -> bool:
         """Claim the session for one turn; False when another holder has it (one process: always True)."""
+        return True
+
+    def renew_lease(self, session_id: str, holder: str) -> bool:
+        """Extend the holder's claim by another `lease_seconds`; False when the claim is no longer the holder's."""
         return True
 
     def release_lease(self, session_id: str, holder: str) -> None:  # noqa: B027 (one process: nothing to release)
@@ -184,13 +189,13 @@ class DirectoryStore(SessionStore):
 class RedisStore(SessionStore):
     """Sessions in Redis, shared by replicas: `{prefix}:snap:{id}` (snapshot bytes), `{prefix}:meta:{id}` (JSON
     metadata with its version), `{prefix}:lease:{id}` (the holder of the running turn, expiring after
-    `lease_seconds` so a crashed replica's claim lapses). The prefix holds the model fingerprint, so models never
-    share sessions. `ttl_seconds` (None: none) expires sessions not used for that long.
+    `lease_seconds` unless its holder renews it: a crashed replica's claim lapses). The prefix holds the model
+    fingerprint, so models never share sessions. `ttl_seconds` (None: none) expires sessions not used for that long.
     """
 
     shared = True
 
-    def __init__(self, url: str, fingerprint: str, ttl_seconds: float | None = None, lease_seconds: float = 60.0,
+    def __init__(self, url: str, fingerprint: str, ttl_seconds: float | None = None, lease_seconds: float = 10.0,
                  timeout: float = 5.0) -> None:  # fmt: skip
         import redis
 
@@ -198,6 +203,7 @@ class RedisStore(SessionStore):
         self.url = url
         self.prefix = f"kvfree:{fingerprint}"
         self.ttl_ms = int(ttl_seconds * 1000) if ttl_seconds else None
+        self.lease_seconds = lease_seconds
         self.lease_ms = int(lease_seconds * 1000)
         self.client = redis.Redis.from_url(url, socket_timeout=timeout, socket_connect_timeout=timeout)
         self._call(self.client.ping)  # fail at start-up, with the URL in the message, rather than on a request
@@ -258,6 +264,13 @@ class RedisStore(SessionStore):
     def acquire_lease(self, session_id: str, holder: str) -> bool:
         return bool(self._call(self.client.set, self._key("lease", session_id), holder, nx=True, px=self.lease_ms))
 
+    def renew_lease(self, session_id: str, holder: str) -> bool:
+        # Extend only our own lease (compare and extend in one step), as release deletes only our own.
+        script = (
+            "if redis.call('get', KEYS[1]) == ARGV[1] then return redis.call('pexpire', KEYS[1], ARGV[2]) end return 0"
+        )
+        return bool(self._call(self.client.eval, script, 1, self._key("lease", session_id), holder, self.lease_ms))
+
     def release_lease(self, session_id: str, holder: str) -> None:
         # Delete only our own lease (compare and delete in one step): an expired one may be another holder's now.
         script = "if redis.call('get', KEYS[1]) == ARGV[1] then return redis.call('del', KEYS[1]) end return 0"
@@ -268,7 +281,7 @@ class RedisStore(SessionStore):
 
 
 def open_store(spec: str | Path, fingerprint: str, hmac_key: bytes | None = None, ttl_seconds: float | None = None,
-               lease_seconds: float = 60.0) -> SessionStore:  # fmt: skip
+               lease_seconds: float = 10.0) -> SessionStore:  # fmt: skip
     """A store from `--session-store`: `redis://host:port/db` (or rediss://) for Redis, else a directory path."""
     text = str(spec)
     if text.startswith(("redis://", "rediss://", "unix://")):

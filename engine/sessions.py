@@ -157,6 +157,7 @@ class SessionManager:
         self.store = store
         self.write_through = write_through and store is not None
         self.lease_holder = new_holder()
+        self._leases: dict[str, float] = {}  # session id -> time.monotonic() its lease was taken or last renewed
         self.writer = BackgroundWriter(store, self._encode) if self.write_through and async_writes else None
         self._writing: dict[str, int] = {}  # session id -> background writes not landed yet
         self.write_lag_seconds = 0.0  # how long the last background write took to land after its turn
@@ -399,17 +400,47 @@ class SessionManager:
         return found
 
     def begin_turn(self, session: Session) -> bool:
-        """Claim `session` for a turn across replicas (the store's lease); False when another replica runs one."""
-        return self.store is None or self.store.acquire_lease(session.session_id, self.lease_holder)
+        """Claim `session` for a turn across replicas (the store's lease); False when another replica runs one.
+        The claim is renewed while the turn runs (`renew_leases`)."""
+        if self.store is None:
+            return True
+        if not self.store.acquire_lease(session.session_id, self.lease_holder):
+            return False
+        self._leases[session.session_id] = time.monotonic()
+        return True
 
     def end_turn(self, session: Session) -> None:
         """Give the turn's claim back (a failure only delays the next turn until the lease expires); with
         background writes, once the turn's write has landed (`poll_writes`)."""
         if self.store is not None and not session.ephemeral and not self._writing.get(session.session_id):
+            self._leases.pop(session.session_id, None)
             try:
                 self.store.release_lease(session.session_id, self.lease_holder)
             except SessionStoreError as e:
                 log.warning("could not release the lease of session %s: %s", session.session_id, e)
+
+    def renew_leases(self) -> None:
+        """Renew the claims of the turns that run (and of writes still landing) once a third of a lease has passed
+        since the last renewal: a claim lasts as long as its turn, however long, while a crashed holder's lapses
+        within one lease. Called often (every engine step); does nothing in between."""
+        period = self.store.lease_seconds / 3 if self.store is not None and self.store.lease_seconds else None
+        if period is None or not self._leases:
+            return
+        now = time.monotonic()
+        for session_id, renewed in list(self._leases.items()):
+            if now - renewed < period:
+                continue
+            try:
+                held = self.store.renew_lease(session_id, self.lease_holder)
+            except SessionStoreError as e:  # tried again at the next call; the claim lapses if the store stays away
+                log.warning("could not renew the lease of session %s: %s", session_id, e)
+                continue
+            if held:
+                self._leases[session_id] = now
+            else:
+                self._leases.pop(session_id)
+                log.error("the lease of session %s lapsed while its turn ran (the store was unreachable too long)",
+                          session_id)  # fmt: skip
 
     def persist_turn(self, session: Session) -> None:
         """Write-through: store the session's state now (a turn on it just finished). Raises SessionStoreError

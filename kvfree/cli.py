@@ -280,10 +280,11 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument(
         "--session-lease",
         type=float,
-        default=60.0,
+        default=10.0,
         metavar="S",
-        help="a turn's claim on a session in a shared store; a crashed replica's claim lapses after S seconds "
-        "(default: %(default)s)",
+        help="a turn's claim on a session in a shared store, renewed every S/3 seconds while the turn runs (however "
+        "long): a crashed replica's claim lapses within S seconds, and a turn on another replica gets 409 with "
+        "Retry-After meanwhile (default: %(default)s)",
     )
     p.add_argument(
         "--api-keys-file",

@@ -116,9 +116,12 @@ def not_found(message: str, param: str | None = None, code: str = "not_found") -
     return APIError(404, message, param=param, code=code)
 
 
-def conflict(message: str, param: str | None = None, code: str = "conflict") -> APIError:
-    """409: the resource is busy (a session used by another request right now)."""
-    return APIError(409, message, param=param, code=code)
+def conflict(
+    message: str, param: str | None = None, code: str = "conflict", retry_after: float | None = None
+) -> APIError:
+    """409: the resource is busy (a session used by another request right now); with `retry_after`, a conflict that
+    ends by itself (the other turn finishes, or a crashed replica's claim lapses), which clients may retry."""
+    return APIError(409, message, param=param, code=code, headers=_retry_headers(retry_after))
 
 
 def payload_too_large(limit_bytes: int) -> APIError:

@@ -80,7 +80,7 @@ def engine_error(exc: Exception) -> APIError:
     if isinstance(exc, SessionNotFound):
         return not_found(str(exc), "session_id")
     if isinstance(exc, SessionBusy):
-        return conflict(str(exc), "session_id")
+        return conflict(str(exc), "session_id", code="session_busy", retry_after=1)
     if isinstance(exc, EngineStopped):
         return service_unavailable(str(exc), retry_after=5)
     if isinstance(exc, SessionStoreError):

@@ -30,7 +30,7 @@ class ServerSettings:
     session_store: str | None = None  # redis://host:port/db, or a directory; replaces snapshot_dir
     session_write: str = "through"  # with session_store: "through", "async" (every turn) or "spill" (on eviction)
     session_ttl_seconds: float | None = None  # stored sessions unused this long expire (Redis)
-    session_lease_seconds: float = 60.0  # a turn's claim on a session in a shared store lapses after this
+    session_lease_seconds: float = 10.0  # a turn's claim on a session in a shared store, renewed while it runs
     replica_name: str = field(default_factory=socket.gethostname)  # the X-Kvfree-Replica response header
     snapshot_hmac_key: bytes | None = None
     api_keys_file: Path | None = None

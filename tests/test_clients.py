@@ -141,6 +141,13 @@ def test_retry_after_is_honoured_and_other_errors_are_not_retried():
     with KvfreeClient("http://kvfree.test", transport=transport) as c, pytest.raises(KvfreeAPIError) as err:
         c.delete_session("sess_1")
     assert len(seen) == 1 and err.value.status == 409 and err.value.message == "in use"
+    # A 409 that says when to retry (a session busy with a turn on another replica) is retried like a 429.
+    seen.clear()
+    busy = {"error": {"message": "running a turn on another replica", "param": "session_id", "code": "session_busy"}}
+    script = [httpx.Response(409, headers={"Retry-After": "0.1"}, json=busy), httpx.Response(200, json=session)]
+    with KvfreeClient("http://kvfree.test", transport=httpx.MockTransport(_scripted(script, seen))) as c:
+        assert c.get_session("sess_1").num_tokens == 3
+    assert len(seen) == 2 and seen[1] - seen[0] >= 0.1
     assert RetryPolicy().delay(0, 429, "Wed, 21 Oct 2015 07:28:00 GMT") == 0.5  # a date: the backoff instead
 
 

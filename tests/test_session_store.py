@@ -84,9 +84,13 @@ def test_store_contract(kind, tmp_path, request):
         assert store.read(sid) == b"snapshot-2" and store.ids() == [sid]
         assert store.acquire_lease(sid, "a") and not store.acquire_lease(sid, "b")
         store.release_lease(sid, "b")  # not b's: nothing happens
+        assert not store.acquire_lease(sid, "b") and not store.renew_lease(sid, "b")
+        for _ in range(4):  # 0.6 s in all, twice the lease: renewed by its holder, it holds
+            time.sleep(0.15)
+            assert store.renew_lease(sid, "a")
         assert not store.acquire_lease(sid, "b")
         time.sleep(0.4)  # a crashed holder's lease lapses
-        assert store.acquire_lease(sid, "b")
+        assert not store.renew_lease(sid, "a") and store.acquire_lease(sid, "b")
         store.release_lease(sid, "b")
         assert store.acquire_lease(sid, "a")
         store.delete(sid)
@@ -136,8 +140,8 @@ def checkpoint(tmp_path_factory):
     return make_checkpoint("tiny", tmp_path_factory.mktemp("ckpt") / "tiny")
 
 
-def _replica(checkpoint: Path, redis_url: str, log: Path) -> ProcServer:
-    args = ["--session-store", redis_url, "--session-lease", "3", "--max-sessions", "4", "--max-waiting", "16"]
+def _replica(checkpoint: Path, redis_url: str, log: Path, lease: float = 3) -> ProcServer:
+    args = ["--session-store", redis_url, "--session-lease", str(lease), "--max-sessions", "4", "--max-waiting", "16"]
     return ProcServer(checkpoint, args, log).start()
 
 
@@ -174,9 +178,9 @@ def test_two_replicas_share_sessions_and_survive_kill_9(checkpoint, redis_server
         # Two turns at once on one session, one per replica: one is refused with 409, never interleaved.
         long_turn = ca.chat_stream(_turn(history, "Go on"), session_id=session.id, max_tokens=400, temperature=0)
         next(long_turn)  # A holds the session now
-        with pytest.raises(KvfreeAPIError) as err:
-            cb.chat(_turn(history, "Go on"), session_id=session.id, **GREEDY)
-        assert err.value.status == 409 and "another replica" in err.value.message
+        with KvfreeClient(b.url, retry=RetryPolicy(max_retries=0)) as once, pytest.raises(KvfreeAPIError) as err:
+            once.chat(_turn(history, "Go on"), session_id=session.id, **GREEDY)
+        assert err.value.status == 409 and "another replica" in err.value.message and err.value.code == "session_busy"
 
         # kill -9 A in the middle of that turn: the session resumes on B from its last completed turn.
         a.proc.kill()
@@ -204,6 +208,41 @@ def test_two_replicas_share_sessions_and_survive_kill_9(checkpoint, redis_server
         assert err.value.status == 400 and err.value.code == "checksum_mismatch"
         ca.close()
         cb.close()
+    finally:
+        a.kill()
+        b.kill()
+
+
+@needs_redis
+def test_a_turn_keeps_its_lease_however_long_and_a_killed_replicas_claim_lapses_within_one(
+    checkpoint, redis_server, tmp_path
+):
+    """With a 0.6 s lease a turn of thousands of tokens holds its session throughout (its replica renews the claim),
+    another replica's turn meanwhile gets 409 with Retry-After; after `kill -9` the claim lapses within a lease and
+    a retrying client's turn goes through, from the last completed turn."""
+    a = _replica(checkpoint, redis_server.url, tmp_path / "a.log", lease=0.6)
+    b = _replica(checkpoint, redis_server.url, tmp_path / "b.log", lease=0.6)
+    try:
+        ca = KvfreeClient(a.url, retry=RetryPolicy(max_retries=0))
+        session = ca.create_session(messages=SYSTEM)
+        completed = ca.get_session(session.id).num_tokens
+        long_turn = ca.chat_stream(_turn(SYSTEM, "Talk"), session_id=session.id, max_tokens=4000, temperature=0)
+        next(long_turn)
+        time.sleep(1.5)  # 2.5 leases: without renewals the claim would have lapsed
+        with httpx.Client(base_url=b.url, timeout=30) as http:
+            body = {"messages": _turn(SYSTEM, "Me too"), "session_id": session.id, **GREEDY}
+            r = http.post("/v1/chat/completions", json=body)
+            assert r.status_code == 409 and r.json()["error"]["code"] == "session_busy", r.text
+            assert r.headers["retry-after"] == "1"
+        a.proc.kill()
+        a.proc.wait(10)
+        with contextlib.suppress(httpx.HTTPError):
+            for _ in long_turn:
+                pass
+        with KvfreeClient(b.url, retry=RetryPolicy(max_retries=5)) as cb:  # retries the 409 until the claim lapses
+            reply = cb.chat(_turn(SYSTEM, "Me too"), session_id=session.id, **GREEDY)
+            assert reply.session["resumed_from"] == "store" and reply.cached_tokens == completed
+        ca.close()
     finally:
         a.kill()
         b.kill()
