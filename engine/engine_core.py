@@ -20,13 +20,13 @@ from typing import Any
 
 import torch
 
-from kvfree.engine.engine_info import EngineInfo, SessionRecord
+from kvfree.engine.engine_info import EngineInfo, SessionPage, SessionRecord
 from kvfree.engine.llm import LLM
 from kvfree.engine.llm_engine import LLMEngine
 from kvfree.engine.sampling import SamplingParams
 from kvfree.engine.scheduler import QueueFull, Request, RequestOutput, Scheduler
 from kvfree.engine.session_store import SessionStore, open_store
-from kvfree.engine.sessions import Session, SessionManager
+from kvfree.engine.sessions import Session, SessionManager, SessionNotFound
 from kvfree.engine.snapshot import model_fingerprint
 
 log = logging.getLogger("kvfree.engine")
@@ -37,8 +37,8 @@ STEP_WINDOW = 256  # the steps `stats` averages its step timings over
 
 # What a front may run on the engine by name (`EngineCore.call`): session operations and the phases of a shutdown.
 CALLS = frozenset({
-    "create_session", "get_session", "delete_session", "discard_session", "fork_session", "export_session",
-    "restore_session", "has_work", "abort_all", "persist_all",
+    "create_session", "get_session", "list_sessions", "delete_session", "discard_session", "fork_session",
+    "export_session", "restore_session", "has_work", "abort_all", "persist_all",
 })  # fmt: skip
 
 
@@ -315,6 +315,19 @@ class EngineCore:
 
     def get_session(self, session_id: str, owner: str | None) -> SessionRecord:
         return self._record(self.sessions.get(session_id, owner))
+
+    def list_sessions(
+        self, owner: str | None, limit: int, after: str | None = None, order: str = "desc"
+    ) -> SessionPage:
+        """Up to `limit` of `owner`'s sessions by creation time (`order` "asc" oldest first, "desc" newest first),
+        those after session `after` when given (SessionNotFound when it is not one of theirs)."""
+        sessions = sorted(self.sessions.owned(owner), key=lambda s: (s.created, s.session_id), reverse=order == "desc")
+        if after is not None:
+            at = next((i for i, s in enumerate(sessions) if s.session_id == after), None)
+            if at is None:
+                raise SessionNotFound(f"session {after!r} not found")
+            sessions = sessions[at + 1 :]
+        return SessionPage(tuple(self._record(s) for s in sessions[:limit]), len(sessions) > limit)
 
     def delete_session(self, session_id: str, owner: str | None) -> None:
         self.sessions.delete(self._idle(session_id, owner))

@@ -15,7 +15,7 @@ from collections.abc import AsyncIterator, Callable
 from typing import Any
 
 from kvfree.engine.engine_core import EngineStopped
-from kvfree.engine.engine_info import EngineInfo, SessionRecord
+from kvfree.engine.engine_info import EngineInfo, SessionPage, SessionRecord
 from kvfree.engine.sampling import SamplingParams
 from kvfree.engine.scheduler import RequestOutput
 
@@ -96,6 +96,9 @@ class EngineHandle:
 
     async def get_session(self, session_id: str, owner: str | None) -> SessionRecord:
         return await self._call("get_session", session_id, owner)
+
+    async def list_sessions(self, owner: str | None, limit: int, after: str | None, order: str) -> SessionPage:
+        return await self._call("list_sessions", owner, limit, after, order)
 
     async def delete_session(self, session_id: str, owner: str | None) -> None:
         await self._call("delete_session", session_id, owner)

@@ -67,3 +67,12 @@ class SessionRecord:
     num_tokens: int
     location: str
     state_bytes: int
+
+
+
+@dataclass(frozen=True)
+class SessionPage:
+    """One page of an owner's sessions, in the order asked (`EngineCore.list_sessions`), and whether more follow."""
+
+    records: tuple[SessionRecord, ...]
+    has_more: bool

@@ -28,7 +28,7 @@ import msgpack
 
 from kvfree.checkpoints import CheckpointError
 from kvfree.engine.engine_core import EngineStopped, SessionBusy
-from kvfree.engine.engine_info import EngineInfo, SessionRecord
+from kvfree.engine.engine_info import EngineInfo, SessionPage, SessionRecord
 from kvfree.engine.sampling import SamplingParams
 from kvfree.engine.scheduler import QueueFull, RequestOutput
 from kvfree.engine.sequence import TokenLogprob
@@ -88,10 +88,14 @@ RECORD_CALLS = frozenset({"create_session", "get_session", "fork_session", "rest
 
 
 def result_to_wire(value: Any) -> Any:
+    if isinstance(value, SessionPage):
+        return {"records": [record_to_wire(r) for r in value.records], "has_more": value.has_more}
     return record_to_wire(value) if isinstance(value, SessionRecord) else value
 
 
 def result_from_wire(method: str, value: Any) -> Any:
+    if method == "list_sessions":
+        return SessionPage(tuple(record_from_wire(r) for r in value["records"]), value["has_more"])
     return record_from_wire(value) if method in RECORD_CALLS else value
 
 

@@ -100,7 +100,7 @@ class Session:
 
 @dataclass
 class SessionCounters:
-    """Tier movements since start, for metrics."""
+    """Tier movements since start, and the turns that started their session over, for metrics."""
 
     evictions: int = 0  # GPU slot -> host memory
     spills: int = 0  # host memory -> snapshot file
@@ -108,6 +108,7 @@ class SessionCounters:
     reloads_from_disk: int = 0
     stored_turns: int = 0  # write-through (or async) writes that landed
     failed_writes: int = 0
+    resets: int = 0  # turns whose prompt did not continue what the session held: it started over (`reset`)
 
 
 class SessionManager:
@@ -230,6 +231,10 @@ class SessionManager:
             raise SessionNotFound(f"session {session_id!r} not found")
         return session
 
+    def owned(self, owner: str | None) -> list[Session]:
+        """Every session of `owner` this replica knows (resident, in host memory, or found in the store)."""
+        return [s for s in self._sessions.values() if s.owner == owner and not s.ephemeral]
+
     # -- slots --------------------------------------------------------------------------------------------------
     def acquire_slot(self, session: Session) -> int:
         """Make `session` resident in a pool slot and mark it busy; returns the slot (idempotent while resident).
@@ -271,8 +276,10 @@ class SessionManager:
         self._touch(session)
 
     def reset(self, session: Session) -> None:
-        """Return `session` to the initial state (e.g. its tokens are not a prefix of the new prompt)."""
+        """Return `session` to the initial state (its tokens are not a prefix of the new prompt): counted, and said
+        in the turn's response (`session.reset`)."""
         self._check_registered(session)
+        self.counters.resets += 1
         if session.slot is not None:
             self.pool.reset(session.slot)
         elif session.location != "host" or session.host_state is not None:

@@ -126,6 +126,7 @@ def cmd_serve(args: argparse.Namespace) -> int:
         session_write=args.session_write,
         session_ttl_seconds=args.session_ttl,
         session_lease_seconds=args.session_lease,
+        replica_id=args.replica_id,
         snapshot_hmac_key=hmac_key.encode() if hmac_key else None,
         api_keys_file=args.api_keys_file,
         max_body_bytes=args.max_body_bytes,
@@ -275,6 +276,13 @@ def build_parser() -> argparse.ArgumentParser:
         "host); async: from a background thread, at most 16 writes behind (kvfree_session_writes_pending, "
         "kvfree_session_write_lag_seconds), which a crash can lose; spill: only when it leaves host memory and "
         "at shutdown, like --snapshot-dir (default: %(default)s)",
+    )
+    g.add_argument(
+        "--replica-id",
+        default=None,
+        metavar="NAME",
+        help="this replica's name in the X-Kvfree-Replica response header (default: HOSTNAME:PORT, so replicas on one "
+        "host differ)",
     )
     g.add_argument("--session-ttl", type=float, default=None, metavar="S", help="expire stored sessions unused S s")
     g.add_argument(

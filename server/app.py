@@ -105,7 +105,7 @@ def create_app(
         app.add_middleware(
             CORSMiddleware, allow_origins=settings.cors_origins, allow_methods=["*"], allow_headers=["*"]
         )
-    app.add_middleware(RequestContextMiddleware, metrics=metrics, replica=settings.replica_name)
+    app.add_middleware(RequestContextMiddleware, metrics=metrics, replica=settings.replica)
     return app
 
 

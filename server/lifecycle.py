@@ -24,7 +24,7 @@ from fastapi import Request
 
 from kvfree.engine.async_engine import EngineStopped, QueueFull, SessionBusy
 from kvfree.engine.engine_handle import EngineHandle
-from kvfree.engine.engine_info import EngineInfo, SessionRecord
+from kvfree.engine.engine_info import EngineInfo, SessionPage, SessionRecord
 from kvfree.engine.sampling import SamplingParams
 from kvfree.engine.scheduler import RequestOutput
 from kvfree.engine.session_store import SessionStoreError
@@ -242,6 +242,9 @@ class EngineClient:
 
     async def get_session(self, session_id: str, owner: str | None) -> SessionRecord:
         return await self._engine.get_session(session_id, owner)
+
+    async def list_sessions(self, owner: str | None, limit: int, after: str | None, order: str) -> SessionPage:
+        return await self._engine.list_sessions(owner, limit, after, order)
 
     async def delete_session(self, session_id: str, owner: str | None) -> None:
         await self._engine.delete_session(session_id, owner)

@@ -131,6 +131,12 @@ class Metrics:
             ["kind"],
             registry=r,
         )
+        self.session_resets = Gauge(
+            "kvfree_session_resets",
+            "Turns on a session whose history did not continue what the session held, so it started over (the "
+            "response says `session.reset`), since start.",
+            registry=r,
+        )
         self.session_writes_pending = Gauge(
             "kvfree_session_writes_pending",
             "Finished turns whose state is still on its way to the session store (--session-write async).",
@@ -207,7 +213,10 @@ class Metrics:
             for location in {*SESSION_LOCATIONS, *counts}:
                 self.sessions.labels(location=location).set(counts.get(location, 0))
         for kind, count in stats.get("session_moves", {}).items():
-            self.session_moves.labels(kind=kind).set(count)
+            if kind == "resets":
+                self.session_resets.set(count)
+            else:
+                self.session_moves.labels(kind=kind).set(count)
         for tier, count in stats.get("session_capacity", {}).items():
             self.session_capacity.labels(tier=tier).set(math.inf if count is None else count)
         if self.vllm is not None:

@@ -806,6 +806,16 @@ class SessionInfo(ResponseModel):
     )
 
 
+class SessionList(ResponseModel):
+    """A page of sessions, as OpenAI lists objects."""
+
+    object: Literal["list"] = "list"
+    data: list[SessionInfo]
+    first_id: str | None = None
+    last_id: str | None = None
+    has_more: bool = False
+
+
 class SessionDeleted(ResponseModel):
     id: str
     object: Literal["session.deleted"] = "session.deleted"

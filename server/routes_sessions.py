@@ -1,19 +1,21 @@
-"""Session routes (architecture.md §6-§7): create (optionally prefilled), inspect, delete, fork, snapshot, restore."""
+"""Session routes (architecture.md §6-§7): create (optionally prefilled), list, inspect, delete, fork, snapshot,
+restore."""
 
 from __future__ import annotations
 
-from typing import Annotated
+from typing import Annotated, Literal
 
-from fastapi import APIRouter, Body, Depends, Request
+from fastapi import APIRouter, Body, Depends, Query, Request
 from fastapi.responses import Response
 
 from kvfree.engine.engine_info import SessionRecord
 from kvfree.engine.sampling import SamplingParams
+from kvfree.engine.sessions import SessionNotFound
 from kvfree.server.auth import OwnerDep, api_key_owner
 from kvfree.server.chat_template import render_chat
-from kvfree.server.errors import APIError, error_responses, invalid_request
+from kvfree.server.errors import APIError, error_responses, invalid_request, not_found
 from kvfree.server.lifecycle import http_errors
-from kvfree.server.protocol import SessionCreateRequest, SessionDeleted, SessionInfo
+from kvfree.server.protocol import SessionCreateRequest, SessionDeleted, SessionInfo, SessionList
 from kvfree.server.state import ServerState, StateDep, check_model
 from kvfree.server.tools import template_tools
 
@@ -58,6 +60,31 @@ async def create_session(
             raise
         session = await state.engine.get_session(session.session_id, owner)
     return session_info(state, session)
+
+
+@router.get("/v1/sessions", response_model=SessionList, responses=error_responses(400, 401, 404))
+async def list_sessions(
+    state: StateDep,
+    owner: OwnerDep,
+    limit: Annotated[int, Query(ge=1, le=100, description="Sessions per page, 1-100.")] = 20,
+    after: Annotated[str | None, Query(description="A session id: the page starts after it (`last_id`).")] = None,
+    order: Annotated[Literal["asc", "desc"], Query(description="By creation time: `desc` newest first.")] = "desc",
+) -> SessionList:
+    """The caller's sessions (those of its API key; stored responses' states among them), a page at a time, as
+    OpenAI lists objects: pass the page's `last_id` as `after` while `has_more`. A replica lists the sessions it
+    holds or has found in the session store."""
+    with http_errors():
+        try:
+            page = await state.engine.list_sessions(owner, limit, after, order)
+        except SessionNotFound:
+            raise not_found(f"session {after!r} not found: `after` takes the `last_id` of a page", "after") from None
+    data = [session_info(state, record) for record in page.records]
+    return SessionList(
+        data=data,
+        first_id=data[0].id if data else None,
+        last_id=data[-1].id if data else None,
+        has_more=page.has_more,
+    )
 
 
 @router.get("/v1/sessions/{session_id}", response_model=SessionInfo, responses=error_responses(401, 404))

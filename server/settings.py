@@ -31,7 +31,7 @@ class ServerSettings:
     session_write: str = "through"  # with session_store: "through", "async" (every turn) or "spill" (on eviction)
     session_ttl_seconds: float | None = None  # stored sessions unused this long expire (Redis)
     session_lease_seconds: float = 10.0  # a turn's claim on a session in a shared store, renewed while it runs
-    replica_name: str = field(default_factory=socket.gethostname)  # the X-Kvfree-Replica response header
+    replica_id: str | None = None  # the X-Kvfree-Replica response header; None: "hostname:port"
     snapshot_hmac_key: bytes | None = None
     api_keys_file: Path | None = None
     max_body_bytes: int = 64 * 1024 * 1024  # snapshots are uploaded whole
@@ -40,3 +40,9 @@ class ServerSettings:
     config_overrides: dict = field(default_factory=dict)
     enforce_eager: bool = False  # decode without CUDA graphs
     engine_process: bool = True  # the engine core in a process of its own (False: on a thread of the HTTP process)
+
+    @property
+    def replica(self) -> str:
+        """This replica's name in `X-Kvfree-Replica`: `replica_id`, else the hostname and port (two replicas on one
+        host differ by their ports)."""
+        return self.replica_id or f"{socket.gethostname()}:{self.port}"

@@ -159,6 +159,9 @@ def test_two_replicas_share_sessions_and_survive_kill_9(checkpoint, redis_server
     a = _replica(checkpoint, redis_server.url, tmp_path / "a.log")
     b = _replica(checkpoint, redis_server.url, tmp_path / "b.log")
     try:
+        # Two replicas on one host name themselves apart: host and port (`--replica-id` names one otherwise).
+        names = [httpx.get(r.url + "/health").headers["x-kvfree-replica"] for r in (a, b)]
+        assert names == [f"{socket.gethostname()}:{a.port}", f"{socket.gethostname()}:{b.port}"]
         ca, cb = KvfreeClient(a.url, retry=RetryPolicy(max_retries=0)), KvfreeClient(b.url)
         bystander = ca.create_session(messages=SYSTEM)  # an idle session of A's: the crash must not lose it
         ca.chat(_turn(SYSTEM, "Hi"), session_id=bystander.id, **GREEDY)
