@@ -147,6 +147,11 @@ def cmd_loadtest(args: argparse.Namespace) -> int:
 
 
 def cmd_bench(args: argparse.Namespace) -> int:
+    if "--sessions" in args.forwarded:
+        # Like --serve: it starts `kvfree serve` and times session turns over HTTP.
+        from kvfree.session_bench import main as session_bench_main
+
+        return session_bench_main(args.forwarded)
     if "--serve" in args.forwarded:
         # The served benchmark starts `kvfree serve` and drives it over HTTP, so it lives above engine and loadtest.
         from kvfree.serve_bench import main as serve_bench_main
@@ -344,7 +349,8 @@ def build_parser() -> argparse.ArgumentParser:
         "bench",
         "time a preset's model step (decode at several batch sizes, one long prefill) against its floor, "
         "or LLM.generate end to end (--offline), or a checkpoint served over HTTP to streaming clients against "
-        "LLM.generate of the same work (--serve; `kvfree bench --serve --help`)",
+        "LLM.generate of the same work (--serve; `kvfree bench --serve --help`), or a session's next turn by where "
+        "its state was parked against recomputing it (--sessions; `kvfree bench --sessions --help`)",
         cmd_bench,
     )
     _add_forwarding_parser(

@@ -194,7 +194,7 @@ class ServerProcess:
 
 
 @contextlib.contextmanager
-def _sigterm_exits() -> Iterator[None]:
+def sigterm_exits() -> Iterator[None]:
     """While inside, SIGTERM raises SystemExit, so `finally` blocks (stopping the server) run; Python's default
     would end the process at once and leave the server running."""
 
@@ -215,7 +215,8 @@ def _sigterm_exits() -> Iterator[None]:
 # -- the run ------------------------------------------------------------------------------------------------------
 
 
-def _vocab_size(checkpoint: Path) -> int:
+def vocab_size_of(checkpoint: Path) -> int:
+    """The checkpoint's vocabulary size, from its config (a CheckpointError naming the file when unreadable)."""
     try:
         return int(json.loads((checkpoint / CONFIG_FILE).read_text())["vocab_size"])
     except (OSError, ValueError, KeyError, TypeError) as e:
@@ -227,7 +228,7 @@ def _level_seed(seed: int, clients: int) -> int:
     return seed * 100_003 + clients
 
 
-def _git_commit() -> str | None:
+def git_commit() -> str | None:
     """The commit of the checkout kvfree runs from (None outside a git checkout)."""
     try:
         out = subprocess.run(
@@ -397,7 +398,7 @@ def print_table(payload: dict[str, Any]) -> None:
 def run(args: argparse.Namespace) -> int:
     """The whole benchmark: serve, the levels over HTTP, stop, the offline runs, the JSON and the table."""
     checkpoint: Path = args.checkpoint
-    vocab_size = _vocab_size(checkpoint)
+    vocab_size = vocab_size_of(checkpoint)
     device = resolve_device(args.device)
     dtype = resolve_dtype(args.dtype, device)
     dtype_name = str(dtype).removeprefix("torch.")
@@ -422,7 +423,7 @@ def run(args: argparse.Namespace) -> int:
 
     server = ServerProcess(serve_args(args, str(device), dtype_name), log_path, args.start_timeout)
     print(f"starting the server (log: {log_path})", file=sys.stderr)
-    with _sigterm_exits():
+    with sigterm_exits():
         with server as url:
             started = time.perf_counter()
             warm, served = asyncio.run(
@@ -480,7 +481,7 @@ def run(args: argparse.Namespace) -> int:
             "request_timeout_s": args.request_timeout,
             "client_processes": args.client_processes,
         },
-        "environment": {**environment(device), "kvfree_commit": _git_commit()},
+        "environment": {**environment(device), "kvfree_commit": git_commit()},
         "definitions": {
             "output_tokens_per_s": "completion tokens of successful requests / the level's wall time",
             "ttft": "request sent to its stream's first text event",
