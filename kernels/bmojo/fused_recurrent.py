@@ -44,6 +44,7 @@ import triton.language as tl
 
 from .. import common
 from ..launcher import launch_kernel
+from ..masks import block_mask
 
 INTERPRET = os.environ.get("TRITON_INTERPRET", "0") in ("1", "true", "True")
 LOG2E = 1.4426950408889634
@@ -272,7 +273,7 @@ def _decode_attn_kernel(
     s_cur = tl.sum(k_cur.to(tl.float32) * qs, axis=0)
     m_i = tl.where(first, s_cur, float("-inf"))
     l_i = tl.where(first, 1.0, 0.0)
-    acc = tl.where(first, v_cur.to(tl.float32), 0.0)
+    acc = tl.where(block_mask(first, d), v_cur.to(tl.float32), 0.0)
 
     NB_R: tl.constexpr = (W + BN - 1) // BN
     NB_F: tl.constexpr = (M_F + BN - 1) // BN

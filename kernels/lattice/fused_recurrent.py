@@ -27,6 +27,7 @@ import triton.language as tl
 
 from .. import common
 from ..launcher import launch_kernel
+from ..masks import block_mask
 from .reference import _NORM_FLOOR, VARIANTS
 
 INTERPRET = os.environ.get("TRITON_INTERPRET", "0") in ("1", "true", "True")
@@ -52,11 +53,12 @@ def _conv_qk_gates(p, step, tail, wq, bq, wk, bk, t, bos, i_h, slot, cm, m_m, va
     if HAS_BIAS:
         qv += tl.load(bq + ch, mask=m_m, other=0.0).to(tl.float32)
         kv += tl.load(bk + ch, mask=m_m, other=0.0).to(tl.float32)
+    m_v = m_m & block_mask(valid, cm)
     for j in tl.static_range(K):  # tap j multiplies the input K-1-j tokens back
         tp = t - (K - 1) + j
-        xp = tl.load(p + tp * stride_pt + ch, mask=m_m & valid & (tp >= bos), other=0.0).to(tl.float32)
-        xt = tl.load(tail + slot * stride_cs + (tp - bos + K - 1) * stride_cr + ch, mask=m_m & valid & (tp < bos),
-                     other=0.0).to(tl.float32)  # fmt: skip
+        xp = tl.load(p + tp * stride_pt + ch, mask=m_v & block_mask(tp >= bos, cm), other=0.0).to(tl.float32)
+        xt = tl.load(tail + slot * stride_cs + (tp - bos + K - 1) * stride_cr + ch,
+                     mask=m_v & block_mask(tp < bos, cm), other=0.0).to(tl.float32)  # fmt: skip
         x = xp + xt  # one of the two loads is masked to 0
         qv += tl.load(wq + ch * K + j, mask=m_m, other=0.0).to(tl.float32) * x
         kv += tl.load(wk + ch * K + j, mask=m_m, other=0.0).to(tl.float32) * x
@@ -105,11 +107,12 @@ def _token_inputs(q, k, v, gamma, mu, p, step, tail, wq, bq, wk, bk, t, bos, val
                                     HAS_BIAS)  # fmt: skip
         uv = 1.0
     else:
-        qv = tl.load(q + t * stride_qt + i_h * stride_qh + cm, mask=m_m & valid, other=0.0).to(tl.float32)
-        kv = tl.load(k + t * stride_kt + i_h * stride_kh + cm, mask=m_m & valid, other=0.0).to(tl.float32)
+        m_v = m_m & block_mask(valid, cm)
+        qv = tl.load(q + t * stride_qt + i_h * stride_qh + cm, mask=m_v, other=0.0).to(tl.float32)
+        kv = tl.load(k + t * stride_kt + i_h * stride_kh + cm, mask=m_v, other=0.0).to(tl.float32)
         gv = tl.load(gamma + t * stride_gt + i_h * stride_gh, mask=valid, other=0.0).to(tl.float32)
         uv = tl.load(mu + t * stride_ut + i_h * stride_uh, mask=valid, other=1.0).to(tl.float32) if HAS_MU else 1.0
-    vv = tl.load(v + t * stride_vt + i_h * stride_vh + cd, mask=m_d & valid, other=0.0).to(tl.float32)
+    vv = tl.load(v + t * stride_vt + i_h * stride_vh + cd, mask=m_d & block_mask(valid, cd), other=0.0).to(tl.float32)
     return qv, kv, vv, gv, uv
 
 
@@ -236,8 +239,9 @@ def _lattice_gates_kernel(
             qv, kv, gv = _conv_qk_gates(p, step, tail, wq, bq, wk, bk, t, bos, i_h, slot, cm, m_m, ok, stride_pt,
                                         stride_st, stride_cs, stride_cr, mu_min, H, M, K, HAS_MU, QK_L2,
                                         HAS_BIAS)  # fmt: skip
-            tl.store(q + (t * H + i_h) * M + cm, qv, mask=m_m & ok)
-            tl.store(k + (t * H + i_h) * M + cm, kv, mask=m_m & ok)
+            m_ok = m_m & block_mask(ok, cm)
+            tl.store(q + (t * H + i_h) * M + cm, qv, mask=m_ok)
+            tl.store(k + (t * H + i_h) * M + cm, kv, mask=m_ok)
             tl.store(gamma + t * H + i_h, gv, mask=ok)
 
 

@@ -18,6 +18,7 @@ import triton
 import triton.language as tl
 
 from ..launcher import launch_kernel
+from ..masks import block_mask
 from .table import RowTable
 
 _INT = {1: tl.int8, 2: tl.int16, 4: tl.int32, 8: tl.int64}
@@ -42,7 +43,7 @@ def _copy_rows_kernel(
     offs = start + tl.arange(0, BLOCK)
     mask = offs < n
     copy = tl.load(zeroed + i_t) == 0  # else the tensor's dst rows are zero-filled: its src row is not read
-    words = tl.load(base + row_src * n + offs, mask=mask & copy, other=0)
+    words = tl.load(base + row_src * n + offs, mask=mask & block_mask(copy, offs), other=0)
     tl.store(base + row_dst * n + offs, words, mask=mask)
 
 

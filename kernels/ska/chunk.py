@@ -35,6 +35,7 @@ import triton.language as tl
 from .. import common
 from ..dispatch import chunk_metadata, host_cu_seqlens
 from ..launcher import launch_kernel
+from ..masks import block_mask
 from .fused_recurrent import check_state, rebuild_launch, sizes
 from .rebuild import build_readout, fallback_counter, param, split_eps, tensor_core_products
 from .reference import MODES, SKAState
@@ -139,12 +140,13 @@ def _ska_stats_kernel(
             for i in range(S):
                 t = t0 + i
                 real = (t >= 0) & (t < length)
-                zt = tl.load(z + (bos + t) * stride_zt + i_h * stride_zh + rr, mask=m_r & real, other=0.0)
-                zt = zt.to(tl.float32)
-                lag = tl.load(z + (bos + t - 1) * stride_zt + i_h * stride_zh + rr, mask=m_r & real & (t >= 1),
-                              other=0.0).to(tl.float32)  # fmt: skip
-                lag += tl.load(p_zprev, mask=m_r & real & (t == 0), other=0.0)
-                vt = tl.load(v + (bos + t) * stride_vt + i_h * stride_vh + pp, mask=m_p & real, other=0.0)
+                zt = tl.load(z + (bos + t) * stride_zt + i_h * stride_zh + rr, mask=m_r & block_mask(real, rr),
+                             other=0.0).to(tl.float32)  # fmt: skip
+                lag = tl.load(z + (bos + t - 1) * stride_zt + i_h * stride_zh + rr,
+                              mask=m_r & block_mask(real & (t >= 1), rr), other=0.0).to(tl.float32)  # fmt: skip
+                lag += tl.load(p_zprev, mask=m_r & block_mask(real & (t == 0), rr), other=0.0)
+                vt = tl.load(v + (bos + t) * stride_vt + i_h * stride_vh + pp, mask=m_p & block_mask(real, pp),
+                             other=0.0)  # fmt: skip
                 za = zt.to(acc)
                 g += za[:, None] * za[None, :]
                 mm += za[:, None] * lag.to(acc)[None, :]

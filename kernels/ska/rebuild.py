@@ -32,6 +32,7 @@ import torch
 import triton
 import triton.language as tl
 
+from ..masks import block_mask
 from .reference import JITTERS, M_FLOOR
 
 # The device loop computes the jitter as JITTER0 * 10^k; the reference's list must stay that sequence.
@@ -222,4 +223,4 @@ def build_readout(
     for _ in range(ORDER):
         scale = scale * c
     J = scale * X
-    return tl.where(ok != 0, J, float("nan"))
+    return tl.where(block_mask(ok != 0, J), J, float("nan"))
