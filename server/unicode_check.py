@@ -61,8 +61,8 @@ class UnicodeCheckMiddleware:
         self.app = app
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
-        if scope["type"] != "http" or scope.get("method") not in ("POST", "PUT", "PATCH"):
-            await self.app(scope, receive, send)
+        if scope["type"] != "http" or scope.get("method") not in ("POST", "PUT", "PATCH") or not _maybe_json(scope):
+            await self.app(scope, receive, send)  # a snapshot upload's megabytes are not searched
             return
         chunks: list[bytes] = []
         while True:
@@ -84,6 +84,14 @@ class UnicodeCheckMiddleware:
             await error.response()(scope, receive, send)
             return
         await self.app(scope, replay_body(body, receive), send)
+
+
+def _maybe_json(scope: Scope) -> bool:
+    """Whether the body may be parsed as JSON by a route: a JSON content type, or none (FastAPI reads it as JSON)."""
+    for name, value in scope.get("headers", ()):
+        if name == b"content-type":
+            return b"json" in value.lower()
+    return True
 
 
 def _bad_field(body: bytes) -> str | None:
