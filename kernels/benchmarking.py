@@ -15,10 +15,37 @@ import sys
 import time
 import traceback
 from collections.abc import Callable
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 import torch
+
+
+@dataclass(frozen=True)
+class Goal:
+    """A number a benchmark checks on one kind of device: `metric` `op` (">=" or "<=") `threshold`; `what` says it in
+    words. Benchmarks write each goal to their JSON with its value and whether it is met."""
+
+    device: str
+    metric: str
+    op: str
+    threshold: float
+    what: str
+
+    def met(self, value: float) -> bool:
+        return value >= self.threshold if self.op == ">=" else value <= self.threshold
+
+
+def print_goals(rows: list[dict[str, Any]], device_type: str) -> None:
+    """One line per goal row of a benchmark's JSON (a Goal's fields, its `value` and `met`): those of this device,
+    and any other that was judged."""
+    for row in rows:
+        if row["met"] is None and row["device"] != device_type:
+            continue
+        verdict = {True: "met", False: "MISSED", None: "not run"}[row["met"]]
+        value = "-" if row["value"] is None else f"{row['value']:.3g}"
+        print(f"target {row['what']}: {value} ({row['op']} {row['threshold']:g}): {verdict}")
 
 
 def median_ms(fn: Callable[[], object], device: torch.device, warmup_ms: float = 25, rep_ms: float = 200) -> float:

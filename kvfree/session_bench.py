@@ -26,7 +26,6 @@ import statistics
 import sys
 import tempfile
 import time
-from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -36,7 +35,7 @@ from kvfree.checkpoints import default_checkpoint_path
 from kvfree.cli import add_load_args
 from kvfree.engine.loader import resolve_device, resolve_dtype
 from kvfree.engine.throughput import random_prompts
-from kvfree.kernels.benchmarking import environment, write_json
+from kvfree.kernels.benchmarking import Goal, environment, print_goals, write_json
 from kvfree.loadtest.cli import positive
 from kvfree.serve_bench import ServerProcess, ServerStartError, git_commit, sigterm_exits, vocab_size_of
 
@@ -44,31 +43,17 @@ PLACES = ("gpu", "host", "disk")
 SLOTS = 2  # GPU slots and host-memory slots of the server: two newer sessions push an idle one a tier down
 
 
-@dataclass(frozen=True)
-class Target:
-    """A goal on one kind of device: `metric` <= or >= `threshold` (`op`)."""
-
-    device: str
-    metric: str
-    op: str
-    threshold: float
-    what: str
-
-    def met(self, value: float) -> bool:
-        return value >= self.threshold if self.op == ">=" else value <= self.threshold
-
-
 # The session-tiers issue's targets: a parked session resumes within a few ms of a resident one, and snapshots move
 # at memory speed (H100 with a Mamba-2 370M checkpoint; the CPU ones for the development machine).
 TARGETS = (
-    Target("cuda", "host_over_gpu_ms", "<=", 5, "parked in host memory: <= resident + 5 ms"),
-    Target("cuda", "disk_over_gpu_ms", "<=", 40, "parked on disk: <= resident + 40 ms"),
-    Target("cuda", "snapshot_download_mb_per_s", ">=", 1000, "snapshot download >= 1 GB/s"),
-    Target("cuda", "snapshot_restore_mb_per_s", ">=", 1000, "snapshot restore >= 1 GB/s"),
-    Target("cpu", "host_over_gpu_ms", "<=", 10, "parked in host memory: <= resident + 10 ms"),
-    Target("cpu", "disk_over_gpu_ms", "<=", 60, "parked on disk: <= resident + 60 ms"),
-    Target("cpu", "snapshot_download_mb_per_s", ">=", 500, "snapshot download >= 500 MB/s"),
-    Target("cpu", "snapshot_restore_mb_per_s", ">=", 500, "snapshot restore >= 500 MB/s"),
+    Goal("cuda", "host_over_gpu_ms", "<=", 5, "parked in host memory: <= resident + 5 ms"),
+    Goal("cuda", "disk_over_gpu_ms", "<=", 40, "parked on disk: <= resident + 40 ms"),
+    Goal("cuda", "snapshot_download_mb_per_s", ">=", 1000, "snapshot download >= 1 GB/s"),
+    Goal("cuda", "snapshot_restore_mb_per_s", ">=", 1000, "snapshot restore >= 1 GB/s"),
+    Goal("cpu", "host_over_gpu_ms", "<=", 10, "parked in host memory: <= resident + 10 ms"),
+    Goal("cpu", "disk_over_gpu_ms", "<=", 60, "parked on disk: <= resident + 60 ms"),
+    Goal("cpu", "snapshot_download_mb_per_s", ">=", 500, "snapshot download >= 500 MB/s"),
+    Goal("cpu", "snapshot_restore_mb_per_s", ">=", 500, "snapshot restore >= 500 MB/s"),
 )
 
 
@@ -178,9 +163,7 @@ def print_table(payload: dict[str, Any]) -> None:
         f"snapshot of {mb:.1f} MB: download {n['snapshot_download_mb_per_s']:.0f} MB/s, restore "
         f"{n['snapshot_restore_mb_per_s']:.0f} MB/s"
     )
-    for t in payload["targets"]:
-        if t["met"] is not None:
-            print(f"target {t['what']}: {t['value']:.3g}: {'met' if t['met'] else 'MISSED'}")
+    print_goals(payload["targets"], payload["device_type"])
     print(f"wrote {payload['out']}")
 
 
