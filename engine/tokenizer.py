@@ -18,6 +18,8 @@ from kvfree.checkpoints.byte_tokenizer import byte_symbols
 _BYTE_OF_SYMBOL = {symbol: byte for byte, symbol in enumerate(byte_symbols())}
 
 
+LONG_TEXT_CHARS = 16_384  # texts longer than this are encoded without holding the interpreter lock (`encode`)
+
 def _token_text(value: Any) -> str | None:
     # tokenizer_config.json writes special tokens either as strings or as {"content": ...} objects.
     if isinstance(value, dict):
@@ -59,7 +61,13 @@ class Tokenizer:
         return max(1, max(map(len, self._tok.get_vocab(with_added_tokens=True)), default=1))
 
     def encode(self, text: str) -> list[int]:
-        """Text -> token ids (special-token strings in the text are recognised as special tokens)."""
+        """Text -> token ids (special-token strings in the text are recognised as special tokens).
+
+        A long text goes through `encode_batch`, which releases the interpreter lock while it works (`encode` holds
+        it: a 3.9 MB text held it for 1.9 s on the development CPU, so a server's event loop, encoding it on a worker
+        thread, still stalled); the ids are the same."""
+        if len(text) > LONG_TEXT_CHARS:
+            return self._tok.encode_batch([text], add_special_tokens=False)[0].ids
         return self._tok.encode(text, add_special_tokens=False).ids
 
     def decode(self, ids: list[int], skip_special_tokens: bool = True) -> str:

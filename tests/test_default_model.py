@@ -38,6 +38,13 @@ def test_tokenizer_round_trips_and_template_renders_tools():
     assert tok.vocab_size == 49152
     text = "Hello, wörld! 1234 — naïve café\n\tdone"
     assert tok.decode(tok.encode(text)) == text
+    # A long text takes the path that releases the interpreter lock: the same ids as the short path, piece by piece
+    # (each piece begins with a special token, where the tokenizer always splits).
+    from kvfree.engine.tokenizer import LONG_TEXT_CHARS
+
+    piece = "<|im_start|>user\n" + text + "\n"
+    copies = LONG_TEXT_CHARS // len(piece) + 2
+    assert len(piece * copies) > LONG_TEXT_CHARS and tok.encode(piece * copies) == tok.encode(piece) * copies
     ex = examples("eval", 0, 1, skills=("tools",))[0]
     prompt = tok.apply_chat_template(ex.messages, tools=ex.tools, add_generation_prompt=True)
     assert prompt.startswith("<|im_start|>system\nYou can call these tools.")
