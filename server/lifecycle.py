@@ -31,7 +31,7 @@ from kvfree.engine.session_store import SessionStoreError
 from kvfree.engine.sessions import PoolExhausted, SessionLimitError, SessionNotFound
 from kvfree.engine.snapshot import SnapshotError
 from kvfree.engine.state_pool import SnapshotMismatchError
-from kvfree.engine.tokenizer import Tokenizer
+from kvfree.engine.tokenizer import LONG_TEXT_CHARS, Tokenizer
 from kvfree.server.detokenize import ChoiceTexts
 from kvfree.server.errors import (
     APIError,
@@ -49,10 +49,6 @@ from kvfree.server.protocol import SessionUsage, new_id
 T = TypeVar("T")
 
 STORE_PING_TIMEOUT_S = 2.0  # a store that does not answer a ping this fast is reported unavailable
-
-# Texts up to this many characters are tokenized on the event loop (well under a millisecond); longer ones on a
-# worker thread.
-INLINE_TOKENIZE_CHARS = 32_768
 
 # -- engine errors --------------------------------------------------------------------------------------------------
 
@@ -173,8 +169,9 @@ class EngineClient:
 
     async def tokenize(self, encode: Callable[[str], T], text: str) -> T:
         """`encode(text)`: inline for a short text, on a worker thread for a long one (tokenizing a megabyte takes
-        seconds, during which the event loop would serve no one else)."""
-        if len(text) <= INLINE_TOKENIZE_CHARS:
+        seconds, during which the event loop would serve no one else; a long text's tokenizing releases the
+        interpreter lock, `Tokenizer.encode`)."""
+        if len(text) <= LONG_TEXT_CHARS:
             return encode(text)
         return await asyncio.to_thread(encode, text)
 

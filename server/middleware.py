@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import logging
+import math
 import time
 from collections.abc import Mapping
 
@@ -97,22 +98,13 @@ class BodySizeLimitMiddleware:
         if declared is not None and declared > limit:
             await payload_too_large(limit).response()(scope, receive, send)
             return
-        chunks: list[bytes] = []
-        size = 0
-        while True:
-            message = await receive()
-            if message["type"] != "http.request":
-                # The client went away before sending its body: nothing to answer.
-                return
-            chunk = message.get("body", b"")
-            size += len(chunk)
-            if size > limit:
-                await payload_too_large(limit).response()(scope, receive, send)
-                return
-            chunks.append(chunk)
-            if not message.get("more_body", False):
-                break
-        await self.app(scope, replay_body(b"".join(chunks), receive), send)
+        try:
+            body = await read_body(receive, limit)
+        except BodyTooLarge:
+            await payload_too_large(limit).response()(scope, receive, send)
+            return
+        if body is not None:  # (None: the client went away before sending its body, nothing to answer)
+            await self.app(scope, replay_body(body, receive), send)
 
 
 def _content_length(scope: Scope) -> int | None:
@@ -123,6 +115,28 @@ def _content_length(scope: Scope) -> int | None:
             except ValueError:
                 return None  # the server (uvicorn, h11) rejects such requests before they get here
     return None
+
+
+class BodyTooLarge(Exception):
+    """A request body grew past the limit it was read with."""
+
+
+async def read_body(receive: Receive, limit: float = math.inf) -> bytes | None:
+    """The whole request body from `receive` (None when the client went away first); BodyTooLarge as soon as it
+    grows past `limit` bytes."""
+    chunks: list[bytes] = []
+    size = 0
+    while True:
+        message = await receive()
+        if message["type"] != "http.request":
+            return None
+        chunk = message.get("body", b"")
+        size += len(chunk)
+        if size > limit:
+            raise BodyTooLarge
+        chunks.append(chunk)
+        if not message.get("more_body", False):
+            return b"".join(chunks)
 
 
 def replay_body(body: bytes, receive: Receive) -> Receive:

@@ -18,7 +18,7 @@ from typing import Any
 from starlette.types import ASGIApp, Receive, Scope, Send
 
 from kvfree.server.errors import invalid_request
-from kvfree.server.middleware import replay_body
+from kvfree.server.middleware import read_body, replay_body
 
 # `\uD800` to `\uDFFF`, any case: the only way a surrogate code unit can appear in a JSON body that is valid UTF-8.
 _SURROGATE_ESCAPE = re.compile(rb"\\u[dD][89abcdefABCDEF][0-9a-fA-F]{2}")
@@ -64,15 +64,9 @@ class UnicodeCheckMiddleware:
         if scope["type"] != "http" or scope.get("method") not in ("POST", "PUT", "PATCH") or not _maybe_json(scope):
             await self.app(scope, receive, send)  # a snapshot upload's megabytes are not searched
             return
-        chunks: list[bytes] = []
-        while True:
-            message = await receive()
-            if message["type"] != "http.request":
-                return  # the client went away before sending its body: nothing to answer
-            chunks.append(message.get("body", b""))
-            if not message.get("more_body", False):
-                break
-        body = b"".join(chunks)
+        body = await read_body(receive)
+        if body is None:
+            return  # the client went away before sending its body: nothing to answer
         path = _bad_field(body) if _SURROGATE_ESCAPE.search(body) else None
         if path is not None:
             error = invalid_request(

@@ -914,8 +914,9 @@ def test_reasoning_format_is_declared_by_the_checkpoint():
 def test_prompts_are_refused_by_their_length_first_and_long_ones_tokenized_off_the_event_loop() -> None:
     import threading
 
+    from kvfree.engine.tokenizer import LONG_TEXT_CHARS
     from kvfree.server.errors import APIError
-    from kvfree.server.lifecycle import INLINE_TOKENIZE_CHARS, EngineClient
+    from kvfree.server.lifecycle import EngineClient
 
     class Tokens:
         max_token_chars = 4  # no token is longer than 4 characters
@@ -938,7 +939,7 @@ def test_prompts_are_refused_by_their_length_first_and_long_ones_tokenized_off_t
         assert (refused.value.status, refused.value.param, refused.value.code) == (
             400, "messages", "context_length_exceeded"
         )  # fmt: skip
-        await client.encode_prompt("b" * INLINE_TOKENIZE_CHARS, "prompt")
+        await client.encode_prompt("b" * LONG_TEXT_CHARS, "prompt")
         assert tok.threads == [tok.threads[0], loop_thread] and tok.threads[0] != loop_thread
 
     asyncio.run(main())
