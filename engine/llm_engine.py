@@ -102,7 +102,7 @@ class LLMEngine:
         if previous is not None and step.prefill and not self.runner.replays_prefill(step):
             # Launching an eager prefill takes the host tens of milliseconds (hundreds of kernel launches): the
             # tokens of the step in flight go out first rather than wait for it. A replayed one (a CUDA graph) is
-            # queued in well under a millisecond, so it goes first and the device never idles behind the host.
+            # one upload and one replay to queue, so it goes first and the device does not idle behind the host.
             self._postprocess(*previous)
             previous = None
         launched = (step, self.runner.launch(step)) if step.runs_model else None
