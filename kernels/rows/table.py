@@ -1,12 +1,15 @@
-"""RowTable: the pool tensors that `copy_rows` copies rows of, and the device tables its one Triton launch reads.
+"""RowTable: the pool tensors whose rows `copy_rows`, `gather_rows` and `scatter_rows` move, and the device tables
+their one Triton launch reads.
 
 Built once per set of pool tensors (a StatePool builds two: every state tensor, for forks; the fixed-size ones, for
 resets). The Triton kernel reaches every tensor through its base address, so a launch takes the same few arguments
-whether the table holds 2 tensors or 200.
+whether the table holds 2 tensors or 200. One row of every tensor, concatenated in table order, is a table's flat
+row (`row_bytes` bytes): the unit `gather_rows` and `scatter_rows` move to and from one contiguous buffer.
 """
 
 from __future__ import annotations
 
+import itertools
 import math
 from collections.abc import Sequence
 
@@ -33,9 +36,12 @@ class RowTable:
             moves `min(word, 8)`-byte integers (Triton's widest) and is told of the `word`-byte alignment, so that it
             can use 16-byte vector loads and stores.
         block: elements of one row that one program copies.
-        bases, row_len, zeroed: `[N]` int64 on the device, each tensor's base address, row length in
-            `min(word, 8)`-byte elements and zero_fill flag (rows of 0 bytes are left out of the kernel's tables,
-            which is why N may be below `len(tensors)`).
+        row_bytes: the bytes of one row of every tensor together: a flat row.
+        offsets: per tensor, in table order (those of 0-byte rows included), the byte offset of its row inside a flat
+            row: the running sum of the row sizes, hence multiples of `word` (when `rows` > 0).
+        bases, row_len, zeroed, flat_start: `[N]` int64 on the device, each tensor's base address, row length in
+            `min(word, 8)`-byte elements, zero_fill flag and offset inside a flat row in those elements (rows of 0
+            bytes are left out of the kernel's tables, which is why N may be below `len(tensors)`).
         work_tensor: `[W]` int32, work_start: `[W]` int64 on the device: the W pieces of one row copy, as (index into
             bases, first element); a launch runs one program per piece per (src, dst) pair.
     """
@@ -61,12 +67,15 @@ class RowTable:
         elem = min(self.word, 8)
         self.block = BLOCK_BYTES // elem
         lengths = [sizes[i] // elem for i in kept]
+        self.row_bytes = sum(sizes)
+        self.offsets = tuple(itertools.accumulate(sizes[:-1], initial=0)) if sizes else ()
+        flat_start = [self.offsets[i] // elem for i in kept]
         pieces = [(j, start) for j, n in enumerate(lengths) for start in range(0, n, self.block)]
         bases = [self.tensors[i].data_ptr() for i in kept]
         flags = [int(self.zero_fill[i]) for i in kept]
-        host = torch.tensor(bases + lengths + flags + [p[1] for p in pieces], dtype=torch.int64)
-        self.bases, self.row_len, self.zeroed, self.work_start = host.to(self.device).split(
-            [len(kept)] * 3 + [len(pieces)]
+        host = torch.tensor(bases + lengths + flags + flat_start + [p[1] for p in pieces], dtype=torch.int64)
+        self.bases, self.row_len, self.zeroed, self.flat_start, self.work_start = host.to(self.device).split(
+            [len(kept)] * 4 + [len(pieces)]
         )
         self.work_tensor = torch.tensor([p[0] for p in pieces], dtype=torch.int32).to(self.device)
 
