@@ -12,6 +12,7 @@ from __future__ import annotations
 import dataclasses
 import itertools
 import logging
+import os
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
@@ -27,7 +28,7 @@ from kvfree.engine.sampling import SamplingParams
 from kvfree.engine.scheduler import QueueFull, Request, RequestOutput, Scheduler
 from kvfree.engine.session_store import SessionStore, open_store
 from kvfree.engine.sessions import Session, SessionManager, SessionNotFound
-from kvfree.engine.snapshot import model_fingerprint
+from kvfree.engine.snapshot import model_fingerprint, write_snapshot
 
 log = logging.getLogger("kvfree.engine")
 
@@ -343,11 +344,30 @@ class EngineCore:
     def fork_session(self, session_id: str, owner: str | None) -> SessionRecord:
         return self._record(self.sessions.fork(self._idle(session_id, owner), owner))
 
-    def export_session(self, session_id: str, owner: str | None) -> bytes:
-        return self.sessions.export(self._idle(session_id, owner))
+    def export_session(self, session_id: str, owner: str | None, path: str) -> int:
+        """Write the session's snapshot (signed when the server has a key; without its owner: whoever restores it
+        owns the copy) into the file `path`, which the caller made and removes; returns the bytes written. The
+        header goes first, then the state straight from its host buffer (`write_snapshot` waits for its copy from
+        the GPU): no joined copy of the file is made."""
+        snap = self.sessions.snapshot(self._idle(session_id, owner))  # (without the owner)
+        with open(path, "wb") as f:
+            return write_snapshot(f, snap, self.sessions.hmac_key)
 
-    def restore_session(self, data: bytes, owner: str | None) -> SessionRecord:
-        return self._record(self.sessions.restore(data, owner))
+    def restore_session(self, path: str, owner: str | None) -> SessionRecord:
+        """A new session of `owner` from the snapshot file `path` (the caller made it and removes it), after every
+        check (SnapshotError). The file is read with one read into one uint8 buffer `[file size]`, pinned when the
+        pool is on a GPU, so that the state crosses to the device in one DMA; the state is a view of that buffer."""
+        with open(path, "rb", buffering=0) as f:
+            size = os.fstat(f.fileno()).st_size
+            on_gpu = self.llm.model.device.type == "cuda"  # where the pool is
+            buffer = torch.empty(size, dtype=torch.uint8, pin_memory=on_gpu)
+            view, done = memoryview(buffer.numpy()), 0
+            while done < size:  # one read, unless the kernel caps it (Linux: at 2 GiB)
+                n = f.readinto(view[done:])
+                if not n:
+                    break  # the file shrank under us: the snapshot's own length check refuses what was read
+                done += n
+        return self._record(self.sessions.restore(buffer[:done], owner))
 
     # -- numbers for /metrics -------------------------------------------------------------------------------------
     def _bytes_in_use(self) -> int:

@@ -110,11 +110,14 @@ class EngineHandle:
     async def fork_session(self, session_id: str, owner: str | None) -> SessionRecord:
         return await self._call("fork_session", session_id, owner)
 
-    async def export_session(self, session_id: str, owner: str | None) -> bytes:
-        return await self._call("export_session", session_id, owner)
+    async def export_session(self, session_id: str, owner: str | None, path: str) -> int:
+        """Write the session's snapshot into the file `path` (made by the caller, who removes it; the engine process
+        opens it by name, so it lies on this host); returns its size in bytes."""
+        return await self._call("export_session", session_id, owner, path)
 
-    async def restore_session(self, data: bytes, owner: str | None) -> SessionRecord:
-        return await self._call("restore_session", data, owner)
+    async def restore_session(self, path: str, owner: str | None) -> SessionRecord:
+        """A new session of `owner` from the snapshot file `path` (the caller's to remove)."""
+        return await self._call("restore_session", path, owner)
 
     # -- shutdown -------------------------------------------------------------------------------------------------
     async def _drain(self, grace_seconds: float) -> None:

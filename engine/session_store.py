@@ -17,12 +17,30 @@ import re
 import time
 import uuid
 from abc import ABC, abstractmethod
+from collections.abc import Callable, Sequence
 from dataclasses import asdict, dataclass
 from pathlib import Path
+
+import torch
 
 from kvfree.engine.snapshot import SnapshotError, peek_snapshot
 
 SUFFIX = ".safetensors"
+REDIS_CHUNK_BYTES = 4 << 20  # Redis values above this are stored as chunks of this size (see RedisStore)
+
+BytesLike = bytes | bytearray | memoryview
+Alloc = Callable[[int], torch.Tensor]  # nbytes -> a CPU uint8 tensor of that many elements to read into
+
+
+def _bytes_view(data: BytesLike) -> memoryview:
+    """`data` as a flat memoryview of bytes, without a copy."""
+    view = memoryview(data)
+    return view if view.format == "B" and view.ndim == 1 else view.cast("B")
+
+
+def _tensor_view(buffer: torch.Tensor) -> memoryview:
+    """The bytes of a CPU uint8 tensor as a writable memoryview, without a copy."""
+    return memoryview(buffer.numpy()) if buffer.numel() else memoryview(bytearray())
 
 
 class SessionStoreError(RuntimeError):
@@ -62,9 +80,25 @@ class SessionStore(ABC):
         """Store a session's snapshot (atomically: readers see the old one or the new one); returns its metadata
         with the new version."""
 
+    def write_parts(self, meta: StoredSession, parts: Sequence[BytesLike]) -> StoredSession:
+        """`write` of the snapshot whose bytes are `parts` one after the other (a header and the state buffer, say),
+        for stores that can take them apart without joining them into one copy; this default joins them."""
+        return self.write(meta, b"".join(parts))
+
     @abstractmethod
-    def read(self, session_id: str) -> bytes | None:
+    def read(self, session_id: str) -> bytes | bytearray | None:
         """The snapshot bytes, or None when the store does not hold the session."""
+
+    def read_into(self, session_id: str, alloc: Alloc) -> torch.Tensor | None:
+        """The snapshot read into `alloc(nbytes)` (a CPU uint8 tensor `[nbytes]`, pinned on a GPU server, so that
+        the state then crosses to the device in one DMA), or None when the store does not hold the session. This
+        default copies `read()` into it; stores that can fill the buffer directly do."""
+        data = self.read(session_id)
+        if data is None:
+            return None
+        buffer = alloc(len(data))
+        _tensor_view(buffer)[:] = data
+        return buffer
 
     @abstractmethod
     def meta(self, session_id: str) -> StoredSession | None: ...
@@ -106,12 +140,22 @@ class SessionStore(ABC):
 
 
 class DirectoryStore(SessionStore):
-    """One `{session_id}.safetensors` file per session in `path`; metadata is read from the file's header."""
+    """One `{session_id}.safetensors` file per session in `path`; metadata is read from the file's header.
 
-    def __init__(self, path: str | Path, fingerprint: str, hmac_key: bytes | None = None) -> None:
+    Every write goes to a `.tmp` file renamed over the old one, so a crash leaves the old file or the new one, never
+    half of either. Without `fsync` a write is durable across a crash of the process (the kernel's page cache holds
+    it) but not across a power loss or a crash of the machine, and costs no disk flush: right for spills and for the
+    sessions persisted at shutdown, where the server itself is what may crash. With `fsync` the file is fsynced
+    before its rename and the directory after it, so a write that returned survives the machine too: the server
+    asks for it with write-through (`--session-write through`), whose promise is that a turn the client saw
+    complete is never lost; records (stored responses) are then fsynced as well.
+    """
+
+    def __init__(self, path: str | Path, fingerprint: str, hmac_key: bytes | None = None, fsync: bool = False) -> None:
         self.path = Path(path)
         self.path.mkdir(parents=True, exist_ok=True)
         self.fingerprint, self.hmac_key = fingerprint, hmac_key
+        self.fsync = fsync
         # An interrupted write left a .tmp file; the old file, if any, is intact.
         for tmp in [*self.path.glob(f"sess_*{SUFFIX}.tmp"), *self.path.glob("records/*.json.tmp")]:
             tmp.unlink(missing_ok=True)
@@ -119,15 +163,24 @@ class DirectoryStore(SessionStore):
     def _file(self, session_id: str) -> Path:
         return self.path / f"{session_id}{SUFFIX}"
 
-    def _write_file(self, path: Path, data: bytes, what: str) -> int:
-        """Write `data` to `path` atomically (a crash never leaves half a file); returns its mtime, a version."""
+    def _write_file(self, path: Path, parts: Sequence[BytesLike], what: str) -> int:
+        """Write `parts`, one after the other, to `path` atomically (a crash never leaves half a file; with `fsync`,
+        nor does a power loss lose it once this returns); returns the file's mtime, a version."""
         tmp = path.with_name(path.name + ".tmp")
         try:
             path.parent.mkdir(exist_ok=True)
-            tmp.write_bytes(data)
+            with open(tmp, "wb") as f:
+                for part in parts:
+                    f.write(part)  # each piece from its own buffer: a header and a state are never joined
+                if self.fsync:
+                    f.flush()
+                    os.fsync(f.fileno())  # the bytes are on disk before the name points at them
             os.replace(tmp, path)
+            if self.fsync:
+                _fsync_directory(path.parent)  # ... and the rename itself is on disk
             return path.stat().st_mtime_ns
         except OSError as e:
+            tmp.unlink(missing_ok=True)
             raise SessionStoreError(f"cannot write {what} to {self.path}: {e}") from e
 
     def _read_file(self, path: Path, what: str) -> bytes | None:
@@ -139,11 +192,33 @@ class DirectoryStore(SessionStore):
             raise SessionStoreError(f"cannot read {what} from {self.path}: {e}") from e
 
     def write(self, meta: StoredSession, data: bytes) -> StoredSession:
-        version = self._write_file(self._file(meta.session_id), data, f"session {meta.session_id}")
+        return self.write_parts(meta, [data])
+
+    def write_parts(self, meta: StoredSession, parts: Sequence[BytesLike]) -> StoredSession:
+        version = self._write_file(self._file(meta.session_id), parts, f"session {meta.session_id}")
         return StoredSession(**{**asdict(meta), "version": version})
 
     def read(self, session_id: str) -> bytes | None:
         return self._read_file(self._file(session_id), f"session {session_id}")
+
+    def read_into(self, session_id: str, alloc: Alloc) -> torch.Tensor | None:
+        path = self._file(session_id)
+        try:
+            # Unbuffered: one read(2) from the page cache into the buffer, no bytes object in between.
+            with open(path, "rb", buffering=0) as f:
+                size = os.fstat(f.fileno()).st_size  # of the file opened: a rename over it since does not matter
+                buffer = alloc(size)
+                view, done = _tensor_view(buffer), 0
+                while done < size:  # one pass, unless the kernel caps a read (Linux: at 2 GiB)
+                    n = f.readinto(view[done:])
+                    if not n:
+                        raise SessionStoreError(f"session {session_id} in {self.path} shrank while it was read")
+                    done += n
+                return buffer
+        except FileNotFoundError:
+            return None
+        except OSError as e:
+            raise SessionStoreError(f"cannot read session {session_id} from {self.path}: {e}") from e
 
     def meta(self, session_id: str) -> StoredSession | None:
         path = self._file(session_id)
@@ -174,7 +249,7 @@ class DirectoryStore(SessionStore):
         return self.path / "records" / f"{check_record_key(key)}.json"
 
     def write_record(self, key: str, data: bytes) -> None:
-        self._write_file(self._record(key), data, f"record {key}")
+        self._write_file(self._record(key), [data], f"record {key}")
 
     def read_record(self, key: str) -> bytes | None:
         return self._read_file(self._record(key), f"record {key}")
@@ -191,6 +266,12 @@ class RedisStore(SessionStore):
     metadata with its version), `{prefix}:lease:{id}` (the holder of the running turn, expiring after
     `lease_seconds` unless its holder renews it: a crashed replica's claim lapses). The prefix holds the model
     fingerprint, so models never share sessions. `ttl_seconds` (None: none) expires sessions not used for that long.
+
+    A snapshot over `REDIS_CHUNK_BYTES` is stored as chunks `{prefix}:snap:{id}:{k}` of that size instead (the meta
+    records `"chunks": n`): one huge value blocks Redis's single thread while it is copied, and holds the whole
+    value in one client-side buffer, where 4 MiB chunks go through one pipeline back to back. Chunks and meta are
+    written in one transaction, so a reader sees one version whole; a value written before chunking (one `snap`
+    key, no "chunks" in its meta) still reads.
     """
 
     shared = True
@@ -217,28 +298,117 @@ class RedisStore(SessionStore):
     def _key(self, kind: str, session_id: str) -> str:
         return f"{self.prefix}:{kind}:{session_id}"
 
+    def _chunk_key(self, session_id: str, k: int) -> str:
+        return f"{self.prefix}:snap:{session_id}:{k}"
+
+    @staticmethod
+    def _parse_meta(raw: bytes | None) -> tuple[StoredSession | None, int]:
+        """The stored metadata and its chunk count (0: the snapshot is one `snap` value, as before chunking)."""
+        if raw is None:
+            return None, 0
+        fields = json.loads(raw)
+        chunks = int(fields.pop("chunks", 0))
+        return StoredSession(**fields), chunks
+
     def write(self, meta: StoredSession, data: bytes) -> StoredSession:
-        version = int(self._call(self.client.incr, f"{self.prefix}:version"))
-        stored = StoredSession(**{**asdict(meta), "version": version})
+        return self.write_parts(meta, [data])
+
+    def write_parts(self, meta: StoredSession, parts: Sequence[BytesLike]) -> StoredSession:
+        sid = meta.session_id
+        views = [_bytes_view(p) for p in parts]
+        total = sum(v.nbytes for v in views)
+        # One round trip: the new version, and how many chunks the old one has (those beyond ours are deleted).
+        ask = self.client.pipeline(transaction=False)
+        ask.incr(f"{self.prefix}:version")
+        ask.get(self._key("meta", sid))
+        version, old_raw = self._call(ask.execute)
+        _, old_chunks = self._parse_meta(old_raw)
+        stored = StoredSession(**{**asdict(meta), "version": int(version)})
+        fields = asdict(stored)
         pipe = self.client.pipeline(transaction=True)  # snapshot and metadata change together
-        pipe.set(self._key("snap", meta.session_id), data, px=self.ttl_ms)
-        pipe.set(self._key("meta", meta.session_id), json.dumps(asdict(stored)), px=self.ttl_ms)
+        if total <= REDIS_CHUNK_BYTES:
+            chunks = 0
+            pipe.set(self._key("snap", sid), views[0] if len(views) == 1 else b"".join(views), px=self.ttl_ms)
+        else:
+            pieces = _split(views, REDIS_CHUNK_BYTES)
+            chunks = len(pieces)
+            fields["chunks"] = chunks
+            for k, piece in enumerate(pieces):
+                pipe.set(self._chunk_key(sid, k), piece, px=self.ttl_ms)
+            pipe.delete(self._key("snap", sid))  # a one-value version before this one
+        pipe.set(self._key("meta", sid), json.dumps(fields), px=self.ttl_ms)
+        stale = [self._chunk_key(sid, k) for k in range(chunks, old_chunks)]
+        if stale:
+            pipe.delete(*stale)
         self._call(pipe.execute)
         return stored
 
-    def read(self, session_id: str) -> bytes | None:
-        data = self._call(self.client.get, self._key("snap", session_id))
-        if data is not None and self.ttl_ms:
-            self._call(self.client.pexpire, self._key("snap", session_id), self.ttl_ms)
-            self._call(self.client.pexpire, self._key("meta", session_id), self.ttl_ms)
-        return data
+    def _fetch(self, session_id: str) -> list[bytes] | None:
+        """The stored snapshot's pieces (one value, or its chunks in order), all of one version; None: not held."""
+        for _attempt in range(3):
+            first = self.client.pipeline(transaction=True)
+            first.get(self._key("meta", session_id))
+            first.get(self._key("snap", session_id))
+            raw, single = self._call(first.execute)
+            meta, chunks = self._parse_meta(raw)
+            if not chunks:
+                pieces = None if single is None else [single]
+                break
+            pipe = self.client.pipeline(transaction=True)  # the meta again: a write in between is seen, and retried
+            pipe.get(self._key("meta", session_id))
+            for k in range(chunks):
+                pipe.get(self._chunk_key(session_id, k))
+            again, *got = self._call(pipe.execute)
+            if again != raw:
+                continue  # another replica wrote a new version between the two reads: read that one
+            if any(piece is None for piece in got):
+                raise SessionStoreError(f"session {session_id} in {self.url} has lost chunks of its snapshot")
+            pieces = got
+            break
+        else:
+            raise SessionStoreError(f"session {session_id} in {self.url} changed under three reads in a row")
+        if pieces is not None and self.ttl_ms:
+            self._refresh(session_id, chunks)
+        return pieces
+
+    def _refresh(self, session_id: str, chunks: int) -> None:
+        """Reading a session renews the TTL of all its keys (meta, value or chunks), in one round trip."""
+        pipe = self.client.pipeline(transaction=False)
+        for name in [self._key("snap", session_id), self._key("meta", session_id)]:
+            pipe.pexpire(name, self.ttl_ms)
+        for k in range(chunks):
+            pipe.pexpire(self._chunk_key(session_id, k), self.ttl_ms)
+        self._call(pipe.execute)
+
+    def read(self, session_id: str) -> bytes | bytearray | None:
+        pieces = self._fetch(session_id)
+        if pieces is None or len(pieces) == 1:
+            return None if pieces is None else pieces[0]
+        out = bytearray(sum(len(p) for p in pieces))  # one allocation, the chunks copied in at their offsets
+        offset = 0
+        for piece in pieces:
+            out[offset : offset + len(piece)] = piece
+            offset += len(piece)
+        return out
+
+    def read_into(self, session_id: str, alloc: Alloc) -> torch.Tensor | None:
+        pieces = self._fetch(session_id)
+        if pieces is None:
+            return None
+        buffer = alloc(sum(len(p) for p in pieces))
+        view, offset = _tensor_view(buffer), 0
+        for piece in pieces:  # each chunk straight into its place: no joined copy in between
+            view[offset : offset + len(piece)] = piece
+            offset += len(piece)
+        return buffer
 
     def meta(self, session_id: str) -> StoredSession | None:
-        raw = self._call(self.client.get, self._key("meta", session_id))
-        return StoredSession(**json.loads(raw)) if raw is not None else None
+        return self._parse_meta(self._call(self.client.get, self._key("meta", session_id)))[0]
 
     def delete(self, session_id: str) -> None:
-        self._call(self.client.delete, self._key("snap", session_id), self._key("meta", session_id))
+        _, chunks = self._parse_meta(self._call(self.client.get, self._key("meta", session_id)))
+        names = [self._key("snap", session_id), self._key("meta", session_id)]
+        self._call(self.client.delete, *names, *(self._chunk_key(session_id, k) for k in range(chunks)))
 
     def ids(self) -> list[str]:
         start = len(self._key("meta", ""))
@@ -280,13 +450,43 @@ class RedisStore(SessionStore):
         self.client.close()
 
 
+def _split(views: Sequence[memoryview], size: int) -> list[memoryview | bytes]:
+    """The bytes of `views`, one after the other, cut into pieces of `size` (the last one shorter): views of the
+    parts where a piece lies within one part, joined only where a piece spans two."""
+    out: list[memoryview | bytes] = []
+    pending: list[memoryview] = []
+    filled = 0
+    for view in views:
+        while view.nbytes:
+            take = min(size - filled, view.nbytes)
+            pending.append(view[:take])
+            filled += take
+            view = view[take:]
+            if filled == size:
+                out.append(pending[0] if len(pending) == 1 else b"".join(pending))
+                pending, filled = [], 0
+    if pending:
+        out.append(pending[0] if len(pending) == 1 else b"".join(pending))
+    return out
+
+
+def _fsync_directory(path: Path) -> None:
+    """Flush a directory's entries (a rename in it) to disk."""
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
 def open_store(spec: str | Path, fingerprint: str, hmac_key: bytes | None = None, ttl_seconds: float | None = None,
-               lease_seconds: float = 10.0) -> SessionStore:  # fmt: skip
-    """A store from `--session-store`: `redis://host:port/db` (or rediss://) for Redis, else a directory path."""
+               lease_seconds: float = 10.0, fsync: bool = False) -> SessionStore:  # fmt: skip
+    """A store from `--session-store`: `redis://host:port/db` (or rediss://) for Redis, else a directory path
+    (`fsync`: see `DirectoryStore`; Redis makes writes durable as its own `appendfsync` says)."""
     text = str(spec)
     if text.startswith(("redis://", "rediss://", "unix://")):
         return RedisStore(text, fingerprint, ttl_seconds, lease_seconds)
-    return DirectoryStore(text, fingerprint, hmac_key)
+    return DirectoryStore(text, fingerprint, hmac_key, fsync=fsync)
 
 
 def new_holder() -> str:

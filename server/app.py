@@ -99,8 +99,11 @@ def create_app(
     app.include_router(routes_ops.router)
     app.include_router(routes_ops.tokens_router)
     install_error_handlers(app)
-    app.add_middleware(UnicodeCheckMiddleware)  # inside the size limit: it reads bodies already bounded
-    app.add_middleware(BodySizeLimitMiddleware, max_bytes=settings.max_body_bytes)
+    # Inside the size limit: it reads bodies already bounded. A snapshot upload passes both unread: its route checks
+    # the header as soon as it has arrived and writes the rest out as it comes, counted against the limit.
+    streamed = {routes_sessions.RESTORE_PATH: settings.max_body_bytes}
+    app.add_middleware(UnicodeCheckMiddleware, stream_paths=streamed)
+    app.add_middleware(BodySizeLimitMiddleware, max_bytes=settings.max_body_bytes, path_limits=streamed)
     if settings.cors_origins:
         app.add_middleware(
             CORSMiddleware, allow_origins=settings.cors_origins, allow_methods=["*"], allow_headers=["*"]

@@ -109,9 +109,7 @@ class EngineClient:
     answers its own way); `start` answers admission errors as HTTP errors itself.
     """
 
-    def __init__(
-        self, engine: EngineHandle, metrics: Metrics, max_prompt_tokens: int, tokenizer: Tokenizer
-    ) -> None:
+    def __init__(self, engine: EngineHandle, metrics: Metrics, max_prompt_tokens: int, tokenizer: Tokenizer) -> None:
         self._engine = engine
         self.metrics = metrics
         self.max_prompt_tokens = max_prompt_tokens
@@ -253,11 +251,13 @@ class EngineClient:
     async def fork_session(self, session_id: str, owner: str | None) -> SessionRecord:
         return await self._engine.fork_session(session_id, owner)
 
-    async def export_session(self, session_id: str, owner: str | None) -> bytes:
-        return await self._engine.export_session(session_id, owner)
+    async def export_session(self, session_id: str, owner: str | None, path: str) -> int:
+        """Write the session's snapshot into the file `path` (the caller's: it made it and removes it); its size."""
+        return await self._engine.export_session(session_id, owner, path)
 
-    async def restore_session(self, data: bytes, owner: str | None) -> SessionRecord:
-        return await self._engine.restore_session(data, owner)
+    async def restore_session(self, path: str, owner: str | None) -> SessionRecord:
+        """A new session of `owner` from the snapshot file `path` (the caller's to remove)."""
+        return await self._engine.restore_session(path, owner)
 
 
 # -- one request ----------------------------------------------------------------------------------------------------

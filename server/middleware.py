@@ -73,13 +73,19 @@ class BodySizeLimitMiddleware:
     A `Content-Length` over the limit is refused before anything is read. Otherwise the body is read here, up to
     the limit, and replayed to the app: a chunked upload that grows past the limit is refused without the app
     ever seeing it, and an app that has started to parse a body never has it cut off under its feet (which
-    FastAPI would report as a 400). Bodies are small JSON documents or one snapshot, so holding one in memory
-    costs no more than the route reading it would.
+    FastAPI would report as a 400). JSON bodies are small, so holding one in memory costs no more than the route
+    reading it would.
+
+    The paths in `path_limits` are streamed instead: their routes read the body as it arrives (a snapshot upload
+    of tens of MB is checked from its header on and written out chunk by chunk, never held whole). Their `receive`
+    counts the bytes as they pass and raises `BodyTooLarge` once they are over the path's limit; the exception
+    ends the route, and this middleware answers the 413 (unless the route had started its response, which an
+    uploading route does only once it has read its body).
 
     Args:
         app: the ASGI app to protect.
         max_bytes: the default limit.
-        path_limits: exact request paths with their own limit (e.g. a larger one for snapshot uploads).
+        path_limits: exact request paths whose routes stream their bodies, with their limits.
     """
 
     def __init__(self, app: ASGIApp, max_bytes: int, path_limits: Mapping[str, int] | None = None) -> None:
@@ -93,10 +99,14 @@ class BodySizeLimitMiddleware:
         if scope["type"] != "http":
             await self.app(scope, receive, send)
             return
-        limit = self.path_limits.get(scope.get("path", ""), self.max_bytes)
+        path = scope.get("path", "")
+        limit = self.path_limits.get(path, self.max_bytes)
         declared = _content_length(scope)
         if declared is not None and declared > limit:
             await payload_too_large(limit).response()(scope, receive, send)
+            return
+        if path in self.path_limits:
+            await self._streamed(scope, receive, send, limit)
             return
         try:
             body = await read_body(receive, limit)
@@ -105,6 +115,22 @@ class BodySizeLimitMiddleware:
             return
         if body is not None:  # (None: the client went away before sending its body, nothing to answer)
             await self.app(scope, replay_body(body, receive), send)
+
+    async def _streamed(self, scope: Scope, receive: Receive, send: Send, limit: int) -> None:
+        """Run the app on the live body, counted; the 413 when it grows past `limit`."""
+        started = False
+
+        async def watched_send(message: Message) -> None:
+            nonlocal started
+            started = started or message["type"] == "http.response.start"
+            await send(message)
+
+        try:
+            await self.app(scope, counted_receive(receive, limit), watched_send)
+        except BodyTooLarge:
+            if started:
+                raise  # too late for a 413: the route answered before reading its whole body, and then read on
+            await payload_too_large(limit).response()(scope, receive, send)
 
 
 def _content_length(scope: Scope) -> int | None:
@@ -137,6 +163,22 @@ async def read_body(receive: Receive, limit: float = math.inf) -> bytes | None:
         chunks.append(chunk)
         if not message.get("more_body", False):
             return b"".join(chunks)
+
+
+def counted_receive(receive: Receive, limit: float) -> Receive:
+    """`receive`, raising BodyTooLarge as soon as the body's bytes so far are over `limit`."""
+    size = 0
+
+    async def counted() -> Message:
+        nonlocal size
+        message = await receive()
+        if message["type"] == "http.request":
+            size += len(message.get("body", b""))
+            if size > limit:
+                raise BodyTooLarge
+        return message
+
+    return counted
 
 
 def replay_body(body: bytes, receive: Receive) -> Receive:

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import json
 import re
+from collections.abc import Collection
 from typing import Any
 
 from starlette.types import ASGIApp, Receive, Scope, Send
@@ -55,14 +56,25 @@ def _encodes(text: str) -> bool:
 
 class UnicodeCheckMiddleware:
     """Pure ASGI middleware: a 400 in OpenAI's shape (code `invalid_unicode`, `param` the field) for a JSON body
-    holding a lone surrogate; every other request passes through unchanged (its body replayed)."""
+    holding a lone surrogate; every other request passes through unchanged (its body replayed).
 
-    def __init__(self, app: ASGIApp) -> None:
+    `stream_paths`: exact paths whose routes read a binary body as it arrives (a snapshot upload): their requests
+    pass through unread, whatever content type the client sent (none, with some clients, which would otherwise
+    count as JSON and be buffered whole here).
+    """
+
+    def __init__(self, app: ASGIApp, stream_paths: Collection[str] = ()) -> None:
         self.app = app
+        self.stream_paths = frozenset(stream_paths)
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
-        if scope["type"] != "http" or scope.get("method") not in ("POST", "PUT", "PATCH") or not _maybe_json(scope):
-            await self.app(scope, receive, send)  # a snapshot upload's megabytes are not searched
+        if (
+            scope["type"] != "http"
+            or scope.get("method") not in ("POST", "PUT", "PATCH")
+            or scope.get("path") in self.stream_paths
+            or not _maybe_json(scope)
+        ):
+            await self.app(scope, receive, send)  # a snapshot upload's megabytes are neither held nor searched
             return
         body = await read_body(receive)
         if body is None:
@@ -94,4 +106,3 @@ def _bad_field(body: bytes) -> str | None:
     except ValueError:
         return None  # not JSON (a snapshot upload) or malformed: the route answers as it would
     return lone_surrogate_path(parsed)
-

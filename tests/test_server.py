@@ -19,6 +19,7 @@ import logging
 import os
 import re
 import signal
+import socket
 import struct
 import threading
 import time
@@ -708,6 +709,97 @@ def test_bad_snapshots_are_refused(tiny_server, hybrid_server, tool_server, rest
         )
     # The good one still restores.
     assert restore(restore_proc, good).status_code == 200
+
+
+def _send_restore_head(server, body: bytes, declared: int) -> socket.socket:
+    """A raw connection that has sent a restore request declaring `declared` body bytes, of which only `body`."""
+    sock = socket.create_connection(("127.0.0.1", server.settings.port), timeout=30)
+    head = "POST /v1/sessions/restore HTTP/1.1\r\nHost: 127.0.0.1\r\nContent-Type: application/octet-stream\r\n"
+    sock.sendall(f"{head}Content-Length: {declared}\r\n\r\n".encode() + body)
+    return sock
+
+
+def _read_response(sock: socket.socket) -> httpx.Response:
+    """The HTTP response read off a raw connection (one with a Content-Length)."""
+    data = b""
+    while b"\r\n\r\n" not in data:
+        data += sock.recv(65536) or pytest.fail(f"connection closed before a response: {data!r}")
+    head, _, body = data.partition(b"\r\n\r\n")
+    status, *lines = head.decode("latin-1").split("\r\n")
+    headers = [tuple(part.strip() for part in line.split(":", 1)) for line in lines]
+    length = int(dict((k.lower(), v) for k, v in headers)["content-length"])
+    while len(body) < length:
+        body += sock.recv(65536) or pytest.fail("connection closed inside the response")
+    return httpx.Response(int(status.split()[1]), headers=headers, content=body[:length])
+
+
+def test_snapshots_stream_through_temp_files_that_never_outlive_their_request(
+    tiny_server, tool_server, tmp_path, monkeypatch
+):
+    """Both snapshot routes pass the file through a temporary file of the front (in /dev/shm on Linux; here a
+    directory of the test's), gone when the request ends, whether it succeeded, failed, or its client went away.
+    A restore is refused from the header alone, while the client still has most of the body to send."""
+    from kvfree.server import routes_sessions
+
+    temp = tmp_path / "shm"
+    temp.mkdir()
+    monkeypatch.setattr(routes_sessions, "FAST_TEMP_DIR", str(temp))
+
+    def left() -> list[str]:
+        return sorted(p.name for p in temp.iterdir())
+
+    sid, history = two_turn_session(tiny_server, user_turns=("Hello.",))
+    with tiny_server.http() as http:
+        r = http.get(f"/v1/sessions/{sid}/snapshot")
+        assert r.status_code == 200 and int(r.headers["content-length"]) == len(r.content)
+        assert r.headers["content-disposition"] == f'attachment; filename="{sid}.safetensors"'
+        good = r.content
+        assert left() == []
+        assert_openai_error(http.get("/v1/sessions/sess_0123456789abcdef01234567/snapshot"), 404)
+        assert left() == []
+    other = snapshot_of(tool_server, new_session(tool_server, prompt="hello")["id"])
+    for data, code in [(good[:-1], "invalid_snapshot"), (good[:5], "invalid_snapshot"), (other, "model_mismatch")]:
+        assert assert_openai_error(restore(tiny_server, data), 400, param="snapshot")["code"] == code
+        assert left() == []
+    assert_openai_error(restore(tiny_server, b""), 400, param="snapshot")
+    assert left() == []
+    r = restore(tiny_server, good)
+    assert r.status_code == 200, r.text
+    assert left() == []
+    history.append({"role": "user", "content": "And then?"})
+    before = get_session(tiny_server, sid).json()["num_tokens"]
+    continue_and_check(tiny_server, r.json()["id"], history, expect_cached=before)
+
+    # Another model's snapshot is refused once its header is in: the rest of its body is never sent.
+    (n,) = struct.unpack("<Q", other[:8])
+    with contextlib.closing(_send_restore_head(tiny_server, other[: 8 + n + 100], len(other))) as sock:
+        err = assert_openai_error(_read_response(sock), 400, param="snapshot")
+    assert err["code"] == "model_mismatch" and left() == []
+    # A client that goes away mid-upload leaves nothing behind either.
+    sock = _send_restore_head(tiny_server, good[: len(good) // 2], len(good))
+    wait_for(lambda: left() != [], 10, message="the upload's temporary file")
+    sock.close()
+    wait_for(lambda: left() == [], 10, message="the temporary file of an abandoned upload to go")
+
+
+def test_a_snapshot_upload_over_the_body_limit_is_413_as_it_streams(ckpts):
+    """The restore route reads its body as it arrives (never buffered whole by the middlewares), and the body
+    limit still holds: declared too large, or growing past the limit while it streams (chunked), it is a 413."""
+    server = serve(ckpts["tiny"], "kvfree-tiny", max_sessions=2, max_body_bytes=50_000)
+    try:
+        data = snapshot_of(server, new_session(server, prompt="a snapshot larger than the limit")["id"])
+        assert len(data) > 50_000
+        assert_openai_error(restore(server, data), 413, code="payload_too_large")  # Content-Length
+        with server.http() as http:  # chunked, no Content-Length: counted as the chunks pass
+            chunks = (data[i : i + 16_384] for i in range(0, len(data), 16_384))
+            r = http.post("/v1/sessions/restore", content=chunks, headers={"content-type": "application/octet-stream"})
+        assert_openai_error(r, 413, code="payload_too_large")
+        # Without a content type (httpx sends none for raw bytes) it is streamed too, and refused the same way.
+        with server.http() as http:
+            r = http.post("/v1/sessions/restore", content=iter([data]))
+        assert_openai_error(r, 413, code="payload_too_large")
+    finally:
+        server.stop()
 
 
 def test_fork_gives_independent_branches(server):

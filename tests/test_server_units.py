@@ -8,6 +8,7 @@ import hmac
 import json
 import logging
 import math
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -64,6 +65,7 @@ from kvfree.server.tools import (
     template_messages,
     template_tools,
 )
+from kvfree.server.unicode_check import UnicodeCheckMiddleware
 from tests.paths import TINY_CHECKPOINT
 
 CHECKPOINT = TINY_CHECKPOINT
@@ -481,9 +483,13 @@ def test_body_over_the_limit_is_413() -> None:
 
 
 async def _asgi_call(
-    chunks: list[bytes], headers: list[tuple[bytes, bytes]], path_limits: dict[str, int] | None = None
+    chunks: list[bytes],
+    headers: list[tuple[bytes, bytes]],
+    path_limits: dict[str, int] | None = None,
+    wrap: Callable[[Any], Any] | None = None,
 ) -> tuple[int, bytes, int]:
-    """Send a body in `chunks` (no Content-Length: a chunked upload); (status, body, chunks the app was given)."""
+    """Send a body in `chunks` (no Content-Length: a chunked upload) to `/x` through `wrap(app)` (default: a
+    10-byte BodySizeLimitMiddleware with `path_limits`); (status, body, receives the app made)."""
     pending = list(chunks)
     seen = 0
 
@@ -510,7 +516,7 @@ async def _asgi_call(
         await send_({"type": "http.response.start", "status": 200, "headers": []})
         await send_({"type": "http.response.body", "body": body})
 
-    middleware = BodySizeLimitMiddleware(inner, max_bytes=10, path_limits=path_limits)
+    middleware = wrap(inner) if wrap else BodySizeLimitMiddleware(inner, max_bytes=10, path_limits=path_limits)
     scope = {"type": "http", "method": "POST", "path": "/x", "headers": headers}
     await middleware(scope, receive, send)
     start = next(m for m in sent if m["type"] == "http.response.start")
@@ -527,6 +533,27 @@ def test_body_limit_counts_streamed_chunks_and_replays_small_bodies() -> None:
     assert status == 413  # refused on the declared length alone
     status, body, _ = asyncio.run(_asgi_call([b"x" * 50], [], path_limits={"/x": 100}))
     assert (status, body) == (200, b"x" * 50)  # a path with a larger limit (snapshot uploads)
+
+
+def test_body_limit_streams_the_bodies_of_paths_with_their_own_limit() -> None:
+    """A path in `path_limits` (the snapshot upload) gets its body as it arrives, one receive per chunk instead of
+    one replayed whole, still counted: past the limit the app's receive raises and the answer is the 413."""
+    status, body, seen = asyncio.run(_asgi_call([b"x" * 60, b"y" * 30], [], path_limits={"/x": 100}))
+    assert (status, body, seen) == (200, b"x" * 60 + b"y" * 30, 2)
+    status, body, seen = asyncio.run(_asgi_call([b"x" * 60, b"y" * 60, b"z"], [], path_limits={"/x": 100}))
+    assert status == 413 and json.loads(body)["error"]["code"] == "payload_too_large"
+    assert seen == 1  # the app had the first chunk; the second, over the limit, never reached it
+    status, _, seen = asyncio.run(_asgi_call([b"x"], [(b"content-length", b"101")], path_limits={"/x": 100}))
+    assert (status, seen) == (413, 0)  # a declared length over the limit is refused before anything is read
+
+
+def test_unicode_check_leaves_streamed_uploads_unread() -> None:
+    """Without a content type a body counts as JSON and is read whole for the check, except on `stream_paths`."""
+    chunks = [b"\x00" * 8, b"\xff" * 8]
+    streamed = asyncio.run(_asgi_call(chunks, [], wrap=lambda app: UnicodeCheckMiddleware(app, stream_paths={"/x"})))
+    assert streamed == (200, b"".join(chunks), 2)
+    checked = asyncio.run(_asgi_call(chunks, [], wrap=UnicodeCheckMiddleware))
+    assert checked == (200, b"".join(chunks), 1)  # read here, then replayed in one piece
 
 
 def test_error_helpers() -> None:

@@ -5,6 +5,9 @@ a Redis restart with AOF, and Redis lost and back."""
 from __future__ import annotations
 
 import contextlib
+import dataclasses
+import json
+import os
 import shutil
 import socket
 import subprocess
@@ -14,6 +17,7 @@ from pathlib import Path
 import httpx
 import openai
 import pytest
+import torch
 
 from kvfree.clients import KvfreeAPIError, KvfreeClient, RetryPolicy
 from kvfree.engine.session_store import DirectoryStore, RedisStore, SessionStoreError, StoredSession
@@ -125,6 +129,93 @@ def test_stored_sessions_expire_after_their_ttl(redis_server):
     assert store.read(sid) == b"x"  # reading renews the TTL
     time.sleep(0.5)
     assert store.read(sid) is None and store.meta(sid) is None
+
+
+def _alloc(nbytes: int) -> torch.Tensor:
+    return torch.empty(nbytes, dtype=torch.uint8)
+
+
+def _as_bytes(t: torch.Tensor) -> bytes:
+    return t.numpy().tobytes()
+
+
+@needs_redis
+def test_redis_stores_large_snapshots_in_chunks(redis_server):
+    """A snapshot over 4 MiB is stored as 4 MiB chunks beside its meta (which counts them), read back whole (also
+    straight into a buffer), rewritten smaller without leaving stale chunks, and deleted with all its chunks."""
+    store = RedisStore(redis_server.url, "fp", ttl_seconds=60)
+    sid = "sess_" + "d" * 24
+
+    def keys() -> list[str]:
+        return sorted(k.decode().removeprefix(f"{store.prefix}:") for k in store.client.keys(f"{store.prefix}:*"))
+
+    big = bytes(range(256)) * (10 * 4096)  # 10 MiB
+    stored = store.write(_meta(sid), big)
+    assert keys() == [f"meta:{sid}", f"snap:{sid}:0", f"snap:{sid}:1", f"snap:{sid}:2", "version"]
+    assert json.loads(store.client.get(f"{store.prefix}:meta:{sid}"))["chunks"] == 3
+    assert store.meta(sid) == stored and store.read(sid) == big
+    assert _as_bytes(store.read_into(sid, _alloc)) == big
+    assert all(0 < store.client.pttl(f"{store.prefix}:snap:{sid}:{k}") <= 60_000 for k in range(3))
+    # Two parts (a header and a state, say) cut across chunk boundaries, without being joined first; one chunk fewer.
+    head, state = b"H" * 1000, bytes(reversed(big[: 6 << 20]))
+    store.write_parts(_meta(sid), [head, memoryview(state)])
+    assert keys() == [f"meta:{sid}", f"snap:{sid}:0", f"snap:{sid}:1", "version"]
+    assert store.read(sid) == head + state
+    # Small again: one value, as before chunking, and no chunk left.
+    store.write(_meta(sid), b"small")
+    assert keys() == [f"meta:{sid}", f"snap:{sid}", "version"] and store.read(sid) == b"small"
+    store.write(_meta(sid), big)
+    assert keys() == [f"meta:{sid}", f"snap:{sid}:0", f"snap:{sid}:1", f"snap:{sid}:2", "version"]
+    store.delete(sid)
+    assert keys() == ["version"] and store.read(sid) is None and store.read_into(sid, _alloc) is None
+
+
+@needs_redis
+def test_redis_reads_a_snapshot_written_before_chunking(redis_server):
+    """A value the code before chunking wrote (one `snap` key however large, a meta without "chunks") reads, and
+    is replaced by chunks when the session is written again."""
+    store = RedisStore(redis_server.url, "fp", ttl_seconds=0.4)
+    sid = "sess_" + "e" * 24
+    old = b"\x07" * (6 << 20)
+    meta = dataclasses.replace(_meta(sid), version=7)
+    store.client.set(f"{store.prefix}:snap:{sid}", old, px=400)
+    store.client.set(f"{store.prefix}:meta:{sid}", json.dumps(dataclasses.asdict(meta)), px=400)
+    assert store.meta(sid) == meta and store.read(sid) == old and _as_bytes(store.read_into(sid, _alloc)) == old
+    time.sleep(0.25)
+    assert store.read(sid) == old  # reading renews the TTL of every key of the session ...
+    time.sleep(0.25)
+    assert store.read(sid) == old  # ... so it is still there, 0.5 s after it was written
+    store.write(_meta(sid), old + b"!")
+    assert store.client.get(f"{store.prefix}:snap:{sid}") is None and store.read(sid) == old + b"!"
+    time.sleep(0.25)
+    assert store.read(sid) == old + b"!"  # chunks are renewed too
+    time.sleep(0.25)
+    assert store.read(sid) == old + b"!"
+    time.sleep(0.5)
+    assert store.read(sid) is None and store.client.keys(f"{store.prefix}:snap:*") == []
+
+
+def test_directory_store_writes_parts_and_reads_into_a_buffer(tmp_path, monkeypatch):
+    """Parts are written one after the other into one file (no joined copy), `read_into` fills the caller's buffer
+    from the file in one read, and with `fsync` the file and then its directory are flushed."""
+    store = DirectoryStore(tmp_path / "sessions", "fp")
+    sid = "sess_" + "f" * 24
+    assert store.read_into(sid, _alloc) is None
+    head, state = b"header--", torch.arange(1 << 20, dtype=torch.int32)
+    store.write_parts(_meta(sid), [head, memoryview(state.numpy()).cast("B")])
+    expected = head + state.numpy().tobytes()
+    assert store.read(sid) == expected
+    sizes: list[int] = []
+    got = store.read_into(sid, lambda n: sizes.append(n) or _alloc(n))
+    assert sizes == [len(expected)] and _as_bytes(got) == expected
+    synced: list[int] = []
+    real_fsync = os.fsync
+    monkeypatch.setattr(os, "fsync", lambda fd: synced.append(fd) or real_fsync(fd))
+    store.write(_meta(sid), b"not synced")
+    assert synced == []
+    durable = DirectoryStore(tmp_path / "sessions", "fp", fsync=True)
+    durable.write(_meta(sid), b"synced")
+    assert len(synced) == 2 and durable.read(sid) == b"synced"  # the file, then the directory
 
 
 def test_unreachable_redis_is_a_clear_error():
