@@ -1,8 +1,12 @@
-"""Session snapshot files: round trip, every rejection with its code, constant size, token hash, model fingerprint."""
+"""Session snapshot files: round trip, every rejection with its code, constant size, version 1 still read, token hash,
+model fingerprint."""
 
 from __future__ import annotations
 
 import copy
+import hashlib
+import hmac
+import io
 import json
 import struct
 import time
@@ -16,14 +20,19 @@ from kvfree.engine.config import ModelConfig
 from kvfree.engine.model import HybridLM
 from kvfree.engine.snapshot import (
     HASH_MOD,
+    HEADER_ALIGN,
     Snapshot,
     SnapshotError,
-    _checksum,
+    _canonical,
+    _checksum_v1,
     decode_snapshot,
     encode_snapshot,
+    header_length,
     model_fingerprint,
+    payload_hasher,
     peek_snapshot,
     token_hash,
+    write_snapshot,
 )
 from kvfree.engine.state_pool import SnapshotMismatchError, StatePool
 from kvfree.engine.step_batch import StepBatch
@@ -50,15 +59,35 @@ def header(data: bytes) -> dict:
     return json.loads(data[8 : 8 + n])
 
 
-def resave(data: bytes, drop: tuple[str, ...] = (), fix_checksum: bool = True, **changes: str) -> bytes:
-    """The snapshot with edited metadata, re-serialised; by default with a recomputed checksum (as an attacker
-    who knows the format would do) but without a valid HMAC."""
-    meta = {k: v for k, v in header(data)["__metadata__"].items() if k not in drop and k != "hmac"}
-    meta.update(changes)
-    tensors = st_load(data)
+def assemble(meta: dict, table: dict, payload: bytes, fix_checksum: bool = True) -> bytes:
+    """A version-2 file from its parts (header unpadded); by default with a recomputed checksum, as an attacker who
+    knows the format would do, but without a valid HMAC."""
+    meta = dict(meta)
     if fix_checksum:
-        meta["checksum"] = _checksum(tensors, meta)
-    return st_save(tensors, metadata=meta)
+        h = payload_hasher(meta, table)
+        h.update(payload)
+        meta["checksum"] = h.hexdigest()
+    body = json.dumps({"__metadata__": meta, **table}).encode()
+    return struct.pack("<Q", len(body)) + body + payload
+
+
+def resave(data: bytes, drop: tuple[str, ...] = (), fix_checksum: bool = True, **changes: str) -> bytes:
+    """The snapshot with edited metadata, re-serialised (see `assemble`)."""
+    head = header(data)
+    meta = {k: v for k, v in head["__metadata__"].items() if k not in drop and k != "hmac"}
+    meta.update(changes)
+    table = {k: v for k, v in head.items() if k != "__metadata__"}
+    return assemble(meta, table, data[header_length(data) :], fix_checksum)
+
+
+def version_1(snap: Snapshot, key: bytes | None = None) -> bytes:
+    """The snapshot as kvfree wrote it before version 2: safetensors' own layout, sha256 over each tensor."""
+    meta = {k: v for k, v in header(encode_snapshot(snap))["__metadata__"].items() if k not in ("checksum", "hmac")}
+    meta["version"] = "1"
+    meta["checksum"] = _checksum_v1(snap.tensors, meta)
+    if key is not None:
+        meta["hmac"] = hmac.new(key, _canonical(meta, "hmac"), hashlib.sha256).hexdigest()
+    return st_save({k: v.clone() for k, v in snap.tensors.items()}, metadata=meta)
 
 
 @pytest.fixture(scope="module")
@@ -136,7 +165,7 @@ def test_rejects_garbage_and_truncated_bytes(setup) -> None:
     # A plain safetensors file (e.g. a raw StatePool.export) is not a snapshot: no metadata.
     expect("invalid_snapshot", st_save(snap.tensors), fp, match="metadata")
     expect("invalid_snapshot", resave(data, format="something-else"), fp, match="format")
-    expect("unsupported_version", resave(data, version="2"), fp, match="version")
+    expect("unsupported_version", resave(data, version="3"), fp, match="version")
     expect("invalid_snapshot", resave(data, drop=("token_hash",)), fp, match="token_hash")
     expect("invalid_snapshot", resave(data, num_tokens="-3"), fp, match="num_tokens")
     expect("invalid_snapshot", resave(data, token_hash="zz"), fp, match="malformed")
@@ -169,12 +198,14 @@ def test_edited_metadata_is_caught(setup) -> None:
     assert decode_snapshot(forged, snap.fingerprint).num_tokens == snap.num_tokens + 7
     expect("bad_signature", forged, snap.fingerprint, KEY)
     # So do forged tensors with a recomputed checksum.
-    tensors = {k: v.clone() for k, v in snap.tensors.items()}
-    tensors["layers.0.ssm"][0, 0, 0] += 1.0
-    meta = {k: v for k, v in header(encode_snapshot(snap, KEY))["__metadata__"].items() if k != "hmac"}
-    meta["checksum"] = _checksum(tensors, meta)
-    meta["hmac"] = "00" * 32
-    expect("bad_signature", st_save(tensors, metadata=meta), snap.fingerprint, KEY, match="signature is invalid")
+    signed = encode_snapshot(snap, KEY)
+    payload = bytearray(signed[header_length(signed) :])
+    payload[5] ^= 0x10
+    head = header(signed)
+    meta = {k: v for k, v in head["__metadata__"].items() if k != "hmac"}
+    forged = assemble({**meta, "hmac": "00" * 32}, {k: v for k, v in head.items() if k != "__metadata__"}, payload)
+    assert decode_snapshot(forged, snap.fingerprint).tensors.keys() == snap.tensors.keys()
+    expect("bad_signature", forged, snap.fingerprint, KEY, match="signature is invalid")
 
 
 def test_hmac_required_and_checked(setup) -> None:
@@ -222,10 +253,69 @@ def test_size_is_constant_in_context_length() -> None:
         prompt = random_ids(n, 7 + slot)
         feed(model, pool, slot, prompt, 0)
         data = encode_snapshot(Snapshot(pool.export(slot), fp, n, token_hash(prompt), session_id="sess_x"), KEY)
-        tensor_bytes = len(data) - 8 - struct.unpack("<Q", data[:8])[0]
-        assert tensor_bytes == pool.bytes_per_session()
+        assert len(data) - header_length(data) == pool.bytes_per_session()
+        assert header_length(data) % HEADER_ALIGN == 0
         sizes.append(len(data))
     assert sizes[0] == sizes[1]
+
+
+# -- the format ---------------------------------------------------------------------------------------------------
+def test_a_snapshot_is_a_safetensors_file_with_the_state_packed_in_pool_order(setup) -> None:
+    _, pool, snap, _ = setup
+    data = encode_snapshot(snap, KEY)
+    loaded = st_load(data)  # any safetensors reader opens it
+    assert loaded.keys() == snap.tensors.keys()
+    for name, t in snap.tensors.items():
+        assert torch.equal(loaded[name], t), name
+    # The tensor bytes are the packed buffer as it is: the pool's layout first, from offset 0, back to back.
+    offsets = [tuple(spec["data_offsets"]) for name, spec in header(data).items() if name != "__metadata__"]
+    assert offsets[0][0] == 0 and all(a[1] == b[0] for a, b in zip(offsets, offsets[1:], strict=False))
+    assert [e.name for e in snap.state.entries[: len(pool.layout)]] == [e.name for e in pool.layout]
+    assert data[header_length(data) :] == snap.state.data.numpy().tobytes()
+    # Written in two pieces (the header, then the buffer without a copy), the file is the same bytes.
+    out = io.BytesIO()
+    assert write_snapshot(out, snap, KEY) == len(data)
+    header_a, header_b = header(out.getvalue()), header(data)
+    assert header_a.keys() == header_b.keys()
+
+
+def test_a_decoded_snapshot_views_the_buffer_it_was_read_into(setup) -> None:
+    _, _, snap, _ = setup
+    data = encode_snapshot(snap)
+    buffer = torch.frombuffer(bytearray(data), dtype=torch.uint8)
+    back = decode_snapshot(buffer, snap.fingerprint)
+    assert back.state.data.data_ptr() == buffer.data_ptr() + header_length(data)  # a view, no copy
+    for name, t in snap.tensors.items():
+        assert torch.equal(back.tensors[name], t), name
+
+
+def test_version_1_snapshots_still_load_and_are_still_checked(setup) -> None:
+    model, _, snap, next_token = setup
+    old = version_1(snap, KEY)
+    back = decode_snapshot(old, snap.fingerprint, KEY)
+    assert (back.num_tokens, back.token_hash, back.session_id) == (snap.num_tokens, snap.token_hash, "s1")
+    other = StatePool(model, capacity=2, max_context=64)
+    other.import_packed(1, back.state)  # packed in the order of the old file, repacked in the pool's layout
+    for name, t in snap.tensors.items():
+        assert torch.equal(other.export(1)[name], t), name
+    flipped = bytearray(old)
+    flipped[-3] ^= 1
+    expect("checksum_mismatch", bytes(flipped), snap.fingerprint, KEY)
+    expect("bad_signature", version_1(snap), snap.fingerprint, KEY, match="not signed")
+
+
+def test_a_header_that_misplaces_its_tensors_is_refused(setup) -> None:
+    _, _, snap, _ = setup
+    data = encode_snapshot(snap)
+    head = header(data)
+    meta, table = head["__metadata__"], {k: v for k, v in head.items() if k != "__metadata__"}
+    first = next(iter(table))
+    start, end = table[first]["data_offsets"]
+    moved = {**table, first: {**table[first], "data_offsets": [start + 4, end + 4]}}
+    expect("invalid_snapshot", assemble(meta, moved, data[header_length(data) :]), snap.fingerprint, match=first)
+    odd = {**table, first: {**table[first], "dtype": "Q99"}}
+    expect("invalid_snapshot", assemble(meta, odd, data[header_length(data) :]), snap.fingerprint, match="malformed")
+    expect("invalid_snapshot", data + b"extra", snap.fingerprint, match="bytes after its end")
 
 
 # -- token hash ---------------------------------------------------------------------------------------------------
