@@ -9,16 +9,24 @@ holds a new session's state and is never written after construction.
 Resets are deferred: `alloc` and `reset` only note the slot, and the first use of the pool's rows afterwards copies
 the template row onto every noted slot, all layers' tensors at once, in one launch (`kvfree.kernels.rows`). Forks
 (`copy`, `copy_many`) are one launch too.
+
+A session's state leaves and enters the pool packed (`export_packed`, `stage` + `import_staged`): every fixed-size
+tensor's row gathered into one buffer by one launch, crossing between device and host in one copy
+(engine/packed_state.py). Those calls run on the current CUDA stream, so a caller can run them on a side stream;
+ordering them against the steps is the caller's (engine/state_mover.py).
 """
 
 from __future__ import annotations
+
+from dataclasses import dataclass
 
 import torch
 
 from kvfree.engine.host_copy import upload
 from kvfree.engine.layers import StateSpec
 from kvfree.engine.model import HybridLM, State
-from kvfree.kernels.rows import RowTable, copy_rows
+from kvfree.engine.packed_state import PackedState, StateEntry
+from kvfree.kernels.rows import RowTable, copy_rows, gather_rows, scatter_rows
 
 
 class PoolFullError(RuntimeError):
@@ -27,6 +35,16 @@ class PoolFullError(RuntimeError):
 
 class SnapshotMismatchError(ValueError):
     """Exported state tensors that do not fit this pool's model (wrong names, shapes or dtypes)."""
+
+
+@dataclass(eq=False)
+class StagedState:
+    """A packed state on its way into a slot: its fixed-size bytes already on the pool's device (`[1, row_bytes]`
+    uint8, copied there by `StatePool.stage`, possibly still in flight on the stream that staged it), and the packed
+    state itself for its per-token tensors."""
+
+    fixed: torch.Tensor
+    packed: PackedState
 
 
 class StatePool:
@@ -63,6 +81,16 @@ class StatePool:
         nonzero = [t[self.template_slot].view(-1).view(torch.uint8).any() for t in fixed]
         zero = [not z for z in torch.stack(nonzero).tolist()] if fixed else []
         self._reset_table = RowTable(fixed, zero_fill=zero)
+        # Moves in and out of the pool: the fixed-size tensors' rows, packed back to back in table order.
+        self._move_table = RowTable(fixed)
+        names = [(f"layers.{i}.{name}", spec) for i, specs in enumerate(self.specs) for name, spec in specs.items()]
+        fixed_names = [(key, spec) for key, spec in names if not spec.per_token]
+        self._per_token = [(f"layers.{i}.{name}", i, name) for i, specs in enumerate(self.specs)
+                           for name, spec in specs.items() if spec.per_token]  # fmt: skip
+        self.layout: tuple[StateEntry, ...] = tuple(
+            StateEntry(key, t.dtype, spec.shape, offset)
+            for (key, spec), t, offset in zip(fixed_names, fixed, self._move_table.offsets, strict=True)
+        )
         self._free = list(range(capacity - 1, -1, -1))  # pop() hands out slot 0 first
         self._stale: set[int] = set()  # slots to reset before their rows are next read or written
         # The src of every reset: the template row, K of them sliced off (no upload per flush).
@@ -160,43 +188,103 @@ class StatePool:
         rows = upload(srcs + dsts, torch.int32, self.model.device)
         copy_rows(self._fork_table, rows[: len(pairs)], rows[len(pairs) :])
 
-    # -- export / import (the basis of snapshots) ---------------------------------------------------------------
+    # -- export / import (the basis of snapshots and of the host tier) -----------------------------------------
     def _used(self, layer: int, slot: int) -> int:
         return int(self.tensors[layer]["length"][slot])
 
+    @property
+    def device(self) -> torch.device:
+        return self.model.device
+
+    def export_packed(self, slot: int) -> PackedState:
+        """The session's state packed in host memory (`layout`, then per-token caches cut to their length).
+
+        On a GPU: one gather launch into a device buffer, then one copy to pinned memory, both on the current stream
+        and asynchronous (the result's `ready` event says when the bytes are there); a model with per-token caches
+        (the attention baseline) reads their lengths first, which waits for the device. Reads the slot as the
+        current stream finds it: a caller on a side stream makes it wait for the steps that wrote the slot first.
+        """
+        cuda = self.device.type == "cuda"
+        # A slot noted for reset holds a new session's state: export the template row (no flush on this stream).
+        stale = slot in self._stale
+        row = self.template_slot if stale else slot
+        # (`_tensors`, not `tensors`: no flush of other slots' resets on what may be a side stream.)
+        cut = [(key, self._tensors[i][name][slot][: 0 if stale else int(self._tensors[i]["length"][slot])])
+               for key, i, name in self._per_token]  # fmt: skip
+        entries = list(self.layout)
+        offset = self._move_table.row_bytes
+        for key, t in cut:
+            entries.append(StateEntry(key, t.dtype, tuple(t.shape), offset))
+            offset += entries[-1].nbytes
+        host = PackedState.buffer(offset, pin=cuda)
+        fixed = self._move_table.row_bytes
+        rows = upload([row], torch.int32, self.device)
+        if not cuda:
+            gather_rows(self._move_table, rows, host[:fixed].view(1, fixed))
+            for e, (_, t) in zip(entries[len(self.layout) :], cut, strict=True):
+                host[e.offset : e.end].copy_(t.contiguous().view(-1).view(torch.uint8))
+            return PackedState(host, tuple(entries))
+        staging = torch.empty(offset, dtype=torch.uint8, device=self.device)
+        gather_rows(self._move_table, rows, staging[:fixed].view(1, fixed))
+        for e, (_, t) in zip(entries[len(self.layout) :], cut, strict=True):
+            staging[e.offset : e.end].copy_(t.contiguous().view(-1).view(torch.uint8))
+        rows_read = torch.cuda.Event()
+        rows_read.record()
+        host.copy_(staging, non_blocking=True)  # one DMA; `staging` returns to this stream's cache, reused after it
+        ready = torch.cuda.Event()
+        ready.record()
+        return PackedState(host, tuple(entries), ready, rows_read)
+
     def export(self, slot: int) -> dict[str, torch.Tensor]:
         """The session's state as CPU tensors named `layers.{i}.{name}`; per-token caches are cut to their length."""
-        out = {}
-        for i, (specs, state) in enumerate(zip(self.specs, self.tensors, strict=True)):
-            for name, spec in specs.items():
-                row = state[name][slot]
-                if spec.per_token:
-                    row = row[: self._used(i, slot)]
-                out[f"layers.{i}.{name}"] = row.detach().to("cpu", copy=True).contiguous()
-        return out
+        return self.export_packed(slot).tensors()
 
     def check(self, tensors: dict[str, torch.Tensor]) -> None:
         """Raise SnapshotMismatchError unless `tensors` (an `export()`) fit this pool: names, dtypes, shapes, and
         per-token caches whose entry count agrees with their layer's `length`."""
+        self.check_entries(
+            {k: (t.dtype, tuple(t.shape)) for k, t in tensors.items()},
+            lambda key: tensors.get(key),
+        )
+
+    def check_packed(self, packed: PackedState) -> None:
+        """`check` for a packed state: when its fixed-size part is laid out as this pool's (`layout`), only the
+        per-token entries are checked one by one."""
+        if not self._per_token and packed.entries == self.layout:
+            return
+        by_name = {e.name: e for e in packed.entries}
+        views: dict[str, torch.Tensor] = {}
+
+        def value(key: str) -> torch.Tensor | None:
+            e = by_name.get(key)
+            if e is None:
+                return None
+            if key not in views:
+                views[key] = packed.wait().data[e.offset : e.end].view(e.dtype).view(e.shape)
+            return views[key]
+
+        self.check_entries({e.name: (e.dtype, e.shape) for e in packed.entries}, value)
+
+    def check_entries(self, given: dict[str, tuple[torch.dtype, tuple[int, ...]]], value) -> None:
+        """The checks of `check` over names -> (dtype, shape); `value(name)` gives a `length` tensor's value."""
         expected = {f"layers.{i}.{name}": (i, name, spec) for i, s in enumerate(self.specs) for name, spec in s.items()}
-        missing = sorted(set(expected) - set(tensors))
-        unexpected = sorted(set(tensors) - set(expected))
+        missing = sorted(set(expected) - set(given))
+        unexpected = sorted(set(given) - set(expected))
         if missing or unexpected:
             raise SnapshotMismatchError(
                 f"state tensors do not match this model: missing {missing}, unexpected {unexpected}"
             )
         for key, (i, name, spec) in expected.items():
-            t, dtype = tensors[key], self._tensors[i][name].dtype  # (no flush: metadata only)
-            if t.dtype != dtype:
+            (dtype_given, shape), dtype = given[key], self._tensors[i][name].dtype  # (no flush: metadata only)
+            if dtype_given != dtype:
                 raise SnapshotMismatchError(
-                    f"{key}: dtype {t.dtype}, this model keeps it as {dtype} (a state from the same model run at "
+                    f"{key}: dtype {dtype_given}, this model keeps it as {dtype} (a state from the same model run at "
                     "another dtype: load the model with the same dtype)"
                 )
-            shape = tuple(t.shape)
             if spec.per_token:
                 if shape[1:] != spec.shape[1:] or shape[0] > spec.shape[0]:
                     raise SnapshotMismatchError(f"{key}: shape {shape} does not fit the pool's {spec.shape}")
-                length = tensors.get(f"layers.{i}.length")
+                length = value(f"layers.{i}.length")
                 if length is not None and (length.numel() != 1 or int(length) != shape[0]):
                     raise SnapshotMismatchError(
                         f"{key}: {shape[0]} entries, but the layer's length says {length.tolist()}"
@@ -204,18 +292,45 @@ class StatePool:
             elif shape != spec.shape:
                 raise SnapshotMismatchError(f"{key}: shape {shape}, this model needs {spec.shape}")
 
+    def _in_layout(self, packed: PackedState) -> PackedState:
+        """`packed` with its fixed-size part laid out as `layout` (repacked when it is not: an old snapshot's order)."""
+        if packed.entries[: len(self.layout)] == self.layout:
+            return packed
+        tensors = packed.tensors()
+        order = [e.name for e in self.layout] + [key for key, _, _ in self._per_token]
+        return PackedState.pack({key: tensors[key] for key in order})
+
+    def stage(self, packed: PackedState) -> StagedState:
+        """Check `packed` against this pool and copy its fixed-size bytes to the device (on the current stream,
+        asynchronous from pinned memory): the first half of an import, which needs no slot."""
+        self.check_packed(packed)
+        packed = self._in_layout(packed)
+        fixed = packed.data[: self._move_table.row_bytes].view(1, -1)
+        if self.device.type != "cuda":
+            return StagedState(fixed, packed.wait())
+        if packed.ready is not None:  # still being copied from the device (just evicted): the stream waits, not us
+            torch.cuda.current_stream(self.device).wait_event(packed.ready)
+        return StagedState(fixed.to(self.device, non_blocking=fixed.is_pinned()), packed)
+
+    def import_staged(self, slot: int, staged: StagedState) -> None:
+        """The second half of an import: the staged bytes into `slot`'s rows (one launch, on the current stream)."""
+        self._stale.discard(slot)  # every tensor of the slot is overwritten below
+        scatter_rows(self._move_table, staged.fixed, upload([slot], torch.int32, self.device))
+        entries = staged.packed.entries[len(self.layout) :]
+        for e, (_, i, name) in zip(entries, self._per_token, strict=True):
+            t = staged.packed.data[e.offset : e.end].view(e.dtype).view(e.shape)
+            self._tensors[i][name][slot].zero_()
+            self._tensors[i][name][slot, : t.shape[0]].copy_(t, non_blocking=True)
+
+    def import_packed(self, slot: int, packed: PackedState) -> None:
+        """Load a packed state into `slot`, checking it first (all or nothing)."""
+        self.import_staged(slot, self.stage(packed))
+
     def import_(self, slot: int, tensors: dict[str, torch.Tensor]) -> None:
         """Load an `export()`ed state into `slot`, checking it first (all or nothing)."""
         self.check(tensors)
-        self._stale.discard(slot)  # every tensor of the slot is overwritten below
-        for i, specs in enumerate(self.specs):
-            for name, spec in specs.items():
-                t = tensors[f"layers.{i}.{name}"].to(self.model.device)
-                if spec.per_token:
-                    self.tensors[i][name][slot].zero_()
-                    self.tensors[i][name][slot, : t.shape[0]].copy_(t)
-                else:
-                    self.tensors[i][name][slot].copy_(t)
+        order = [e.name for e in self.layout] + [key for key, _, _ in self._per_token]
+        self.import_packed(slot, PackedState.pack({key: tensors[key] for key in order}))
 
     # -- memory accounting --------------------------------------------------------------------------------------
     def _spec_bytes(self, spec: StateSpec, per_token_entries: int | None) -> int:
@@ -241,7 +356,7 @@ class StatePool:
 
     def session_bytes(self, slot: int) -> int:
         """Bytes of state the session in `slot` actually holds (what `export(slot)` returns)."""
-        return sum(t.numel() * t.element_size() for t in self.export(slot).values())
+        return self.export_packed(slot).nbytes
 
     def reserved_bytes(self) -> int:
         """Device bytes the whole pool occupies (the scratch and template rows included)."""
