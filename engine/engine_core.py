@@ -27,7 +27,7 @@ from kvfree.engine.llm_engine import LLMEngine
 from kvfree.engine.sampling import SamplingParams
 from kvfree.engine.scheduler import QueueFull, Request, RequestOutput, Scheduler
 from kvfree.engine.session_store import SessionStore, open_store
-from kvfree.engine.sessions import Session, SessionManager, SessionNotFound
+from kvfree.engine.sessions import Session, SessionBusy, SessionManager, SessionNotFound
 from kvfree.engine.snapshot import model_fingerprint, write_snapshot
 
 log = logging.getLogger("kvfree.engine")
@@ -41,10 +41,6 @@ CALLS = frozenset({
     "create_session", "get_session", "list_sessions", "delete_session", "discard_session", "fork_session",
     "export_session", "restore_session", "has_work", "abort_all", "persist_all",
 })  # fmt: skip
-
-
-class SessionBusy(RuntimeError):
-    """Another request is using this session right now (HTTP 409)."""
 
 
 class EngineStopped(RuntimeError):
@@ -93,6 +89,7 @@ class EngineConfig:
             store = open_store(
                 self.session_store, model_fingerprint(llm.model), self.hmac_key,
                 ttl_seconds=self.session_ttl_seconds, lease_seconds=self.session_lease_seconds,
+                fsync=self.session_write == "through",  # a completed turn's file is on disk before the turn ends
             )  # fmt: skip
         return EngineCore(
             llm, max_waiting=self.max_waiting, max_batch_tokens=self.max_batch_tokens,
@@ -192,8 +189,9 @@ class EngineCore:
 
     @property
     def writing(self) -> bool:
-        """Background session writes are landing: poll for them soon even when idle."""
-        return self.sessions.writer is not None and self.sessions.writer.pending > 0
+        """Background session writes or spills are landing: poll for them soon even when idle."""
+        writer = self.sessions.tiers.writer
+        return (writer is not None and writer.pending > 0) or self.sessions.tiers.moving
 
     def step(self) -> None:
         """One engine step; a failing step fails its requests instead of the engine."""
@@ -206,10 +204,11 @@ class EngineCore:
         self._outputs_ready()
 
     def poll_store(self) -> None:
-        """The session store's background work, between steps: apply the writes that landed, renew the leases of
-        the turns that run."""
+        """The session store's background work, between steps: apply the writes and spills that landed, renew the
+        leases of the turns that run."""
         self.sessions.poll_writes()
-        self.sessions.renew_leases()
+        self.sessions.tiers.poll()
+        self.sessions.tiers.renew_leases()
 
     def _fail_in_flight(self, exc: Exception) -> None:
         """Send `exc` to every request in flight and free their slots. A session in the failed batch may hold a
@@ -257,7 +256,7 @@ class EngineCore:
         session = self.sessions.get(session_id, owner) if session_id else None
         if session is not None and session.busy:
             raise SessionBusy(f"session {session_id} is in use by another request")
-        if session is not None and not self.sessions.begin_turn(session):
+        if session is not None and not self.sessions.tiers.begin_turn(session):
             raise SessionBusy(f"session {session_id} is running a turn on another replica; retry when it ends")
         try:
             self.scheduler.add(
@@ -268,7 +267,7 @@ class EngineCore:
             )
         except QueueFull:
             if session is not None:
-                self.sessions.end_turn(session)
+                self.sessions.tiers.end_turn(session)
             raise
 
     def abort(self, request_id: str, choice: int | None = None) -> None:
@@ -413,8 +412,8 @@ class EngineCore:
             "pool_reserved_bytes": pool.reserved_bytes(),
             "host_state_bytes": self.sessions.host_bytes(),
             "session_moves": dataclasses.asdict(self.sessions.counters),
-            "session_writes_pending": self.sessions.writer.pending if self.sessions.writer is not None else 0,
-            "session_write_lag_seconds": self.sessions.write_lag_seconds,
+            "session_writes_pending": self.sessions.tiers.writer.pending if self.sessions.tiers.writer else 0,
+            "session_write_lag_seconds": self.sessions.tiers.write_lag_seconds,
             # How many sessions fit: decoding at once (pool slots), idle in host memory, in all (None: only the
             # session store's disk bounds it).
             "session_capacity": {

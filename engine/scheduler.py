@@ -21,6 +21,7 @@ from dataclasses import dataclass, field, replace
 from kvfree.engine.sampling import SamplingParams
 from kvfree.engine.sequence import Sequence, TokenLogprob
 from kvfree.engine.session_store import SessionStoreError
+from kvfree.engine.session_tiers import StateLoading
 from kvfree.engine.sessions import PoolExhausted, Session, SessionManager
 from kvfree.engine.tokenizer import Tokenizer
 
@@ -163,7 +164,7 @@ class Scheduler:
         if len(self.waiting) >= self.max_waiting:
             raise QueueFull(f"{len(self.waiting)} requests are already waiting")
         if request.session is not None:
-            request.session.busy = True  # reserved from now on: no other request may use it concurrently
+            self.sessions.reserve(request.session)  # no other request may use it now; a stored one starts loading
         self.waiting.append(request)
 
     def abort(self, request_id: str, choice: int | None = None) -> bool:
@@ -230,6 +231,11 @@ class Scheduler:
             req = self.waiting[0]
             try:
                 slots = self._take_slots(req)
+            except StateLoading as loading:
+                if self.running or step.admitted:
+                    return  # its session is still being read from the store: the step goes on without it
+                loading.wait()  # nothing else to run: wait for the read rather than spin
+                continue
             except PoolExhausted as exc:
                 if self.running or self._admit_resident(step):
                     return  # a running request frees a slot when it ends: wait for it
@@ -278,9 +284,6 @@ class Scheduler:
         except Exception:  # no slot now, or the session's stored state cannot be loaded: take nothing
             for s in taken:
                 self.sessions.delete(s)
-            if req.session is not None and req.session.slot is not None:
-                self.sessions.release(req.session)
-                req.session.busy = True
             raise
         req.ephemeral = taken
         return slots
@@ -405,7 +408,7 @@ class Scheduler:
         if first is not None:
             req.session.extend(first.consumed)
         try:
-            self.sessions.persist_turn(req.session)
+            self.sessions.tiers.persist_turn(req.session)
         except SessionStoreError as exc:
             req.store_error = exc
 
@@ -413,9 +416,7 @@ class Scheduler:
         if req.session is None:
             return
         self._settle_session(req)
-        req.session.busy = False
-        if req.session.slot is not None:
-            self.sessions.release(req.session)
-        self.sessions.end_turn(req.session)
+        self.sessions.release(req.session)
+        self.sessions.tiers.end_turn(req.session)
         if req.session.delete_when_released:  # its owner gave it up while this request ran (an aborted stream)
             self.sessions.delete(req.session)

@@ -3,7 +3,7 @@
     python -m kvfree.engine.store_bench --preset mamba2-370m --store /tmp/sessions
     python -m kvfree.engine.store_bench --preset mamba2-370m --store redis://127.0.0.1:6379/0
 
-A turn's write is the SessionManager's `persist_turn`: copy the session's pool rows to the host, encode the
+A turn's write is `SessionTiers.persist_turn`: copy the session's pool rows to the host, encode the
 snapshot (checksum included), write it to the store; the load is the reverse, when another replica continues the
 session. Times the median of `--turns` of each with random non-zero state; writes JSON under docs/bench/.
 """
@@ -55,11 +55,10 @@ def main(argv: list[str] | None = None) -> int:
                     t.copy_(torch.randn(t.shape, generator=gen, device=device).to(t.dtype))
         session.extend([turn])
         start = time.perf_counter()
-        manager.persist_turn(session)
+        manager.tiers.persist_turn(session)
         writes.append(time.perf_counter() - start)
         start = time.perf_counter()
-        data = store.read(session.session_id)
-        manager.check_state(manager._read(session).tensors)  # noqa: SLF001 (decode + checks, as a reload does)
+        snap = manager.tiers.read_snapshot(session)  # read, verify and check, as a reload does
         loads.append(time.perf_counter() - start)
     manager.delete(session)
     store.close()
@@ -71,7 +70,7 @@ def main(argv: list[str] | None = None) -> int:
         "store": kind,
         "environment": environment(device),
         "state_bytes": state_bytes,
-        "snapshot_bytes": len(data),
+        "snapshot_bytes": snap.state.nbytes,
         "turns": args.turns,
         "write_ms_median": statistics.median(writes) * 1e3,
         "load_ms_median": statistics.median(loads) * 1e3,

@@ -4,12 +4,15 @@ from __future__ import annotations
 
 import logging
 import random
+import threading
 import time
 
 import pytest
 import torch
 
 from kvfree.engine.model import HybridLM
+from kvfree.engine.session_store import DirectoryStore
+from kvfree.engine.session_tiers import StateLoading
 from kvfree.engine.sessions import PoolExhausted, Session, SessionLimitError, SessionManager, SessionNotFound
 from kvfree.engine.snapshot import (
     Snapshot,
@@ -58,11 +61,14 @@ def turn(manager: SessionManager, session: Session, tokens: list[int], steps: in
     fed, logits = feed(manager.pool.model, manager.pool, slot, tokens, steps)
     session.extend(fed)
     manager.release(session)
+    manager.tiers.flush_spills()  # spills run on the I/O thread; the engine applies the landed ones between steps
     return logits
 
 
 def check_tiers(manager: SessionManager) -> None:
-    """Where every session claims to be agrees with the pool, the host cap and the directory."""
+    """Where every session claims to be agrees with the pool, the host cap and the directory (once the spills under
+    way have landed: they are written on the I/O thread)."""
+    manager.tiers.flush_spills()
     sessions = list(manager._sessions.values())
     resident = [s for s in sessions if s.location == "gpu"]
     assert sorted(s.slot for s in resident) == sorted({s.slot for s in resident})
@@ -126,6 +132,7 @@ def test_busy_sessions_are_never_evicted(model, fp, tmp_path) -> None:
     manager.release(a)
     c.busy = True
     manager.acquire_slot(e)  # evicts a; host now holds a and c, over its cap of 1: spills a, not the busy c
+    manager.tiers.flush_spills()
     assert a.location == "disk" and c.location == "host"
     manager.release(d)
     manager.acquire_slot(c)
@@ -191,6 +198,67 @@ def test_ten_thousand_new_sessions_are_cheap(model, fp, tmp_path) -> None:
 
 
 # -- ownership, lifecycle -----------------------------------------------------------------------------------------
+class GatedStore(DirectoryStore):
+    """A directory store whose reads or writes wait for a gate to open: an I/O thread caught mid-move."""
+
+    def __init__(self, *args, **kwargs) -> None:
+        super().__init__(*args, **kwargs)
+        self.read_gate, self.write_gate = threading.Event(), threading.Event()
+        self.read_gate.set()
+        self.write_gate.set()
+
+    def read_into(self, session_id, alloc):
+        self.read_gate.wait(10)
+        return super().read_into(session_id, alloc)
+
+    def write_parts(self, meta, parts):
+        self.write_gate.wait(10)
+        return super().write_parts(meta, parts)
+
+
+def test_a_stored_session_is_read_while_its_request_waits(model, fp, tmp_path) -> None:
+    """Reserving a session that lives in the store starts reading it on the I/O thread; making it resident before the
+    read is done says so (StateLoading) and changes nothing; once read, it continues exactly."""
+    store = GatedStore(tmp_path, fp)
+    manager = SessionManager(StatePool(model, 1, CONTEXT), fp, max_host_sessions=0, store=store)
+    reference = StatePool(model, 2, CONTEXT)
+    a, b = manager.create("k"), manager.create("k")
+    for i, s in enumerate((a, b)):
+        turn(manager, s, [3 + i, 4, 5])
+        feed(model, reference, i, [3 + i, 4, 5], 2)
+    assert a.location == "disk"
+    store.read_gate.clear()
+    manager.reserve(a)
+    assert a.fetch is not None and not a.fetch.done()
+    before = (manager.counts(), manager.pool.used_slots, b.location)
+    with pytest.raises(StateLoading) as loading:
+        manager.acquire_slot(a)
+    assert (manager.counts(), manager.pool.used_slots, b.location) == before and a.location == "disk"
+    store.read_gate.set()
+    loading.value.wait()
+    slot = manager.acquire_slot(a)
+    assert a.location == "gpu" and a.fetch is None and manager.counters.reloads_from_disk == 1
+    got = feed(model, manager.pool, slot, [7, 7], 1)[1]
+    assert torch.equal(got, feed(model, reference, 0, [7, 7], 1)[1])
+
+
+def test_a_session_whose_spill_is_under_way_is_used_from_memory(model, fp, tmp_path) -> None:
+    """A spill writes on the I/O thread and the session stays in host memory until it lands; needed meanwhile, it is
+    loaded from memory and the file written for it is removed (it lives in the pool now)."""
+    store = GatedStore(tmp_path, fp)
+    manager = SessionManager(StatePool(model, 1, CONTEXT), fp, max_host_sessions=0, store=store)
+    a, b = manager.create("k"), manager.create("k")
+    turn(manager, a, [1, 2, 3])
+    store.write_gate.clear()
+    manager.acquire_slot(b)  # evicts a to host memory, over the cap of 0: its spill starts and waits at the gate
+    assert a.location == "host" and a.spill is not None and not a.spill.done() and manager.tiers.moving
+    manager.release(b)
+    threading.Timer(0.05, store.write_gate.set).start()
+    manager.acquire_slot(a)  # waits for the write, keeps the copy in memory, removes the file
+    assert a.location == "gpu" and a.spill is None and not (tmp_path / f"{a.session_id}.safetensors").exists()
+    check_tiers(manager)
+
+
 def test_owner_isolation(model, fp) -> None:
     manager = SessionManager(StatePool(model, 2, CONTEXT), fp, 4)
     mine = manager.create("alice")

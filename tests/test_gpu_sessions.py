@@ -1,0 +1,96 @@
+"""Session moves on a GPU (skipped elsewhere; run by tests/gpu_run.sh on the device): evictions and loads run on side
+streams while steps run, never make the host wait, and sessions continue exactly where they left off."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from kvfree.engine.model import HybridLM
+from kvfree.engine.sessions import Session, SessionManager
+from kvfree.engine.snapshot import model_fingerprint
+from kvfree.engine.state_pool import StatePool
+from kvfree.engine.step_batch import StepBatch
+from tests.conftest import make_model
+
+pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+
+DEVICE = torch.device("cuda")
+LAYERS = ["mamba2", "gka", "mamba2"]  # recurrent states only: no per-token cache, so no length is read back
+
+
+@pytest.fixture(scope="module")
+def model() -> HybridLM:
+    return make_model(LAYERS, seed=7, mlp=True).to(DEVICE)
+
+
+def prefill(model: HybridLM, pool: StatePool, slots: list[int], prompts: list[list[int]]) -> torch.Tensor:
+    ids = torch.tensor([t for p in prompts for t in p], device=DEVICE)
+    return model.prefill(ids, pool.tensors, StepBatch.prefill(slots, [len(p) for p in prompts], DEVICE))
+
+
+def decode(model: HybridLM, pool: StatePool, slots: list[int], tokens: list[int]) -> torch.Tensor:
+    return model.decode(torch.tensor(tokens, device=DEVICE), pool.tensors, StepBatch.decode(slots, DEVICE))
+
+
+def test_an_evicted_session_continues_exactly_while_its_slot_is_reused_at_once(model) -> None:
+    """The eviction's copy to the host runs on a side stream while the next step writes the freed slot; the step
+    waits only for the gather, so the host copy holds the state as it was, and the session, loaded back into
+    another slot, decodes the tokens it would have decoded without moving."""
+    fp = model_fingerprint(model)
+    manager = SessionManager(StatePool(model, 2, 64), fp, max_host_sessions=4)
+    reference = StatePool(model, 1, 64)
+    gen = torch.Generator().manual_seed(3)
+    prompts = [torch.randint(1, 200, (n,), generator=gen).tolist() for n in (37, 21, 50)]
+    a, b, c = (manager.create("k") for _ in range(3))
+    slots = [manager.acquire_slot(s) for s in (a, b)]
+    prefill(model, manager.pool, slots, prompts[:2])
+    prefill(model, reference, [0], prompts[:1])
+    want = decode(model, reference, [0], [5])
+    for s in (a, b):
+        manager.release(s)
+    manager.acquire_slot(b)  # b is the most recently used: a is evicted next
+    torch.cuda.set_sync_debug_mode("error")
+    try:
+        slot_c = manager.acquire_slot(c)  # evicts a on the side stream; c's new state goes into a's old slot
+        prefill(model, manager.pool, [slot_c], prompts[2:])  # queued at once, overwriting a's rows on the device
+    finally:
+        torch.cuda.set_sync_debug_mode("default")
+    assert a.location == "host" and slot_c == slots[0] and a.host_state.ready is not None
+    manager.release(c)
+    manager.release(b)
+    manager.acquire_slot(b)  # most recently used again: c is evicted to make room for a
+    slot_a = manager.acquire_slot(a)
+    got = decode(model, manager.pool, [slot_a], [5])
+    torch.testing.assert_close(got, want, rtol=0, atol=0)
+
+
+def test_loads_and_evictions_never_make_the_host_wait(model) -> None:
+    """Sessions cycling through two slots (each acquire evicts one and loads another) queue their copies without
+    a host sync, and every session's state survives the round trips bit for bit."""
+    fp = model_fingerprint(model)
+    pool = StatePool(model, 2, 64)
+    manager = SessionManager(pool, fp, max_host_sessions=8)
+    sessions: list[Session] = [manager.create("k") for _ in range(6)]
+    gen = torch.Generator().manual_seed(4)
+    states = {}
+    for s in sessions:
+        slot = manager.acquire_slot(s)
+        prefill(model, pool, [slot], [torch.randint(1, 200, (19,), generator=gen).tolist()])
+        states[s.session_id] = pool.export(slot)
+        manager.release(s)
+    torch.cuda.synchronize()
+    torch.cuda.set_sync_debug_mode("error")
+    try:
+        for _ in range(3):
+            for s in sessions:
+                manager.acquire_slot(s)
+                manager.release(s)
+    finally:
+        torch.cuda.set_sync_debug_mode("default")
+    assert manager.counters.evictions >= 18 and manager.counters.reloads_from_host >= 18
+    for s in sessions:
+        slot = manager.acquire_slot(s)
+        for name, t in pool.export(slot).items():
+            assert torch.equal(t, states[s.session_id][name]), (s.session_id, name)
+        manager.release(s)
