@@ -36,8 +36,6 @@ from kvfree.engine.engine_handle import EngineHandle, Outputs
 from kvfree.engine.engine_info import EngineInfo
 from kvfree.engine.ipc import (
     ERRORS,
-    bytes_from_wire,
-    bytes_to_wire,
     error_from_wire,
     error_to_wire,
     info_from_wire,
@@ -153,7 +151,6 @@ class EngineLoop:
             self.core.abort(request_id, choice)
         elif kind == "call":
             _, call_id, method, args = message
-            args = [bytes_from_wire(a) for a in args]
             if method == "stop":
                 self._send(["result", call_id, True, None])
                 return False
@@ -312,9 +309,7 @@ class EngineProcess(EngineHandle):
         elif kind == "result":
             _, call_id, ok, value = message
             future = self._calls.pop(call_id, None)
-            if (future is None or future.done()) and ok:
-                bytes_from_wire(value)  # a large result nobody waits for any more: remove its file
-            elif future is not None and not future.done():
+            if future is not None and not future.done():
                 if ok:
                     future.set_result(value)
                 else:
@@ -344,7 +339,7 @@ class EngineProcess(EngineHandle):
         call_id = next(self._ids)
         future = self._loop.create_future()
         self._calls[call_id] = future
-        self._send(["call", call_id, method, [bytes_to_wire(a) if isinstance(a, bytes) else a for a in args]])
+        self._send(["call", call_id, method, list(args)])
         return result_from_wire(method, await future)
 
     async def _submit(

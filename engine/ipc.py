@@ -12,8 +12,8 @@ engine -> front
     ("result", call_id, ok, value)           a call's return value, or (ok False) its exception
     ("stats", stats)                         the engine's counters, pushed a few times a second
 
-A byte string of a MB or more (a snapshot, in a call's arguments or result) crosses as `{"blob": path, "size": n}`, a
-temporary file that the receiver reads and removes (`bytes_to_wire`).
+A snapshot never crosses the pipe: the front names a temporary file, the engine writes the snapshot to it or reads
+one from it (`EngineCore.export_session`, `restore_session`), so tens of MB are written once and read once.
 
 A request output is `[index, token_ids, text, logprobs, finish_reason, prompt_tokens, cached_tokens,
 completion_tokens]` or, for an error sent to the request, `["error", name, message, code]`. Exceptions travel as
@@ -24,8 +24,6 @@ known errors (`ERRORS`), else as a RuntimeError that names the original.
 from __future__ import annotations
 
 import dataclasses
-import os
-import tempfile
 from pathlib import Path
 from typing import Any
 
@@ -51,40 +49,6 @@ ERRORS: dict[str, type[Exception]] = {
         SnapshotError, SnapshotMismatchError, CheckpointError, ValueError, KeyError, TypeError,
     )
 }  # fmt: skip
-
-
-# -- large byte strings (snapshots) ---------------------------------------------------------------------------------
-# A snapshot is tens of MB. Through the pipe it costs more than making it: the sender writes and the receiver reads
-# it in pipe-sized pieces, accumulated in Python (70% of the front's time in a 52 MB download, which took 229 ms
-# with curl, against 40 ms to export the state). Byte strings this large cross instead as a temporary file
-# (`TMPDIR`; removed by the reader within milliseconds, so it lives in the page cache): written once, read once.
-# (/dev/shm read 52 MB in 152 ms against 23 ms from /tmp on the development VM.)
-BLOB_MIN_BYTES = 1 << 20
-
-
-def bytes_to_wire(data: bytes) -> bytes | dict[str, Any]:
-    """`data` as is, or, when large, a `{"blob": path, "size": n}` reference to a file holding it."""
-    if len(data) < BLOB_MIN_BYTES:
-        return data
-    fd, path = tempfile.mkstemp(prefix="kvfree-blob-")
-    with os.fdopen(fd, "wb") as f:
-        f.write(data)
-    return {"blob": path, "size": len(data)}
-
-
-def bytes_from_wire(value: Any) -> Any:
-    """The bytes a `bytes_to_wire` value stands for (its file read and removed); any other value as it is."""
-    if not (isinstance(value, dict) and "blob" in value):
-        return value
-    path = value["blob"]
-    try:
-        with open(path, "rb") as f:
-            data = f.read()
-    finally:
-        os.unlink(path)
-    if len(data) != value["size"]:
-        raise RuntimeError(f"a {value['size']}-byte value crossed as {len(data)} bytes")
-    return data
 
 
 def pack(message: tuple | list) -> bytes:
@@ -122,21 +86,17 @@ def record_from_wire(values: dict[str, Any]) -> SessionRecord:
     return SessionRecord(**values)
 
 
-# The calls (`EngineCore.CALLS`) that answer a SessionRecord; the others answer plain values (bytes, ints, None).
+# The calls (`EngineCore.CALLS`) that answer a SessionRecord; the others answer plain values (ints, bools, None).
 RECORD_CALLS = frozenset({"create_session", "get_session", "fork_session", "restore_session"})
 
 
 def result_to_wire(value: Any) -> Any:
-    if isinstance(value, bytes):
-        return bytes_to_wire(value)
     if isinstance(value, SessionPage):
         return {"records": [record_to_wire(r) for r in value.records], "has_more": value.has_more}
     return record_to_wire(value) if isinstance(value, SessionRecord) else value
 
 
 def result_from_wire(method: str, value: Any) -> Any:
-    if method == "export_session":
-        return bytes_from_wire(value)
     if method == "list_sessions":
         return SessionPage(tuple(record_from_wire(r) for r in value["records"]), value["has_more"])
     return record_from_wire(value) if method in RECORD_CALLS else value

@@ -76,19 +76,6 @@ def test_bytes_cross_as_bytes():
     assert through_the_wire(["result", 3, True, blob])[3] == blob
 
 
-def test_a_snapshot_sized_value_crosses_as_a_file_the_reader_removes():
-    from kvfree.engine.ipc import BLOB_MIN_BYTES, bytes_from_wire, result_from_wire, result_to_wire
-
-    small = b"x" * 100
-    assert result_to_wire(small) is small  # small bytes ride in the frame
-    data = bytes(range(256)) * (BLOB_MIN_BYTES // 256 + 3)
-    wire = through_the_wire(["result", 1, True, result_to_wire(data)])[3]
-    assert set(wire) == {"blob", "size"} and wire["size"] == len(data) and Path(wire["blob"]).exists()
-    assert result_from_wire("export_session", wire) == data
-    assert not Path(wire["blob"]).exists(), "the reader removes the file"
-    assert bytes_from_wire("sess_1") == "sess_1" and bytes_from_wire({"other": 1}) == {"other": 1}
-
-
 @pytest.mark.parametrize("frame", [b"", b"\xc1"])
 def test_a_malformed_frame_raises_instead_of_passing_garbage(frame):
     with pytest.raises(Exception):  # noqa: B017 (msgpack raises its own several kinds)
