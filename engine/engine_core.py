@@ -151,6 +151,7 @@ class EngineCore:
         self.core = LLMEngine(self.scheduler, llm.runner, on_outputs=self._outputs_ready)  # schedule, run, postprocess
         # Serving: every prefill graph a step can meet is captured before the first request, not in its middle.
         llm.runner.capture_prefill_graphs(self.scheduler.max_prefill_tokens)
+        self.sessions.tiers.warm_up()  # (likewise the kernels and pinned memory of the first session move)
         self.on_outputs = on_outputs
         self.info = self._describe()
         # A session's state: fixed bytes, plus per token of context for a KV cache (`stats` runs every few steps).
@@ -345,12 +346,15 @@ class EngineCore:
 
     def export_session(self, session_id: str, owner: str | None, path: str) -> int:
         """Write the session's snapshot (signed when the server has a key; without its owner: whoever restores it
-        owns the copy) into the file `path`, which the caller made and removes; returns the bytes written. The
+        owns the copy) into the existing file `path` (cut to what was written), which the caller made and removes;
+        returns the bytes written. The
         header goes first, then the state straight from its host buffer (`write_snapshot` waits for its copy from
         the GPU): no joined copy of the file is made."""
         snap = self.sessions.snapshot(self._idle(session_id, owner))  # (without the owner)
-        with open(path, "wb") as f:
-            return write_snapshot(f, snap, self.sessions.hmac_key)
+        with open(path, "r+b") as f:  # (not truncated first: pages a previous snapshot left there are reused)
+            written = write_snapshot(f, snap, self.sessions.hmac_key)
+            f.truncate()
+        return written
 
     def restore_session(self, path: str, owner: str | None) -> SessionRecord:
         """A new session of `owner` from the snapshot file `path` (the caller made it and removes it), after every

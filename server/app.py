@@ -79,6 +79,7 @@ def create_app(
             settings.shutdown_grace_seconds,
         )
         await engine.shutdown(settings.shutdown_grace_seconds)
+        app.state.kvfree.snapshot_files.close()
 
     app = FastAPI(
         title="kvfree",

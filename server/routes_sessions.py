@@ -3,10 +3,7 @@ restore."""
 
 from __future__ import annotations
 
-import os
-import tempfile
-from collections.abc import AsyncIterator
-from pathlib import Path
+from collections.abc import AsyncIterator, Callable
 from typing import Annotated, BinaryIO, Literal
 
 import anyio
@@ -42,10 +39,6 @@ router = APIRouter(tags=["Sessions"], dependencies=[Depends(api_key_owner)])
 SNAPSHOT_MEDIA_TYPE = "application/octet-stream"
 RESTORE_PATH = "/v1/sessions/restore"  # its body is streamed past the middlewares (server/app.py)
 SNAPSHOT_CHUNK_BYTES = 1 << 20  # file reads of a download, and batched file writes of an upload
-# Snapshots pass between a client and the engine as files, in memory (tmpfs) where the host has one: the file never
-# reaches a disk, nor does its write wait on one (a 52 MB file, on the CPU VM: 20-24 ms to /dev/shm, 22-139 ms to an
-# ext4 /tmp, one-off).
-FAST_TEMP_DIR = "/dev/shm"
 
 
 @router.post("/v1/sessions", response_model=SessionInfo, responses=error_responses(400, 401, 404, 413, 429, 503))
@@ -146,16 +139,17 @@ async def fork_session(session_id: str, state: StateDep, owner: OwnerDep) -> Ses
 async def snapshot(session_id: str, state: StateDep, owner: OwnerDep) -> Response:
     """The session's state as a safetensors file (same size at any context length); restore it anywhere the
     same model is served with `POST /v1/sessions/restore`."""
-    path = snapshot_temp_file()
+    files = state.snapshot_files
+    carrier = files.take()
     try:
-        # Shielded: were this route cancelled while the engine writes, the name would go first and the engine's
-        # open() would then make the file anew, left behind for good.
+        # Shielded: the carrier goes back (a temporary file: removed) only once the engine has stopped writing it.
         with anyio.CancelScope(shield=True), http_errors():
-            size = await state.engine.export_session(session_id, owner, str(path))
-        f = open(path, "rb", buffering=0)  # noqa: SIM115 (the response closes it, however it ends)
-    finally:
-        path.unlink(missing_ok=True)  # the open file stays readable: nothing is left behind however the download ends
-    return SnapshotStream(f, size, f"{session_id}.safetensors")
+            size = await state.engine.export_session(session_id, owner, carrier.path)
+        f = open(carrier.path, "rb", buffering=0)  # noqa: SIM115 (the response closes it, however it ends)
+    except BaseException:
+        files.give_back(carrier)
+        raise
+    return SnapshotStream(f, size, f"{session_id}.safetensors", on_close=lambda: files.give_back(carrier))
 
 
 class SnapshotStream(StreamingResponse):
@@ -163,13 +157,15 @@ class SnapshotStream(StreamingResponse):
     the event loop), with its Content-Length; the file is closed however the response ends (sent, or the client
     gone)."""
 
-    def __init__(self, f: BinaryIO, size: int, filename: str) -> None:
-        self.file = f
+    def __init__(self, f: BinaryIO, size: int, filename: str, on_close: Callable[[], None]) -> None:
+        self.file, self.size, self.on_close = f, size, on_close
         headers = {"Content-Disposition": f'attachment; filename="{filename}"', "Content-Length": str(size)}
         super().__init__(self._chunks(), media_type=SNAPSHOT_MEDIA_TYPE, headers=headers)
 
     async def _chunks(self) -> AsyncIterator[bytes]:
-        while chunk := await anyio.to_thread.run_sync(self.file.read, SNAPSHOT_CHUNK_BYTES):
+        left = self.size
+        while left > 0 and (chunk := await anyio.to_thread.run_sync(self.file.read, min(left, SNAPSHOT_CHUNK_BYTES))):
+            left -= len(chunk)
             yield chunk
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
@@ -177,6 +173,7 @@ class SnapshotStream(StreamingResponse):
             await super().__call__(scope, receive, send)
         finally:
             self.file.close()  # (a cancelled read has finished first: worker threads are waited for)
+            self.on_close()
 
 
 @router.post(
@@ -195,22 +192,14 @@ async def restore(request: Request, state: StateDep, owner: OwnerDep) -> Session
     Snapshots of another model, truncated or tampered files are refused with 400; what the header alone shows
     (not a snapshot, an unreadable version, a bad signature, another model) is refused as soon as the header has
     arrived, before the rest of the body is read."""
-    path = snapshot_temp_file()
+    carrier = state.snapshot_files.take()
     try:
         with http_errors():
-            await receive_snapshot(request, path, state.engine.info.fingerprint, state.settings.snapshot_hmac_key)
-            return session_info(state, await state.engine.restore_session(str(path), owner))
+            info = state.engine.info
+            await receive_snapshot(request, carrier.path, info.fingerprint, state.settings.snapshot_hmac_key)
+            return session_info(state, await state.engine.restore_session(carrier.path, owner))
     finally:
-        path.unlink(missing_ok=True)
-
-
-def snapshot_temp_file() -> Path:
-    """A new empty file for one snapshot on its way between a client and the engine (the caller removes it): in
-    `FAST_TEMP_DIR` when that exists and is writable, else in the default temporary directory."""
-    fast = os.path.isdir(FAST_TEMP_DIR) and os.access(FAST_TEMP_DIR, os.W_OK | os.X_OK)
-    fd, name = tempfile.mkstemp(prefix="kvfree-snapshot-", suffix=".safetensors", dir=FAST_TEMP_DIR if fast else None)
-    os.close(fd)
-    return Path(name)
+        state.snapshot_files.give_back(carrier)
 
 
 _NO_STATE = PackedState(torch.empty(0, dtype=torch.uint8), ())
@@ -235,7 +224,7 @@ def check_snapshot_header(head: bytes | bytearray, fingerprint: str, hmac_key: b
     return header_length(head) + (packed[-1].end if packed else 0)
 
 
-async def receive_snapshot(request: Request, path: Path, fingerprint: str, hmac_key: bytes | None) -> None:
+async def receive_snapshot(request: Request, path: str, fingerprint: str, hmac_key: bytes | None) -> None:
     """Write the request body into the file `path` as it arrives, refusing a bad snapshot (SnapshotError) as soon
     as its header has arrived (`check_snapshot_header`), or its length shows it cut short or overlong; an empty
     body is a 400. The writes run on a worker thread, `SNAPSHOT_CHUNK_BYTES` or more at a time (a body arrives in
@@ -245,7 +234,7 @@ async def receive_snapshot(request: Request, path: Path, fingerprint: str, hmac_
     checked = False
     batch: list[bytes | bytearray] = []
     batched = total = 0
-    with open(path, "wb") as f:
+    with open(path, "r+b") as f:  # (not truncated now: the pages a previous snapshot left are reused)
         try:
             async for chunk in request.stream():
                 total += len(chunk)
@@ -274,6 +263,7 @@ async def receive_snapshot(request: Request, path: Path, fingerprint: str, hmac_
         if expected is not None and total != expected:
             raise SnapshotError(f"not a snapshot (truncated): its header says {expected} bytes, it has {total}")
         await anyio.to_thread.run_sync(f.writelines, batch)
+        f.truncate()
 
 
 def session_info(state: ServerState, session: SessionRecord) -> SessionInfo:

@@ -13,6 +13,7 @@ from kvfree.server.lifecycle import EngineClient
 from kvfree.server.metrics import Metrics
 from kvfree.server.responses import ResponseStore
 from kvfree.server.settings import ServerSettings
+from kvfree.server.snapshot_files import SnapshotFiles
 
 
 @dataclass
@@ -29,6 +30,7 @@ class ServerState:
     metrics: Metrics
     model_name: str
     responses: ResponseStore = field(default_factory=ResponseStore)  # POST /v1/responses with store
+    snapshot_files: SnapshotFiles = field(default_factory=SnapshotFiles)  # snapshots on their way to or from the engine
 
 
 def state_of(request: Request) -> ServerState:

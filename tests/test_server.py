@@ -30,6 +30,7 @@ import httpx
 import openai
 import pytest
 
+from kvfree.engine.snapshot import header_length
 from kvfree.server.settings import ServerSettings
 from tests.server_fixtures import (
     TOOL_CALL_TEXT,
@@ -736,14 +737,16 @@ def _read_response(sock: socket.socket) -> httpx.Response:
 def test_snapshots_stream_through_temp_files_that_never_outlive_their_request(
     tiny_server, tool_server, tmp_path, monkeypatch
 ):
-    """Both snapshot routes pass the file through a temporary file of the front (in /dev/shm on Linux; here a
-    directory of the test's), gone when the request ends, whether it succeeded, failed, or its client went away.
-    A restore is refused from the header alone, while the client still has most of the body to send."""
-    from kvfree.server import routes_sessions
+    """Without memory files (memfd: not Linux), both snapshot routes pass the file through a temporary file of the
+    front (in /dev/shm where it exists; here a directory of the test's), gone when the request ends, whether it
+    succeeded, failed, or its client went away. A restore is refused from the header alone, while the client still
+    has most of the body to send."""
+    from kvfree.server import snapshot_files
 
     temp = tmp_path / "shm"
     temp.mkdir()
-    monkeypatch.setattr(routes_sessions, "FAST_TEMP_DIR", str(temp))
+    monkeypatch.setattr(snapshot_files, "FAST_TEMP_DIR", str(temp))
+    monkeypatch.setattr(tiny_server.app.state.kvfree, "snapshot_files", snapshot_files.SnapshotFiles(memfd=False))
 
     def left() -> list[str]:
         return sorted(p.name for p in temp.iterdir())
@@ -780,6 +783,36 @@ def test_snapshots_stream_through_temp_files_that_never_outlive_their_request(
     wait_for(lambda: left() != [], 10, message="the upload's temporary file")
     sock.close()
     wait_for(lambda: left() == [], 10, message="the temporary file of an abandoned upload to go")
+
+
+@pytest.mark.skipif(not hasattr(os, "memfd_create"), reason="memory files (memfd) are Linux's")
+def test_snapshots_cross_in_memory_files_that_are_reused(tiny_server):
+    """On Linux a snapshot crosses between the front and the engine in a memory file (no name anywhere, freed by the
+    kernel however the server ends), kept after its request so that the next snapshot writes into pages already
+    there; at most `keep` are kept. Several downloads and restores in a row, some failing, all come out whole."""
+    files = tiny_server.app.state.kvfree.snapshot_files
+    assert files.memfd
+    sid, history = two_turn_session(tiny_server, user_turns=("Hello.",))
+    first = snapshot_of(tiny_server, sid)
+    assert files.idle == 1
+    carrier = files._idle[0]
+    state = first[header_length(first) :]
+
+    def same_state(data: bytes) -> bool:  # (the header differs: it says when the snapshot was taken)
+        return len(data) == len(first) and data[header_length(data) :] == state
+
+    for _ in range(3):
+        assert same_state(snapshot_of(tiny_server, sid))  # the same bytes from a reused file, cut to their length
+        assert files.idle == 1 and files._idle[0] == carrier
+    assert_openai_error(restore(tiny_server, first[:-7]), 400, param="snapshot")
+    restored = restore(tiny_server, first)
+    assert restored.status_code == 200 and files.idle == 1, restored.text
+    held = get_session(tiny_server, sid).json()["num_tokens"]
+    history.append({"role": "user", "content": "And then?"})
+    continue_and_check(tiny_server, restored.json()["id"], history, expect_cached=held)
+    with concurrent.futures.ThreadPoolExecutor(4) as pool:  # four at once: four files, two kept afterwards
+        assert all(map(same_state, pool.map(lambda _: snapshot_of(tiny_server, sid), range(4))))
+    assert files.idle <= files.keep
 
 
 def test_a_snapshot_upload_over_the_body_limit_is_413_as_it_streams(ckpts):
