@@ -22,6 +22,8 @@ from collections.abc import Callable
 from concurrent.futures import Future, ThreadPoolExecutor, wait
 from dataclasses import dataclass
 
+import torch
+
 from kvfree.engine.packed_state import PackedState
 from kvfree.engine.session import PoolExhausted, Session, SessionNotFound
 from kvfree.engine.session_store import (
@@ -31,9 +33,16 @@ from kvfree.engine.session_store import (
     StoredSession,
     new_holder,
 )
-from kvfree.engine.snapshot import Snapshot, SnapshotError, decode_snapshot, encode_snapshot, snapshot_parts
+from kvfree.engine.snapshot import (
+    Snapshot,
+    SnapshotError,
+    check_finite_state,
+    decode_snapshot,
+    encode_snapshot,
+    snapshot_parts,
+)
 from kvfree.engine.state_mover import StateMover
-from kvfree.engine.state_pool import SnapshotMismatchError, StatePool
+from kvfree.engine.state_pool import SnapshotMismatchError, StatePool, staged_tensors
 
 log = logging.getLogger(__name__)
 
@@ -114,6 +123,14 @@ class SessionTiers:
         self._tick = 0
         self._initial: PackedState | None = None
         self._io: ThreadPoolExecutor | None = None  # reads from the store (`prefetch`), made on first use
+
+    def warm_up(self) -> None:
+        """Run one eviction and one load through the scratch slot (start-up): the move kernels are compiled and a
+        pinned buffer is in the allocator's cache before the first session moves, not on that request's time."""
+        scratch = self.pool.scratch_slot
+        self.mover.load(scratch, self.mover.evict(scratch))
+        if self.pool.device.type == "cuda":
+            torch.cuda.synchronize(self.pool.device)
 
     # -- what is where --------------------------------------------------------------------------------------------
     def counts(self, ephemeral_resident: int = 0) -> dict[str, int]:
@@ -256,6 +273,18 @@ class SessionTiers:
         if session.host_state is not None:
             return session.host_state.clone()
         return None
+
+    def check_finite(self, state: PackedState) -> None:
+        """SnapshotError("non_finite_state") when a floating-point tensor of `state` holds a NaN or Inf. On a GPU the
+        state is checked there (one copy over and a reduction per tensor: 49 MB in ~3 ms on an H100, where the host
+        took 19 ms); `state` must fit the pool (`check_state` first)."""
+        if self.pool.device.type != "cuda":
+            check_finite_state(state.tensors())
+            return
+        staged = self.mover.stage(state)
+        with torch.cuda.stream(self.mover.loading_stream):
+            views = staged_tensors(staged)
+            check_finite_state(views)
 
     def initial_state(self) -> PackedState:
         """A new session's state (not always zeros), packed."""

@@ -230,8 +230,9 @@ class SessionManager:
         """A new session of `owner` from a snapshot file's bytes (a uint8 CPU tensor: used in place), after every
         check (SnapshotError with a `code`). Nothing is registered or allocated unless the snapshot is valid and fits
         this server's pool."""
-        snap = decode_snapshot(data, self.fingerprint, self.hmac_key)
+        snap = decode_snapshot(data, self.fingerprint, self.hmac_key, check_finite=False)
         self.check_state(snap.state)
+        self.tiers.check_finite(snap.state)
         self._check_room()
         session = Session(self._new_id(), owner, num_tokens=snap.num_tokens, token_hash=snap.token_hash)
         self.tiers.place(session, snap.state)

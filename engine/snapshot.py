@@ -394,9 +394,15 @@ def _as_tensor(data: bytes | bytearray | memoryview | torch.Tensor) -> torch.Ten
         return torch.frombuffer(data, dtype=torch.uint8)
 
 
-def _check_finite(tensors: dict[str, torch.Tensor]) -> None:
-    for name, t in tensors.items():
-        if t.is_floating_point() and not bool(torch.isfinite(t).all()):
+def check_finite_state(tensors: dict[str, torch.Tensor]) -> None:
+    """SnapshotError("non_finite_state") naming the first floating-point tensor that holds a NaN or Inf (the tensors
+    may be on any device: one flag per tensor, then one read of them all)."""
+    floats = {name: t for name, t in tensors.items() if t.is_floating_point()}
+    if not floats:
+        return
+    finite = torch.stack([torch.isfinite(t).all() for t in floats.values()]).tolist()
+    for name, ok in zip(floats, finite, strict=True):
+        if not ok:
             raise SnapshotError(
                 f"snapshot state {name} holds NaN or Inf values; the session it came from diverged and cannot be "
                 "continued: start a new session",
@@ -415,7 +421,8 @@ def decode_snapshot(
     any problem. Tensor names, shapes and dtypes are left to `StatePool.check`.
 
     `data` may be a CPU uint8 tensor (a file read into pinned memory, say): a version-2 snapshot's state is then a
-    view of it, not a copy. `check_finite=False` is for the server's own files, whose state it wrote itself.
+    view of it, not a copy. `check_finite=False` is for the server's own files, whose state it wrote itself, and for
+    a caller that checks the values where it is faster (`SessionTiers.check_finite`, on the GPU).
     """
     buf = _as_tensor(data)
     view = _buffer(buf)
@@ -448,7 +455,7 @@ def decode_snapshot(
     if meta["dtypes"] != _dtypes(state.entries):
         raise SnapshotError(f"invalid snapshot: metadata dtypes {meta['dtypes']!r} do not match its tensors")
     if check_finite:
-        _check_finite(state.tensors())
+        check_finite_state(state.tensors())
     return snap
 
 

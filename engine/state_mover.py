@@ -33,6 +33,11 @@ class StateMover:
         # The last gather out of each slot: a load into the slot waits for it (the slot's old state is read first).
         self._read: dict[int, torch.cuda.Event] = {}
 
+    @property
+    def loading_stream(self) -> torch.cuda.Stream | None:
+        """The stream loads run on (None on the CPU): work on a `stage`d state belongs there."""
+        return self._in
+
     def evict(self, slot: int) -> PackedState:
         """The state of `slot`, packed in (pinned) host memory, its copy possibly still running (`PackedState.ready`).
         The slot may be freed and reused at once."""

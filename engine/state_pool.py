@@ -47,6 +47,21 @@ class StagedState:
     packed: PackedState
 
 
+def staged_tensors(staged: StagedState) -> dict[str, torch.Tensor]:
+    """name -> tensor: the staged state's tensors, views of its device bytes (per-token ones from host memory)."""
+    out = {}
+    fixed = staged.fixed.view(-1)
+    for e in staged.packed.entries:
+        if e.end <= fixed.numel():
+            raw = fixed[e.offset : e.end]
+            if e.offset % e.dtype.itemsize:  # (views need offsets at a multiple of the item size)
+                raw = raw.clone()
+            out[e.name] = raw.view(e.dtype).view(e.shape)
+    host = staged.packed.tensors()
+    out.update({name: t for name, t in host.items() if name not in out})
+    return out
+
+
 class StatePool:
     """Fixed-capacity session state for one model.
 

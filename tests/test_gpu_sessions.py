@@ -8,7 +8,7 @@ import torch
 
 from kvfree.engine.model import HybridLM
 from kvfree.engine.sessions import Session, SessionManager
-from kvfree.engine.snapshot import model_fingerprint
+from kvfree.engine.snapshot import Snapshot, SnapshotError, encode_snapshot, model_fingerprint
 from kvfree.engine.state_pool import StatePool
 from kvfree.engine.step_batch import StepBatch
 from tests.conftest import make_model
@@ -53,9 +53,9 @@ def test_an_evicted_session_continues_exactly_while_its_slot_is_reused_at_once(m
     torch.cuda.set_sync_debug_mode("error")
     try:
         slot_c = manager.acquire_slot(c)  # evicts a on the side stream; c's new state goes into a's old slot
-        prefill(model, manager.pool, [slot_c], prompts[2:])  # queued at once, overwriting a's rows on the device
     finally:
         torch.cuda.set_sync_debug_mode("default")
+    prefill(model, manager.pool, [slot_c], prompts[2:])  # queued at once, overwriting a's rows on the device
     assert a.location == "host" and slot_c == slots[0] and a.host_state.ready is not None
     manager.release(c)
     manager.release(b)
@@ -94,3 +94,30 @@ def test_loads_and_evictions_never_make_the_host_wait(model) -> None:
         for name, t in pool.export(slot).items():
             assert torch.equal(t, states[s.session_id][name]), (s.session_id, name)
         manager.release(s)
+
+
+def test_a_restored_state_is_checked_for_nan_and_inf_on_the_gpu(model) -> None:
+    """A restored snapshot's values are checked on the device (one copy over and a reduction per tensor): a NaN or
+    an Inf anywhere is refused with `non_finite_state` naming the tensor, and nothing is registered; a clean one is
+    restored and continues exactly."""
+    fp = model_fingerprint(model)
+    manager = SessionManager(StatePool(model, 2, 64), fp, max_host_sessions=4)
+    s = manager.create("k")
+    slot = manager.acquire_slot(s)
+    prefill(model, manager.pool, [slot], [list(range(3, 40))])
+    s.extend(list(range(3, 40)))
+    manager.release(s)
+    snap = manager.snapshot(s)
+    names = [n for n, t in snap.tensors.items() if t.is_floating_point()]
+    for name, value in ((names[0], float("nan")), (names[-1], float("inf"))):
+        tensors = {k: v.clone() for k, v in snap.tensors.items()}
+        tensors[name].view(-1)[-1] = value
+        bad = encode_snapshot(Snapshot(tensors, fp, snap.num_tokens, snap.token_hash))
+        with pytest.raises(SnapshotError) as info:
+            manager.restore(bad, "k")
+        assert info.value.code == "non_finite_state" and name in str(info.value)
+        assert len(manager) == 1
+    twin = manager.restore(encode_snapshot(snap), "k")
+    want = decode(model, manager.pool, [manager.acquire_slot(s)], [9])
+    got = decode(model, manager.pool, [manager.acquire_slot(twin)], [9])
+    torch.testing.assert_close(got, want, rtol=0, atol=0)
