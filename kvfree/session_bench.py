@@ -13,6 +13,12 @@ turn without a session: every token prefilled again. Then a session's snapshot i
 timed as a Python client (httpx) sees it: for a 52 MB snapshot on the development VM httpx itself adds ~120 ms to a
 download that curl receives in 135 ms.
 
+With `--under-load N` (default 64 on a GPU, 0 on the CPU), a second server with N + 2 state slots then runs N
+streams decoding without end while sessions take turns at `--move-rate` per second, for `--load-seconds` twice: once
+on 2 sessions, which stay resident, and once on 8, which share the 2 spare slots, so every turn evicts one session
+to host memory and loads another. The inter-token gaps of the N streams (as the client receives them) in both
+phases say what the moves cost the streams that do not move.
+
 Writes one JSON (default docs/bench/sessions-CHECKPOINT.json): settings, device and versions, the median and minimum
 of each place's turns, the snapshot rates, and the targets of the session-tiers issue with whether each is met.
 Prints a table last. Exit status: 0 when it ran (targets met or not), 2 for bad arguments or a server that did not
@@ -22,6 +28,8 @@ start.
 from __future__ import annotations
 
 import argparse
+import asyncio
+import math
 import statistics
 import sys
 import tempfile
@@ -50,6 +58,7 @@ TARGETS = (
     Goal("cuda", "disk_over_gpu_ms", "<=", 40, "parked on disk: <= resident + 40 ms"),
     Goal("cuda", "snapshot_download_mb_per_s", ">=", 1000, "snapshot download >= 1 GB/s"),
     Goal("cuda", "snapshot_restore_mb_per_s", ">=", 1000, "snapshot restore >= 1 GB/s"),
+    Goal("cuda", "load_itl_p99_over_p50", "<=", 1.5, "under load, moves at 10/s: streams' ITL p99 <= 1.5x p50"),
     Goal("cpu", "host_over_gpu_ms", "<=", 10, "parked in host memory: <= resident + 10 ms"),
     Goal("cpu", "disk_over_gpu_ms", "<=", 60, "parked on disk: <= resident + 60 ms"),
     Goal("cpu", "snapshot_download_mb_per_s", ">=", 500, "snapshot download >= 500 MB/s"),
@@ -141,11 +150,100 @@ def measure(driver: SessionDriver, args: argparse.Namespace, vocab_size: int) ->
     }
 
 
+# -- under load: streams decoding while sessions move ----------------------------------------------------------------
+MOVING_SESSIONS = 8  # sessions taking turns in the moving phase: more than the 2 spare slots, so each turn moves two
+MAX_STREAM_TOKENS = 4096  # the server's default limit per completion: a stream outlasts a phase (cancelled at its end)
+
+
+async def _stream(http: httpx.AsyncClient, prompt: list[int], gaps: list[float], window: list[float]) -> None:
+    """One endless greedy stream; the gaps between its chunks that fall inside `window` ([start, end]) are kept."""
+    body = {"prompt": prompt, "max_tokens": MAX_STREAM_TOKENS, "temperature": 0, "stream": True, "ignore_eos": True}
+    last = None
+    async with http.stream("POST", "/v1/completions", json=body) as r:
+        if r.status_code != 200:
+            raise RuntimeError(f"stream: {r.status_code} {(await r.aread())[:300]!r}")
+        async for line in r.aiter_lines():
+            if not line.startswith("data: {"):
+                continue
+            now = time.perf_counter()
+            if last is not None and window[0] <= last and now <= window[1]:
+                gaps.append(now - last)
+            last = now
+
+
+async def _turns(http: httpx.AsyncClient, histories: list[list[int]], extra: list[int], rate: float,
+                 until: float) -> int:  # fmt: skip
+    """Turns on the sessions of `histories` (id first, then the tokens it holds), round robin at `rate` per second
+    until `until`; returns how many ran."""
+    done, period = 0, 1.0 / rate
+    next_at = time.perf_counter()
+    while next_at < until:
+        await asyncio.sleep(max(0.0, next_at - time.perf_counter()))
+        history = histories[done % len(histories)]
+        sid, tokens = history[0], history[1:]
+        prompt = tokens + extra
+        r = await http.post("/v1/completions", json={"prompt": prompt, "max_tokens": 1, "temperature": 0,
+                                                     "session_id": sid})  # fmt: skip
+        if r.status_code != 200:
+            raise RuntimeError(f"turn: {r.status_code} {r.text[:300]}")
+        history[1:] = prompt
+        done += 1
+        next_at += period
+    return done
+
+
+async def _phase(url: str, histories: list[list[int]], stream_prompts: list[list[int]], extra: list[int],
+                 args: argparse.Namespace) -> dict[str, Any]:  # fmt: skip
+    """N streams, and turns on `histories` at `--move-rate` for `--load-seconds` once the streams decode."""
+    limits = httpx.Limits(max_connections=len(stream_prompts) + 4, max_keepalive_connections=len(stream_prompts) + 4)
+    async with httpx.AsyncClient(base_url=url, timeout=600, trust_env=False, limits=limits) as http:
+        gaps: list[float] = []
+        window = [math.inf, math.inf]
+        streams = [asyncio.create_task(_stream(http, p, gaps, window)) for p in stream_prompts]
+        await asyncio.sleep(args.load_warmup)  # every stream prefilled and decoding
+        window[0] = time.perf_counter()
+        window[1] = window[0] + args.load_seconds
+        try:
+            turns = await _turns(http, histories, extra, args.move_rate, window[1])
+        finally:
+            failed = [t.exception() for t in streams if t.done() and not t.cancelled() and t.exception()]
+            for task in streams:
+                task.cancel()
+            await asyncio.gather(*streams, return_exceptions=True)
+    if failed:
+        raise RuntimeError(f"{len(failed)} of {len(streams)} streams failed: {failed[0]}")
+    if not gaps:
+        raise RuntimeError("no stream produced two tokens in the timed window")
+    gaps.sort()
+    ms = [g * 1e3 for g in gaps]
+    p50, p99 = statistics.median(ms), ms[min(len(ms) - 1, int(0.99 * len(ms)))]
+    return {"turns": turns, "gaps": len(ms), "itl_p50_ms": p50, "itl_p99_ms": p99, "p99_over_p50": p99 / p50}
+
+
+def measure_under_load(url: str, args: argparse.Namespace, vocab_size: int) -> dict[str, Any]:
+    """ITL of `--under-load` streams with turns on resident sessions, then with turns that move sessions."""
+    prompts = random_prompts(args.under_load + MOVING_SESSIONS + 1, args.context, vocab_size, args.seed + 1)
+    extra = prompts[-1][: args.new_tokens]
+    driver = SessionDriver(url)
+    try:
+        histories = [[driver.new_session(p), *p] for p in prompts[: MOVING_SESSIONS]]
+    finally:
+        driver.close()
+    stream_prompts = [p[:64] for p in prompts[MOVING_SESSIONS:-1]]
+    resident = asyncio.run(_phase(url, histories[:2], stream_prompts, extra, args))
+    moving = asyncio.run(_phase(url, histories, stream_prompts, extra, args))
+    return {
+        "streams": args.under_load, "move_rate_per_s": args.move_rate, "seconds": args.load_seconds,
+        "resident": resident, "moving": moving, "load_itl_p99_over_p50": moving["p99_over_p50"],
+    }  # fmt: skip
+
+
 def evaluate_targets(device_type: str, numbers: dict[str, Any]) -> list[dict[str, Any]]:
     return [
-        {**t.__dict__, "value": numbers[t.metric], "met": t.met(numbers[t.metric]) if t.device == device_type else None}
+        {**t.__dict__, "value": numbers.get(t.metric),
+         "met": t.met(numbers[t.metric]) if t.device == device_type and t.metric in numbers else None}
         for t in TARGETS
-    ]
+    ]  # fmt: skip
 
 
 def print_table(payload: dict[str, Any]) -> None:
@@ -163,6 +261,13 @@ def print_table(payload: dict[str, Any]) -> None:
         f"snapshot of {mb:.1f} MB: download {n['snapshot_download_mb_per_s']:.0f} MB/s, restore "
         f"{n['snapshot_restore_mb_per_s']:.0f} MB/s"
     )
+    load = n.get("under_load")
+    if load:
+        print(f"{load['streams']} streams decoding, turns at {load['move_rate_per_s']}/s for {load['seconds']} s:")
+        for phase in ("resident", "moving"):
+            x = load[phase]
+            print(f"{phase:>12} turns: ITL p50 {x['itl_p50_ms']:.2f} ms, p99 {x['itl_p99_ms']:.2f} ms "
+                  f"({x['p99_over_p50']:.2f}x), {x['turns']} turns")  # fmt: skip
     print_goals(payload["targets"], payload["device_type"])
     print(f"wrote {payload['out']}")
 
@@ -190,6 +295,15 @@ def run(args: argparse.Namespace) -> int:
                     numbers = measure(driver, args, vocab_size)
                 finally:
                     driver.close()
+            under_load = args.under_load if args.under_load is not None else (64 if device.type == "cuda" else 0)
+            if under_load:
+                args.under_load = under_load
+                load_args = [*serve_args, "--max-sessions", str(under_load + 2), "--max-host-sessions", "1024"]
+                load_args[load_args.index("--max-prompt-tokens") + 1] = str(args.context + args.new_tokens * 1000)
+                loaded = ServerProcess(load_args, Path(tmp) / "load-server.log", start_timeout=args.start_timeout)
+                with sigterm_exits(), loaded as url:
+                    numbers["under_load"] = measure_under_load(url, args, vocab_size)
+                numbers["load_itl_p99_over_p50"] = numbers["under_load"]["load_itl_p99_over_p50"]
         except ServerStartError as e:
             print(f"kvfree bench --sessions: {e}", file=sys.stderr)
             return 2
@@ -204,7 +318,8 @@ def run(args: argparse.Namespace) -> int:
         "settings": {
             "context": args.context, "new_tokens": args.new_tokens, "repeats": args.repeats, "seed": args.seed,
             "device": str(device), "dtype": str(dtype).removeprefix("torch."), "gpu_slots": SLOTS,
-            "host_slots": SLOTS, "serve_args": args.serve_args,
+            "host_slots": SLOTS, "serve_args": args.serve_args, "under_load": args.under_load,
+            "move_rate": args.move_rate, "load_seconds": args.load_seconds,
         },  # fmt: skip
         "environment": {**environment(device), "kvfree_commit": git_commit()},
         "numbers": numbers,
@@ -235,6 +350,12 @@ def build_parser() -> argparse.ArgumentParser:
         metavar="ARG",
         help="one more argument for `kvfree serve`, written with '=' when it starts with '-' (repeatable)",
     )
+    p.add_argument("--under-load", type=int, default=None, metavar="N",
+                   help="streams decoding while sessions move (default: 64 on a GPU, 0 on the CPU; 0: skip)")
+    p.add_argument("--move-rate", type=positive(float), default=10.0, help="session turns per second under load")
+    p.add_argument("--load-seconds", type=positive(float), default=5.0, help="seconds of each phase under load")
+    p.add_argument("--load-warmup", type=positive(float), default=3.0,
+                   help="seconds the streams decode before a phase is timed")
     p.add_argument("--start-timeout", type=positive(float), default=900.0, help="seconds to wait for the server")
     p.add_argument("--out", type=Path, default=None, help="JSON path (default: docs/bench/sessions-CHECKPOINT.json)")
     return p
