@@ -11,6 +11,7 @@ thread, records from the server's worker threads (both stores are safe for that)
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import re
@@ -180,7 +181,8 @@ class DirectoryStore(SessionStore):
                 _fsync_directory(path.parent)  # ... and the rename itself is on disk
             return path.stat().st_mtime_ns
         except OSError as e:
-            tmp.unlink(missing_ok=True)
+            with contextlib.suppress(OSError):  # (its folder may be what failed: a file where it should be, say)
+                tmp.unlink(missing_ok=True)
             raise SessionStoreError(f"cannot write {what} to {self.path}: {e}") from e
 
     def _read_file(self, path: Path, what: str) -> bytes | None:

@@ -122,7 +122,10 @@ class SessionTiers:
         self._disk: dict[str, Session] = {}  # location "disk" (in the store)
         self._tick = 0
         self._initial: PackedState | None = None
-        self._io: ThreadPoolExecutor | None = None  # reads from the store (`prefetch`), made on first use
+        # I/O threads, made on first use: reads (`prefetch`) apart from spill writes, so that a read a request waits
+        # for never queues behind writes nobody waits for.
+        self._reads: ThreadPoolExecutor | None = None
+        self._writes: ThreadPoolExecutor | None = None
 
     def warm_up(self) -> None:
         """Run one eviction and one load through the scratch slot (start-up): the move kernels are compiled and a
@@ -231,7 +234,9 @@ class SessionTiers:
         `make_resident` then finds the state in memory instead of reading it on the engine's step."""
         if session.location != "disk" or session.fetch is not None:
             return
-        session.fetch = self._pool().submit(self._read, session.session_id)
+        if self._reads is None:
+            self._reads = ThreadPoolExecutor(max_workers=2, thread_name_prefix="kvfree-session-read")
+        session.fetch = self._reads.submit(self._read, session.session_id)
 
     def reset_state(self, session: Session) -> None:
         """Return `session`'s state to the initial one (the registry resets its tokens)."""
@@ -333,7 +338,9 @@ class SessionTiers:
                 self.counters.spills += 1
                 continue
             # The snapshot's fields are taken here; its header (hash) and write run on the I/O thread.
-            victim.spill = self._pool().submit(
+            if self._writes is None:
+                self._writes = ThreadPoolExecutor(max_workers=2, thread_name_prefix="kvfree-session-spill")
+            victim.spill = self._writes.submit(
                 self._write_parts, self._stored_meta(victim), self.snapshot(victim, victim.host_state)
             )
 
@@ -381,11 +388,6 @@ class SessionTiers:
             if session.spill is not None:
                 wait([session.spill])
         self.poll()
-
-    def _pool(self) -> ThreadPoolExecutor:
-        if self._io is None:
-            self._io = ThreadPoolExecutor(max_workers=2, thread_name_prefix="kvfree-session-io")
-        return self._io
 
     def _fetched(self, session: Session) -> PackedState:
         """The state of a session in the store: from its `prefetch` (StateLoading while that still runs), else read

@@ -211,8 +211,9 @@ class StatePool:
     def device(self) -> torch.device:
         return self.model.device
 
-    def export_packed(self, slot: int) -> PackedState:
-        """The session's state packed in host memory (`layout`, then per-token caches cut to their length).
+    def export_packed(self, slot: int, out: torch.Tensor | None = None) -> PackedState:
+        """The session's state packed in host memory (`layout`, then per-token caches cut to their length), in `out`
+        (a uint8 host buffer, used when large enough) or a new buffer.
 
         On a GPU: one gather launch into a device buffer, then one copy to pinned memory, both on the current stream
         and asynchronous (the result's `ready` event says when the bytes are there); a model with per-token caches
@@ -231,7 +232,7 @@ class StatePool:
         for key, t in cut:
             entries.append(StateEntry(key, t.dtype, tuple(t.shape), offset))
             offset += entries[-1].nbytes
-        host = PackedState.buffer(offset, pin=cuda)
+        host = out[:offset] if out is not None and out.numel() >= offset else PackedState.buffer(offset, pin=cuda)
         fixed = self._move_table.row_bytes
         rows = upload([row], torch.int32, self.device)
         if not cuda:

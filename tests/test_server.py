@@ -794,7 +794,8 @@ def test_snapshots_cross_in_memory_files_that_are_reused(tiny_server):
     assert files.memfd
     sid, history = two_turn_session(tiny_server, user_turns=("Hello.",))
     first = snapshot_of(tiny_server, sid)
-    assert files.idle == 1
+    # (a download's file goes back once its response has ended, a moment after the client has the last byte)
+    wait_for(lambda: files.idle == 1, 10, message="the download's file to go back")
     carrier = files._idle[0]
     state = first[header_length(first) :]
 
@@ -803,7 +804,8 @@ def test_snapshots_cross_in_memory_files_that_are_reused(tiny_server):
 
     for _ in range(3):
         assert same_state(snapshot_of(tiny_server, sid))  # the same bytes from a reused file, cut to their length
-        assert files.idle == 1 and files._idle[0] == carrier
+        wait_for(lambda: files.idle == 1, 10, message="the download's file to go back")
+        assert files._idle[0] == carrier
     assert_openai_error(restore(tiny_server, first[:-7]), 400, param="snapshot")
     restored = restore(tiny_server, first)
     assert restored.status_code == 200 and files.idle == 1, restored.text
@@ -812,7 +814,7 @@ def test_snapshots_cross_in_memory_files_that_are_reused(tiny_server):
     continue_and_check(tiny_server, restored.json()["id"], history, expect_cached=held)
     with concurrent.futures.ThreadPoolExecutor(4) as pool:  # four at once: four files, two kept afterwards
         assert all(map(same_state, pool.map(lambda _: snapshot_of(tiny_server, sid), range(4))))
-    assert files.idle <= files.keep
+    wait_for(lambda: 1 <= files.idle <= files.keep, 10, message="the downloads' files to go back")
 
 
 def test_a_snapshot_upload_over_the_body_limit_is_413_as_it_streams(ckpts):
