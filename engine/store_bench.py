@@ -42,7 +42,7 @@ def main(argv: list[str] | None = None) -> int:
     model = build_model(args.preset, device, dtype)
     pool = StatePool(model, capacity=1)
     fingerprint = model_fingerprint(model)
-    store = open_store(args.store, fingerprint)
+    store = open_store(args.store, fingerprint, fsync=True)  # as under `--session-write through`
     manager = SessionManager(pool, fingerprint, max_host_sessions=1, store=store, write_through=True)
     session = manager.create(owner=None)
     manager.acquire_slot(session)
