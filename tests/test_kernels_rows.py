@@ -100,15 +100,21 @@ def test_tables_hold_rows_of_any_count_and_size():
     assert torch.equal(a, expect_a) and torch.equal(b, expect_b)
 
 
-def test_one_launch_copies_every_tensor_for_every_pair(monkeypatch):
-    launches = []
+@pytest.fixture
+def launches(monkeypatch) -> list:
+    """The grids of the row kernel's launches, the Triton path forced (interpreted on the CPU)."""
+    grids: list = []
     launch = rows_copy.launch_kernel
     monkeypatch.setattr(
         rows_copy,
         "launch_kernel",
-        lambda kernel, grid, *a, **kw: (launches.append(grid), launch(kernel, grid, *a, **kw)),
+        lambda kernel, grid, *a, **kw: (grids.append(grid), launch(kernel, grid, *a, **kw)),
     )
     monkeypatch.setattr(rows_ops, "use_triton", lambda device: True)
+    return grids
+
+
+def test_one_launch_copies_every_tensor_for_every_pair(launches):
     g = seed("rows", "launches")
     tensors = random_tensors(g, 8, [((3, 5), f32), ((4, 1100), f32), ((), i64), ((6,), bf16)] * 5)  # 20 tensors
     before = [t.clone() for t in tensors]
@@ -223,15 +229,7 @@ def test_triton_gather_and_scatter_equal_the_reference_bit_for_bit(name, k, inde
         assert torch.equal(bits(got[untouched]), bits(before[untouched]))
 
 
-def test_gather_then_scatter_into_other_rows_round_trips_in_one_launch_each(monkeypatch):
-    launches = []
-    launch = rows_copy.launch_kernel
-    monkeypatch.setattr(
-        rows_copy,
-        "launch_kernel",
-        lambda kernel, grid, *a, **kw: (launches.append(grid), launch(kernel, grid, *a, **kw)),
-    )
-    monkeypatch.setattr(rows_ops, "use_triton", lambda device: True)
+def test_gather_then_scatter_into_other_rows_round_trips_in_one_launch_each(launches):
     g = seed("rows", "round trip")
     spec, _ = FLAT_TABLES["16-byte words"]
     tensors = random_tensors(g, 9, spec)

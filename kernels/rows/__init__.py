@@ -67,13 +67,8 @@ def gather_rows(table: RowTable, rows: torch.Tensor, flat: torch.Tensor) -> None
 
     The tensors are not written. No host sync and no allocation: capturable in a CUDA graph.
     """
-    _check_indices(rows, table, "rows")
-    _check_flat(flat, table, rows.shape[0])
-    if rows.device.type == "cpu":
-        _check_rows(rows.tolist(), table.rows, "rows", unique=False)
-    if rows.shape[0] == 0 or not table.tensors:
-        return
-    _impl(table.device, "gather_rows")(table, rows, flat)
+    if _flat_call_has_work(table, rows, flat, unique=False):
+        _impl(table.device, "gather_rows")(table, rows, flat)
 
 
 def scatter_rows(table: RowTable, flat: torch.Tensor, rows: torch.Tensor) -> None:
@@ -91,13 +86,17 @@ def scatter_rows(table: RowTable, flat: torch.Tensor, rows: torch.Tensor) -> Non
 
     Rows not named in `rows` are left untouched. No host sync and no allocation: capturable in a CUDA graph.
     """
+    if _flat_call_has_work(table, rows, flat, unique=True):
+        _impl(table.device, "scatter_rows")(table, flat, rows)
+
+
+def _flat_call_has_work(table: RowTable, rows: torch.Tensor, flat: torch.Tensor, unique: bool) -> bool:
+    """Check a gather's or scatter's arguments (ValueError); whether there is anything to move."""
     _check_indices(rows, table, "rows")
     _check_flat(flat, table, rows.shape[0])
     if rows.device.type == "cpu":
-        _check_rows(rows.tolist(), table.rows, "rows", unique=True)
-    if rows.shape[0] == 0 or not table.tensors:
-        return
-    _impl(table.device, "scatter_rows")(table, flat, rows)
+        _check_rows(rows.tolist(), table.rows, "rows", unique=unique)
+    return rows.shape[0] > 0 and bool(table.tensors)
 
 
 def _impl(device: torch.device, name: str) -> Callable[..., None]:
