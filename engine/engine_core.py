@@ -209,7 +209,7 @@ class EngineCore:
         leases of the turns that run."""
         self.sessions.poll_writes()
         self.sessions.tiers.poll()
-        self.sessions.tiers.renew_leases()
+        self.sessions.leases.renew()
 
     def _fail_in_flight(self, exc: Exception) -> None:
         """Send `exc` to every request in flight and free their slots. A session in the failed batch may hold a
@@ -257,7 +257,7 @@ class EngineCore:
         session = self.sessions.get(session_id, owner) if session_id else None
         if session is not None and session.busy:
             raise SessionBusy(f"session {session_id} is in use by another request")
-        if session is not None and not self.sessions.tiers.begin_turn(session):
+        if session is not None and not self.sessions.leases.begin(session):
             raise SessionBusy(f"session {session_id} is running a turn on another replica; retry when it ends")
         try:
             self.scheduler.add(
@@ -268,7 +268,7 @@ class EngineCore:
             )
         except QueueFull:
             if session is not None:
-                self.sessions.tiers.end_turn(session)
+                self.sessions.leases.end(session)
             raise
 
     def abort(self, request_id: str, choice: int | None = None) -> None:

@@ -417,6 +417,6 @@ class Scheduler:
             return
         self._settle_session(req)
         self.sessions.release(req.session)
-        self.sessions.tiers.end_turn(req.session)
+        self.sessions.leases.end(req.session)
         if req.session.delete_when_released:  # its owner gave it up while this request ran (an aborted stream)
             self.sessions.delete(req.session)

@@ -9,7 +9,7 @@ on the loading stream; from the store, read and verified on an I/O thread as soo
 can move, the call raises (`PoolExhausted`) and changes nothing.
 
 The store is also where sessions persist: every turn under write-through (`persist_turn`, now or on the background
-writer), every idle session at shutdown (`persist_all`). Turns are claimed across replicas with the store's leases.
+writer), every idle session at shutdown (`persist_all`). (Turns are claimed across replicas by engine/turn_leases.py.)
 What a session is and who owns it is the registry's business (engine/sessions.py); this module never creates or
 forgets one.
 """
@@ -29,9 +29,7 @@ from kvfree.engine.session import PoolExhausted, Session, SessionNotFound
 from kvfree.engine.session_store import (
     BackgroundWriter,
     SessionStore,
-    SessionStoreError,
     StoredSession,
-    new_holder,
 )
 from kvfree.engine.snapshot import (
     Snapshot,
@@ -45,6 +43,9 @@ from kvfree.engine.state_mover import StateMover
 from kvfree.engine.state_pool import SnapshotMismatchError, StatePool, staged_tensors
 
 log = logging.getLogger(__name__)
+
+
+MAX_STAGED = 4  # host-parked sessions of queued requests copied to the device ahead of their admission
 
 
 class StateLoading(RuntimeError):
@@ -113,13 +114,12 @@ class SessionTiers:
         self.writer = BackgroundWriter(store, self._encode) if self.write_through and async_writes else None
         self._writing: dict[str, int] = {}  # session id -> background writes not landed yet
         self.write_lag_seconds = 0.0  # how long the last background write took to land after its turn
-        self.lease_holder = new_holder()
-        self._leases: dict[str, float] = {}  # session id -> time.monotonic() its lease was taken or last renewed
         self._reserved = reserved_slots or (lambda: 0)
         self.counters = SessionCounters()
         self._resident: dict[str, Session] = {}  # location "gpu"
         self._host: dict[str, Session] = {}  # location "host" with host_state set (new sessions hold nothing)
         self._disk: dict[str, Session] = {}  # location "disk" (in the store)
+        self._staged: set[str] = set()  # sessions whose host copy `prefetch` copied to the device already
         self._tick = 0
         self._initial: PackedState | None = None
         # I/O threads, made on first use: reads (`prefetch`) apart from spill writes, so that a read a request waits
@@ -209,7 +209,7 @@ class SessionTiers:
         source = session.location
         self._cancel_spill(session)
         # Read the stored copy first: a corrupt one fails here, before another session was moved for it.
-        state = self._fetched(session) if source == "disk" else session.host_state
+        state = self._fetched(session) if source == "disk" else session.staged or session.host_state
         slot = self._take_slot(frees_host=session.session_id in self._host)
         if state is not None:
             try:
@@ -230,8 +230,14 @@ class SessionTiers:
         return slot
 
     def prefetch(self, session: Session) -> None:
-        """Start reading a session that lives in the store (its request was just queued), on the I/O thread:
-        `make_resident` then finds the state in memory instead of reading it on the engine's step."""
+        """Start fetching the state of a session whose request was just queued, so that the step that admits it
+        finds it close: from the store, read on the I/O thread into memory; from host memory on a GPU, copied to the
+        device on the loading stream (at most `MAX_STAGED` at a time: each holds a state's device bytes)."""
+        if session.location == "host" and session.host_state is not None and self.mover.loading_stream is not None:
+            if session.staged is None and len(self._staged) < MAX_STAGED:
+                session.staged = self.mover.stage(session.host_state)
+                self._staged.add(session.session_id)
+            return
         if session.location != "disk" or session.fetch is not None:
             return
         if self._reads is None:
@@ -266,6 +272,7 @@ class SessionTiers:
             self.pool.free(session.slot)
         session.host_state = None
         session.fetch = None
+        self._unstage(session)
         self._detach(session)
 
     def state_copy(self, session: Session) -> PackedState | None:
@@ -408,16 +415,24 @@ class SessionTiers:
 
     def _to_gpu(self, session: Session, slot: int) -> None:
         session.location, session.slot, session.host_state = "gpu", slot, None
+        self._unstage(session)
         self._resident[session.session_id] = session
 
     def _to_host(self, session: Session, state: PackedState | None) -> None:
         session.location, session.slot, session.host_state = "host", None, state
+        self._unstage(session)
         if state is not None:
             self._host[session.session_id] = session
 
     def _to_disk(self, session: Session) -> None:
         session.location, session.slot, session.host_state = "disk", None, None
+        self._unstage(session)
         self._disk[session.session_id] = session
+
+    def _unstage(self, session: Session) -> None:
+        """Drop the device copy `prefetch` made (its host copy moved or changed; its bytes go back to the cache)."""
+        session.staged = None
+        self._staged.discard(session.session_id)
 
     def _detach(self, session: Session) -> None:
         """Remove `session` from the tier indexes (its slot, memory or stored copy are handled by the caller)."""
@@ -427,6 +442,7 @@ class SessionTiers:
     def _drop_stored(self, session: Session) -> None:
         session.host_state = None
         session.fetch = None
+        self._unstage(session)
         if session.location == "disk" and not self.write_through:  # then a stored copy exists only while "disk"
             self.store.delete(session.session_id)
 
@@ -488,11 +504,12 @@ class SessionTiers:
         """Whether a background write of the session has not landed yet."""
         return bool(self._writing.get(session_id))
 
-    def poll_writes(self, landed: Callable[[str], Session | None]) -> None:
-        """Apply the background writes that landed: versions, counters, the leases they were holding.
-        `landed(session_id)`: the registered session of that id, if any."""
+    def poll_writes(self, landed: Callable[[str], Session | None]) -> list[Session]:
+        """Apply the background writes that landed: versions, counters. `landed(session_id)`: the registered session
+        of that id, if any. Returns the idle sessions whose last write has landed (their turn's claim can go)."""
+        settled: list[Session] = []
         if self.writer is None:
-            return
+            return settled
         for done in self.writer.done():
             left = self._writing.get(done.session_id, 1) - 1
             if left:
@@ -509,7 +526,8 @@ class SessionTiers:
                 if session is not None:
                     session.store_version = max(session.store_version, done.version)
             if session is not None and not left and not session.busy:
-                self.end_turn(session)
+                settled.append(session)
+        return settled
 
     def _encode(self, snap: Snapshot) -> bytes:
         return encode_snapshot(snap, self.hmac_key)
@@ -518,55 +536,12 @@ class SessionTiers:
         return StoredSession(session.session_id, session.owner, session.num_tokens, session.token_hash,
                              session.created, session.store_version)  # fmt: skip
 
-    def flush_writes(self, landed: Callable[[str], Session | None]) -> None:
-        """Wait for every background write to land, and apply them (shutdown)."""
-        if self.writer is not None:
-            self.writer.flush()
-            self.poll_writes(landed)
-
-    # -- turns across replicas: the store's leases --------------------------------------------------------------
-    def begin_turn(self, session: Session) -> bool:
-        """Claim `session` for a turn across replicas (the store's lease); False when another replica runs one.
-        The claim is renewed while the turn runs (`renew_leases`)."""
-        if self.store is None:
-            return True
-        if not self.store.acquire_lease(session.session_id, self.lease_holder):
-            return False
-        self._leases[session.session_id] = time.monotonic()
-        return True
-
-    def end_turn(self, session: Session) -> None:
-        """Give the turn's claim back (a failure only delays the next turn until the lease expires); with
-        background writes, once the turn's write has landed (`poll_writes`)."""
-        if self.store is not None and not session.ephemeral and not self._writing.get(session.session_id):
-            self._leases.pop(session.session_id, None)
-            try:
-                self.store.release_lease(session.session_id, self.lease_holder)
-            except SessionStoreError as e:
-                log.warning("could not release the lease of session %s: %s", session.session_id, e)
-
-    def renew_leases(self) -> None:
-        """Renew the claims of the turns that run (and of writes still landing) once a third of a lease has passed
-        since the last renewal: a claim lasts as long as its turn, however long, while a crashed holder's lapses
-        within one lease. Called often (every engine step); does nothing in between."""
-        period = self.store.lease_seconds / 3 if self.store is not None and self.store.lease_seconds else None
-        if period is None or not self._leases:
-            return
-        now = time.monotonic()
-        for session_id, renewed in list(self._leases.items()):
-            if now - renewed < period:
-                continue
-            try:
-                held = self.store.renew_lease(session_id, self.lease_holder)
-            except SessionStoreError as e:  # tried again at the next call; the claim lapses if the store stays away
-                log.warning("could not renew the lease of session %s: %s", session_id, e)
-                continue
-            if held:
-                self._leases[session_id] = now
-            else:
-                self._leases.pop(session_id)
-                log.error("the lease of session %s lapsed while its turn ran (the store was unreachable too long)",
-                          session_id)  # fmt: skip
+    def flush_writes(self, landed: Callable[[str], Session | None]) -> list[Session]:
+        """Wait for every background write to land, and apply them (shutdown; returns as `poll_writes` does)."""
+        if self.writer is None:
+            return []
+        self.writer.flush()
+        return self.poll_writes(landed)
 
 
 def check_state(pool: StatePool, state: PackedState) -> None:

@@ -29,6 +29,7 @@ from kvfree.engine.session_store import DirectoryStore, SessionStore, StoredSess
 from kvfree.engine.session_tiers import SessionCounters, SessionTiers, check_state
 from kvfree.engine.snapshot import Snapshot, SnapshotError, decode_snapshot, encode_snapshot
 from kvfree.engine.state_pool import StatePool
+from kvfree.engine.turn_leases import TurnLeases
 
 __all__ = [
     "PoolExhausted", "Session", "SessionBusy", "SessionLimitError", "SessionManager", "SessionNotFound",
@@ -83,6 +84,7 @@ class SessionManager:
         self.tiers = SessionTiers(
             pool, fingerprint, max_host_sessions, store, write_through, async_writes, hmac_key, reserved_slots
         )
+        self.leases = TurnLeases(store, self.tiers.writing)
         self._sessions: dict[str, Session] = {}
         self._ephemeral = 0  # how many registered sessions are ephemeral
 
@@ -245,8 +247,9 @@ class SessionManager:
 
     # -- persistence --------------------------------------------------------------------------------------------
     def poll_writes(self) -> None:
-        """Apply the background writes that landed (`SessionTiers.poll_writes`)."""
-        self.tiers.poll_writes(self._sessions.get)
+        """Apply the background writes that landed (`SessionTiers.poll_writes`), and give back the claims they held."""
+        for session in self.tiers.poll_writes(self._sessions.get):
+            self.leases.end(session)
 
     def persist_all(self) -> int:
         """Write every idle session to the store (graceful shutdown); returns how many were written.
@@ -259,7 +262,8 @@ class SessionManager:
             if len(self):
                 log.warning("%d sessions are not persisted: no snapshot directory is configured", len(self))
             return 0
-        self.tiers.flush_writes(self._sessions.get)  # the turns' own writes land first, and the spills under way
+        for session in self.tiers.flush_writes(self._sessions.get):  # the turns' own writes land first
+            self.leases.end(session)
         self.tiers.flush_spills()
         written = 0
         for session in list(self._sessions.values()):
