@@ -9,6 +9,7 @@ from typing import Literal
 
 from kvfree.engine.packed_state import PackedState
 from kvfree.engine.snapshot import Snapshot, token_hash
+from kvfree.engine.state_pool import StagedState
 
 Location = Literal["gpu", "host", "disk"]
 
@@ -46,6 +47,7 @@ class Session:
     fetch: the read of its stored copy on the I/O thread, while one runs (`SessionTiers.prefetch`).
     spill: the write of its host copy to the store on the I/O thread, while one runs (it stays in host memory until
         the write has landed).
+    staged: its host copy already copied to the device for its queued request (`SessionTiers.prefetch`).
     """
 
     session_id: str
@@ -65,6 +67,7 @@ class Session:
     store_version: int = field(default=0, repr=False)  # the store's version this copy matches (0: none)
     fetch: Future[Snapshot] | None = field(default=None, repr=False)
     spill: Future[int] | None = field(default=None, repr=False)  # its host copy's write to the store, in flight
+    staged: StagedState | None = field(default=None, repr=False)  # its host copy on the device ahead of admission
 
     def extend(self, tokens: list[int]) -> None:
         """Record that the state has consumed `tokens` after the ones before."""

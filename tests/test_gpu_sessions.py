@@ -121,3 +121,29 @@ def test_a_restored_state_is_checked_for_nan_and_inf_on_the_gpu(model) -> None:
     want = decode(model, manager.pool, [manager.acquire_slot(s)], [9])
     got = decode(model, manager.pool, [manager.acquire_slot(twin)], [9])
     torch.testing.assert_close(got, want, rtol=0, atol=0)
+
+
+def test_a_queued_sessions_host_copy_is_on_the_device_before_its_admission(model) -> None:
+    """Reserving a host-parked session (its request is queued) copies its state to the device on the loading stream at
+    once, so that admitting it later is one scatter; it continues exactly, and at most MAX_STAGED are held."""
+    from kvfree.engine.session_tiers import MAX_STAGED
+
+    fp = model_fingerprint(model)
+    manager = SessionManager(StatePool(model, 1, 64), fp, max_host_sessions=16)
+    reference = StatePool(model, MAX_STAGED + 2, 64)
+    sessions = [manager.create("k") for _ in range(MAX_STAGED + 2)]
+    for i, s in enumerate(sessions):
+        prompt = [3 + i, 9, 27, 81 % 250, 5]
+        prefill(model, manager.pool, [manager.acquire_slot(s)], [prompt])
+        prefill(model, reference, [i], [prompt])
+        manager.release(s)
+    parked = sessions[:-1]  # the last one holds the slot
+    for s in parked:
+        manager.reserve(s)
+    staged = [s for s in parked if s.staged is not None]
+    assert len(staged) == MAX_STAGED and all(s.location == "host" for s in parked)
+    for i, s in enumerate(parked):
+        got = decode(model, manager.pool, [manager.acquire_slot(s)], [7])
+        torch.testing.assert_close(got, decode(model, reference, [i], [7]), rtol=0, atol=0)
+        assert s.staged is None
+        manager.release(s)
