@@ -153,7 +153,7 @@ class ModelRunner:
         slots = upload([s.slot for s in step.sample], torch.long, self.device)
         params = [s.params for s in step.sample]
         flags = BatchFlags.of(params, self.model.config.vocab_size)
-        out = sample(torch.cat(logits) if len(logits) > 1 else logits[0], self.sampling.rows(slots, flags))
+        out = sample(torch.cat(logits) if len(logits) > 1 else logits[0], self.sampling.rows(slots, flags, params))
         self.sampling.advance(slots, out.token_ids, flags)
         self.next_tokens.index_copy_(0, slots, out.token_ids)
         return self._to_host(out, [p.logprobs for p in params])

@@ -1,6 +1,7 @@
 """Sampling: per-request parameters, and one batched sampler whose every parameter is a tensor row.
 
-Order of operations (as vLLM): penalties -> greedy argmax or (temperature -> min-p -> top-k -> top-p -> draw).
+Order of operations (as vLLM): penalties -> logit bias -> greedy argmax or (temperature -> min-p -> top-k -> top-p
+-> draw).
 A step samples its whole batch with the same few tensor ops whatever the batch holds: no Python loop over rows,
 no host sync. The draw is by inverse CDF from one uniform number per row, and that number is a counter-based
 hash of (the row's seed, how many tokens the row drew before), so a seeded request gets the same tokens whatever
@@ -19,6 +20,7 @@ import torch
 from kvfree.engine.host_copy import upload, upload_tensor
 
 MAX_TOP_LOGPROBS = 20
+MAX_LOGIT_BIAS = 100.0  # OpenAI's range for a `logit_bias` value: +-100 forces or bans a token
 # Temperatures below this are greedy (as vLLM's _SAMPLING_EPS): dividing logits by 1e-300 would overflow them.
 GREEDY_BELOW = 1e-5
 
@@ -30,6 +32,8 @@ class SamplingParams:
     temperature 0 means greedy. top_k <= 0, top_p = 1 and min_p = 0 disable those filters. Penalties follow the
     OpenAI API (presence, frequency: over generated tokens) and HF/vLLM (repetition: over prompt and generated
     tokens; 1 disables). `logprobs`: None for none, 0 for the sampled token's, k for the k most likely as well.
+    `logit_bias`: token id -> a value in [-100, 100] added to its logit before sampling (OpenAI's), so that 100
+    all but forces a token and -100 all but bans it; the logprobs reported stay the model's.
     """
 
     max_tokens: int = 16
@@ -46,6 +50,7 @@ class SamplingParams:
     ignore_eos: bool = False
     logprobs: int | None = None
     skip_special_tokens: bool = True
+    logit_bias: dict[int, float] = field(default_factory=dict)
 
     def __post_init__(self) -> None:
         for name in ("temperature", "top_p", "min_p", "repetition_penalty", "presence_penalty", "frequency_penalty"):
@@ -73,6 +78,11 @@ class SamplingParams:
             raise ValueError("stop strings must be non-empty")
         if self.seed is not None and not 0 <= self.seed < 2**63:
             raise ValueError(f"seed must be in [0, 2**63), got {self.seed}")
+        for token, bias in self.logit_bias.items():
+            if not isinstance(token, int) or token < 0:
+                raise ValueError(f"logit_bias keys must be token ids (integers >= 0), got {token!r}")
+            if not isinstance(bias, int | float) or not -MAX_LOGIT_BIAS <= bias <= MAX_LOGIT_BIAS:
+                raise ValueError(f"logit_bias values must be numbers in [-100, 100], got {bias!r} for token {token}")
 
     @property
     def greedy(self) -> bool:
@@ -118,12 +128,14 @@ class BatchFlags:
     top_p: bool = False
     penalties: bool = False
     logprobs: int | None = None
+    logit_bias: bool = False
 
     @classmethod
     def of(cls, params: Iterable[SamplingParams], vocab_size: int) -> BatchFlags:
-        sampled = min_p = top_k = top_p = penalties = False
+        sampled = min_p = top_k = top_p = penalties = logit_bias = False
         logprobs = None
         for p in params:
+            logit_bias |= bool(p.logit_bias)
             if not p.greedy:
                 sampled = True
                 min_p |= p.min_p > 0
@@ -132,7 +144,7 @@ class BatchFlags:
             penalties |= p.uses_penalties
             if p.logprobs is not None:
                 logprobs = max(logprobs or 0, p.logprobs)
-        return cls(sampled, min_p, top_k, top_p, penalties, logprobs)
+        return cls(sampled, min_p, top_k, top_p, penalties, logprobs, logit_bias)
 
 
 @dataclass
@@ -142,6 +154,7 @@ class SamplingRows:
     params: `[B, len(PARAM_COLUMNS)]` fp32.  seeds: `[B]` int64 in [0, 2**63).  counters: `[B]` int64, how many
     tokens each row drew before this one (the position in the row's random stream).  counts / prompt_mask:
     `[B, V]` fp32 / bool, how often each token was generated and which the prompt holds (needed with penalties).
+    bias: the rows' `logit_bias` entries as three `[N]` tensors (row, token id, value), or None when no row has one.
     """
 
     params: torch.Tensor
@@ -150,6 +163,7 @@ class SamplingRows:
     flags: BatchFlags
     counts: torch.Tensor | None = None
     prompt_mask: torch.Tensor | None = None
+    bias: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None
 
     @classmethod
     def build(
@@ -170,6 +184,7 @@ class SamplingRows:
             flags=BatchFlags.of(params, vocab_size),
             counts=counts,
             prompt_mask=prompt_mask,
+            bias=logit_bias_rows(params, torch.device(device)),
         )
 
     def column(self, name: str) -> torch.Tensor:
@@ -221,6 +236,19 @@ def uniform(seeds: torch.Tensor, counters: torch.Tensor) -> torch.Tensor:
 
 
 # -- the sampler --------------------------------------------------------------------------------------------------
+def logit_bias_rows(
+    params: list[SamplingParams], device: torch.device
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None:
+    """The `logit_bias` entries of a batch's rows as (row, token id, value) `[N]` tensors on `device`, uploaded
+    without a sync; None when no row has one (the common case costs one pass over the params)."""
+    if not any(p.logit_bias for p in params):
+        return None
+    rows = [b for b, p in enumerate(params) for _ in p.logit_bias]
+    tokens = [t for p in params for t in p.logit_bias]
+    values = [float(v) for p in params for v in p.logit_bias.values()]
+    return upload(rows, torch.int64, device), upload(tokens, torch.int64, device), upload(values, torch.float32, device)
+
+
 def apply_penalties(logits: torch.Tensor, rows: SamplingRows) -> torch.Tensor:
     """Repetition / presence / frequency penalties: logits `[B, V]` fp32 -> new logits.
 
@@ -292,6 +320,8 @@ def sample(logits: torch.Tensor, rows: SamplingRows) -> SampleOutput:
     raw, flags = logits, rows.flags
     if flags.penalties:
         logits = apply_penalties(logits, rows)
+    if rows.bias is not None:
+        logits = logits.index_put(rows.bias[:2], rows.bias[2], accumulate=True)  # (a new tensor: raw stays the model's)
     token_ids = logits.argmax(-1)
     if flags.sampled:
         probs = filter_logits(logits, rows).softmax(-1)
@@ -342,8 +372,9 @@ class SamplingTable:
             at = (index[upload(rows_of, torch.int64, self.device)], upload(tokens, torch.int64, self.device))
             self.prompt_mask.index_put_(at, torch.ones(len(tokens), dtype=torch.bool, device=self.device))
 
-    def rows(self, slots: torch.Tensor, flags: BatchFlags) -> SamplingRows:
-        """The rows of `slots` (`[B]` int64 on the device), in that order."""
+    def rows(self, slots: torch.Tensor, flags: BatchFlags, params: list[SamplingParams] | None = None) -> SamplingRows:
+        """The rows of `slots` (`[B]` int64 on the device), in that order; `params`: the rows' own (their logit
+        biases are sent with the step: sparse, per request, not kept per slot)."""
         penalties = flags.penalties and self.counts is not None
         return SamplingRows(
             params=self.params.index_select(0, slots),
@@ -352,6 +383,7 @@ class SamplingTable:
             flags=flags,
             counts=self.counts.index_select(0, slots) if penalties else None,
             prompt_mask=self.prompt_mask.index_select(0, slots) if penalties else None,
+            bias=logit_bias_rows(params, self.device) if flags.logit_bias and params is not None else None,
         )
 
     def advance(self, slots: torch.Tensor, token_ids: torch.Tensor, flags: BatchFlags) -> None:

@@ -184,8 +184,10 @@ class EngineClient:
     def check(
         self, ids: list[int], params: SamplingParams, param: str, *, n: int = 1, session_id: str | None = None
     ) -> None:
-        """Vocabulary, prompt length, the KV-cache limit of models with full attention, and `n` choices."""
+        """Vocabulary (of the prompt and of `logit_bias`), prompt length, the KV-cache limit of models with full
+        attention, and `n` choices."""
         self.check_token_ids(ids, param)
+        self.check_token_ids(list(params.logit_bias), "logit_bias")
         if len(ids) > self.max_prompt_tokens:
             raise prompt_too_long(len(ids), self.max_prompt_tokens, param)
         context = self.info.context_limit

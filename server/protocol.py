@@ -5,7 +5,7 @@ infinities are refused (Python's JSON parser accepts `NaN` and `Infinity`), and 
 `engine.sampling.SamplingParams` accepts, so a request that validates never fails later in the engine. Unknown
 fields are ignored, as OpenAI SDKs and tools send fields (`metadata`, `store`, `service_tier`...) a server may not
 know. Known OpenAI fields that would change the output and that kvfree does not implement (`echo`, `suffix`,
-`best_of` > n, `logit_bias`, a non-text `response_format`) are refused rather than silently ignored.
+`best_of` > n, a non-text `response_format`) are refused rather than silently ignored.
 
 The upper bound of `max_tokens` is a server setting, so it is checked by `to_sampling_params(max_tokens_limit)`,
 which raises an `APIError` (400) naming the field.
@@ -44,7 +44,7 @@ from pydantic import (
     model_validator,
 )
 
-from kvfree.engine.sampling import MAX_TOP_LOGPROBS, SamplingParams
+from kvfree.engine.sampling import MAX_LOGIT_BIAS, MAX_TOP_LOGPROBS, SamplingParams
 from kvfree.server.errors import invalid_request
 
 # The most completions one request may ask for (`n`): each holds a pool slot while it decodes.
@@ -278,7 +278,11 @@ class GenerationRequest(RequestModel):
         "prefilled. With the OpenAI SDK, pass it in `extra_body`.",
     )
     user: str | None = Field(default=None, description="Accepted for compatibility; ignored.")
-    logit_bias: dict[str, float] | None = Field(default=None, description="Not supported: must be absent or empty.")
+    logit_bias: dict[str, float] | None = Field(
+        default=None,
+        description="Token id (as a string, as OpenAI's) -> a value in [-100, 100] added to its logit before "
+        "sampling: 100 all but forces the token, -100 all but bans it.",
+    )
 
     @field_validator("stream_options")
     @classmethod
@@ -289,9 +293,12 @@ class GenerationRequest(RequestModel):
 
     @field_validator("logit_bias")
     @classmethod
-    def _no_logit_bias(cls, value: dict[str, float] | None) -> dict[str, float] | None:
-        if value:
-            raise ValueError("logit_bias is not supported")
+    def _logit_bias(cls, value: dict[str, float] | None) -> dict[str, float] | None:
+        for token, bias in (value or {}).items():
+            if not token.isdigit():
+                raise ValueError(f"logit_bias keys are token ids, got {token!r}")
+            if not -MAX_LOGIT_BIAS <= bias <= MAX_LOGIT_BIAS:
+                raise ValueError(f"logit_bias values must be in [-100, 100], got {bias} for token {token}")
         return value
 
     @property
@@ -319,6 +326,7 @@ class GenerationRequest(RequestModel):
                 ignore_eos=self.ignore_eos,
                 logprobs=logprobs,
                 skip_special_tokens=skip_special_tokens,
+                logit_bias={int(token): bias for token, bias in (self.logit_bias or {}).items()},
             )
         except ValueError as e:
             # The schema's bounds match SamplingParams', so this is a bug guard; its messages start with the field.

@@ -26,20 +26,21 @@ def test_graph_decode_matches_eager_through_the_scheduler():
 
 
 def test_launching_a_step_never_makes_the_host_wait_for_the_device():
-    """Scheduling and launching a step (admission, slot resets, uploads, prefill, forks, decode, sampling, the copy
-    of the tokens to the host) queue device work without a single implicit sync: the host only ever waits in
-    `StepHandle.result()`, so its work on one step overlaps the device's on the previous one."""
+    """Scheduling and launching a step (admission, slot resets, uploads, prefill, forks, decode, sampling with logit
+    biases, the copy of the tokens to the host) queue device work without a single implicit sync: the host only ever
+    waits in `StepHandle.result()`, so its work on one step overlaps the device's on the previous one."""
     llm = LLM(TINY_CHECKPOINT, max_sessions=16)
     mixed = [
         SamplingParams(max_tokens=6, temperature=0),
         SamplingParams(max_tokens=6, temperature=0.8, top_p=0.9, top_k=20, seed=3),
         SamplingParams(max_tokens=6, temperature=0.7, repetition_penalty=1.3, presence_penalty=0.5, seed=4),
         SamplingParams(max_tokens=6, temperature=0, logprobs=3),
+        SamplingParams(max_tokens=6, temperature=0.9, seed=5, logit_bias={65: 5.0, 66: -100.0}),
     ]
-    llm.generate([f"warm {i} " * (i + 1) for i in range(4)], mixed)  # compiles every kernel these steps meet
+    llm.generate([f"warm {i} " * (i + 1) for i in range(len(mixed))], mixed)  # compiles every kernel these steps meet
     engine = llm.engine
     outputs: list = []
-    requests = [llm._request(f"prompt {i} " * (3 * i + 1), mixed[i % 4], outputs) for i in range(9)]
+    requests = [llm._request(f"prompt {i} " * (3 * i + 1), mixed[i % len(mixed)], outputs) for i in range(9)]
     requests.append(llm._request("forked prompt", SamplingParams(max_tokens=5, temperature=1.0, seed=9), outputs))
     requests[-1].n = 3  # three choices share one prefill: the state is forked to two more slots
     for req in requests:

@@ -401,6 +401,36 @@ def test_logprobs_zero_gives_no_top_alternatives():
     assert out.top_ids is None and out.top_logprobs is None
 
 
+# -- logit bias ----------------------------------------------------------------------------------------------------
+
+
+def test_logit_bias_forces_and_bans_tokens_in_its_own_rows_only():
+    """+100 on a token makes it the pick of a greedy and of a sampled row; -100 on each row's best token bans it;
+    rows without a bias pick exactly what they pick alone; the reported logprobs stay the model's."""
+    logits = _randn(5, 40, seed=21, scale=2.0)
+    best = logits.argmax(-1)
+    forced, banned = 7 if int(best[0]) != 7 else 8, int(best[2])
+    params = [
+        SamplingParams(temperature=0, logit_bias={forced: 100}, logprobs=0),
+        SamplingParams(temperature=0.9, seed=4, logit_bias={forced: 100.0}),
+        SamplingParams(temperature=0, logit_bias={banned: -100}),
+        SamplingParams(temperature=0),
+        SamplingParams(temperature=1.2, seed=5, top_k=5),
+    ]
+    out = _sample(logits, params)
+    assert out.token_ids[:2].tolist() == [forced, forced]
+    assert int(out.token_ids[2]) != banned and int(out.token_ids[2]) == int(logits[2].topk(2).indices[1])
+    free = _sample(logits[3:], params[3:])
+    assert out.token_ids[3:].tolist() == free.token_ids.tolist()
+    torch.testing.assert_close(out.logprobs[0], logits[0].log_softmax(-1)[forced])  # the model's, not the biased
+
+
+@pytest.mark.parametrize("bias", [{-1: 5.0}, {3: 100.5}, {3: -101}, {3: float("nan")}, {"3": 1.0}])
+def test_params_reject_bad_logit_bias(bias):
+    with pytest.raises(ValueError, match="logit_bias"):
+        SamplingParams(logit_bias=bias)
+
+
 # -- through LLM on the embedded checkpoint ------------------------------------------------------------------------
 
 PROMPT = "Hello, world"
@@ -704,3 +734,16 @@ def test_degenerate_rows_never_pick_outside_the_vocabulary():
     probs[1] = 0.0
     picks = draw(probs, torch.tensor([1, 2]), torch.tensor([0, 0]))
     assert ((picks >= 0) & (picks < 30)).all()
+
+
+def test_llm_logit_bias_steers_generation(llm):
+    """Through the engine: a banned token never appears where greedy decoding chose it, and a +100 token is all
+    that is generated."""
+    free = llm.generate(PROMPT, SamplingParams(temperature=0, max_tokens=6, ignore_eos=True))[0]
+    banned = free.token_ids[0]
+    steered = llm.generate(PROMPT, SamplingParams(temperature=0, max_tokens=6, ignore_eos=True,
+                                                  logit_bias={banned: -100}))[0]  # fmt: skip
+    assert banned not in steered.token_ids
+    forced = llm.generate(PROMPT, SamplingParams(temperature=0.8, seed=1, max_tokens=5, ignore_eos=True,
+                                                 logit_bias={65: 100}))[0]  # fmt: skip
+    assert forced.token_ids == [65] * 5

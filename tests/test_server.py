@@ -297,6 +297,25 @@ def test_openai_sdk_completions_and_chat(tiny_server):
     assert info.value.body["param"] == "model"
 
 
+def test_logit_bias_steers_both_endpoints_through_the_sdk(tiny_server):
+    """OpenAI's `logit_bias` (token ids as strings): +100 makes a sampled reply that one token, on every choice of
+    n=2 and streamed too; -100 bans it."""
+    client = tiny_server.openai()
+    with tiny_server.http() as http:
+        a = http.post("/tokenize", json={"prompt": "A"}).json()["tokens"][-1]
+        forced = http.post("/detokenize", json={"tokens": [a] * 5}).json()["prompt"]
+    common = {"model": "kvfree-tiny", "max_tokens": 5, "temperature": 1.0, "seed": 3, "logit_bias": {str(a): 100},
+              "extra_body": {"ignore_eos": True}}  # fmt: skip
+    r = client.completions.create(prompt="Once upon a time", n=2, **common)
+    assert [c.text for c in r.choices] == [forced, forced]
+    chat = client.chat.completions.create(messages=[{"role": "user", "content": "Hi"}], **common)
+    assert chat.choices[0].message.content == forced
+    streamed = client.completions.create(prompt="Once upon a time", stream=True, **common)
+    assert "".join(c.choices[0].text for c in streamed if c.choices) == forced
+    banned = client.completions.create(prompt="Once upon a time", **{**common, "logit_bias": {str(a): -100}})
+    assert forced[0] not in banned.choices[0].text
+
+
 @pytest.mark.parametrize("endpoint", ["chat", "completions"])
 def test_n2_seeded_sampling_is_reproducible_and_choices_differ(tiny_server, endpoint):
     client = tiny_server.openai()
@@ -977,7 +996,8 @@ def _bad_chat_bodies() -> list[tuple[str, dict[str, Any] | str, int, str | None]
             "frequency_penalty",
         ),
         ("top_p out of range", {"messages": msgs, "top_p": 0}, 400, "top_p"),
-        ("logit_bias", {"messages": msgs, "logit_bias": {"50": 10}}, 400, "logit_bias"),
+        ("logit_bias outside the vocabulary", {"messages": msgs, "logit_bias": {"99999999": 10}}, 400, "logit_bias"),
+        ("logit_bias out of range", {"messages": msgs, "logit_bias": {"50": -101}}, 400, "logit_bias"),
         ("top_logprobs without logprobs", {"messages": msgs, "top_logprobs": 2}, 400, "top_logprobs"),
         ("too many stop strings", {"messages": msgs, "stop": ["a", "b", "c", "d", "e"]}, 400, "stop"),
         (

@@ -146,7 +146,8 @@ BAD_CHAT = [
     (_chat(tools=[TOOL_F], tool_choice={"type": "function", "function": {"name": "nope"}}), "tool_choice"),
     (_chat(tools=[TOOL_F], tool_choice={"type": "function", "function": {"name": 1}}), "tool_choice.function.name"),
     (_chat(response_format={"type": "json_object"}), "response_format"),
-    (_chat(logit_bias={"50": 10}), "logit_bias"),
+    (_chat(logit_bias={"fifty": 10}), "logit_bias"),
+    (_chat(logit_bias={"50": 100.5}), "logit_bias"),
     (_chat(session_id=""), "session_id"),
     (_chat(stop_token_ids=[-1]), "stop_token_ids[0]"),
 ]
