@@ -44,7 +44,10 @@ class Tokenizer:
         self.eos_token_id = self._tok.token_to_id(self.eos_token) if self.eos_token else None
         self.bos_token_id = self._tok.token_to_id(self.bos_token) if self.bos_token else None
         decoder = json.loads(self._tok.to_str()).get("decoder") or {}
-        self._byte_level = decoder.get("type") == "ByteLevel"
+        # Byte-level pieces (GPT-2's symbols for bytes) are decoded by a ByteLevel decoder, alone or as one step of a
+        # Sequence (the embedded model's: byte fallback, fuse, "▁" to space, then ByteLevel).
+        chain = (decoder.get("decoders") or []) if decoder.get("type") == "Sequence" else [decoder]
+        self._byte_level = any(isinstance(d, dict) and d.get("type") == "ByteLevel" for d in chain)
         self._bytes_cache: dict[int, bytes] = {}
         self._env = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True)
         self._env.filters["tojson"] = lambda v, indent=None: json.dumps(v, indent=indent, ensure_ascii=False)

@@ -46,3 +46,20 @@ def test_each_choice_has_its_own_text_and_the_request_ends_when_all_have():
     assert texts.add(out(0, "one\ntwo")).text == "one" and not texts.all_finished
     assert texts.add(out(1, "three")).text == "three" and texts.add(out(0, "more")) is None
     assert texts.add(out(1, " four\n")).finish_reason == "stop" and texts.all_finished
+
+
+def test_token_bytes_are_what_the_tokenizer_decodes_for_the_embedded_model():
+    """The bytes of each token (OpenAI's logprob `bytes`, and what a grammar engine matches) are those its text
+    decodes to, for the embedded model's tokenizer too, whose ByteLevel decoder is one step of a Sequence (a token
+    like 'Ġ"' stands for ' "', not for the UTF-8 of its symbols)."""
+    from kvfree.checkpoints import default_checkpoint_path
+
+    tok = Tokenizer(default_checkpoint_path())
+    checked = 0
+    for token_id in range(tok.vocab_size):
+        text = tok.decode([token_id], skip_special_tokens=False)
+        if "\ufffd" in text:  # part of a UTF-8 character: its text cannot show its bytes
+            continue
+        assert tok.token_bytes(token_id) == text.encode("utf-8"), (token_id, text, tok.token_bytes(token_id))
+        checked += 1
+    assert checked > tok.vocab_size // 2
