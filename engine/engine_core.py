@@ -12,7 +12,6 @@ from __future__ import annotations
 import dataclasses
 import itertools
 import logging
-import os
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
@@ -24,6 +23,7 @@ import torch
 from kvfree.engine.engine_info import EngineInfo, SessionPage, SessionRecord
 from kvfree.engine.llm import LLM
 from kvfree.engine.llm_engine import LLMEngine
+from kvfree.engine.packed_state import PackedState, read_file_into
 from kvfree.engine.sampling import SamplingParams
 from kvfree.engine.scheduler import QueueFull, Request, RequestOutput, Scheduler
 from kvfree.engine.session_store import SessionStore, open_store
@@ -360,17 +360,9 @@ class EngineCore:
         """A new session of `owner` from the snapshot file `path` (the caller made it and removes it), after every
         check (SnapshotError). The file is read with one read into one uint8 buffer `[file size]`, pinned when the
         pool is on a GPU, so that the state crosses to the device in one DMA; the state is a view of that buffer."""
-        with open(path, "rb", buffering=0) as f:
-            size = os.fstat(f.fileno()).st_size
-            on_gpu = self.llm.model.device.type == "cuda"  # where the pool is
-            buffer = torch.empty(size, dtype=torch.uint8, pin_memory=on_gpu)
-            view, done = memoryview(buffer.numpy()), 0
-            while done < size:  # one read, unless the kernel caps it (Linux: at 2 GiB)
-                n = f.readinto(view[done:])
-                if not n:
-                    break  # the file shrank under us: the snapshot's own length check refuses what was read
-                done += n
-        return self._record(self.sessions.restore(buffer[:done], owner))
+        on_gpu = self.llm.model.device.type == "cuda"  # where the pool is
+        buffer = read_file_into(path, lambda n: PackedState.buffer(n, pin=on_gpu))
+        return self._record(self.sessions.restore(buffer, owner))
 
     # -- numbers for /metrics -------------------------------------------------------------------------------------
     def _bytes_in_use(self) -> int:

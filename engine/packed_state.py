@@ -9,6 +9,8 @@ such a buffer). The host tier keeps sessions in this form.
 
 from __future__ import annotations
 
+import os
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 import torch
@@ -77,18 +79,16 @@ class PackedState:
     def tensors(self) -> dict[str, torch.Tensor]:
         """name -> tensor: views of the buffer (no copy), after `wait()`."""
         self.wait()
-        base = self.data.storage_offset()
-        out = {}
-        for e in self.entries:
-            raw = self.data[e.offset : e.end]
-            if (base + e.offset) % e.dtype.itemsize:  # (a tensor can only view bytes at a multiple of its item size)
-                raw = raw.clone()
-            out[e.name] = raw.view(e.dtype).view(e.shape)
-        return out
+        return {e.name: view_as(self.data, e) for e in self.entries}
 
     def clone(self) -> PackedState:
         """An independent copy (in pageable memory)."""
         return PackedState(self.wait().data.clone(), self.entries)
+
+    @classmethod
+    def empty(cls) -> PackedState:
+        """No state: a snapshot's metadata read without its tensors."""
+        return cls(torch.empty(0, dtype=torch.uint8), ())
 
     @staticmethod
     def buffer(nbytes: int, pin: bool) -> torch.Tensor:
@@ -104,3 +104,33 @@ class PackedState:
         for e, t in zip(entries, tensors.values(), strict=True):
             data[e.offset : e.offset + e.nbytes].copy_(t.detach().contiguous().view(-1).view(torch.uint8))
         return cls(data, entries)
+
+
+def view_as(data: torch.Tensor, entry: StateEntry) -> torch.Tensor:
+    """`entry`'s tensor in the uint8 buffer `data` (any device): a view, or a copy where its bytes do not start at a
+    multiple of its item size (a tensor can only view bytes there)."""
+    raw = data[entry.offset : entry.end]
+    if (data.storage_offset() + entry.offset) % entry.dtype.itemsize:
+        raw = raw.clone()
+    return raw.view(entry.dtype).view(entry.shape)
+
+
+def byte_view(buffer: torch.Tensor) -> memoryview:
+    """The bytes of a CPU uint8 tensor as a writable memoryview, without a copy."""
+    return memoryview(buffer.numpy()) if buffer.numel() else memoryview(bytearray())
+
+
+def read_file_into(path: str | os.PathLike, alloc: Callable[[int], torch.Tensor]) -> torch.Tensor:
+    """The whole file at `path` in `alloc(size)` (a CPU uint8 buffer `[size]`, pinned when it goes to a GPU): one
+    unbuffered read(2) from the page cache into it, no bytes object between. A file that shrinks while it is read
+    gives the bytes read (whoever decodes them refuses a short snapshot). FileNotFoundError/OSError as `open`."""
+    with open(path, "rb", buffering=0) as f:
+        size = os.fstat(f.fileno()).st_size  # of the file opened: a rename over it since does not matter
+        buffer = alloc(size)
+        view, done = byte_view(buffer), 0
+        while done < size:  # one pass, unless the kernel caps a read (Linux: at 2 GiB)
+            n = f.readinto(view[done:])
+            if not n:
+                break
+            done += n
+    return buffer[:done]

@@ -24,6 +24,7 @@ from pathlib import Path
 
 import torch
 
+from kvfree.engine.packed_state import byte_view, read_file_into
 from kvfree.engine.snapshot import SnapshotError, peek_snapshot
 
 SUFFIX = ".safetensors"
@@ -37,11 +38,6 @@ def _bytes_view(data: BytesLike) -> memoryview:
     """`data` as a flat memoryview of bytes, without a copy."""
     view = memoryview(data)
     return view if view.format == "B" and view.ndim == 1 else view.cast("B")
-
-
-def _tensor_view(buffer: torch.Tensor) -> memoryview:
-    """The bytes of a CPU uint8 tensor as a writable memoryview, without a copy."""
-    return memoryview(buffer.numpy()) if buffer.numel() else memoryview(bytearray())
 
 
 class SessionStoreError(RuntimeError):
@@ -98,7 +94,7 @@ class SessionStore(ABC):
         if data is None:
             return None
         buffer = alloc(len(data))
-        _tensor_view(buffer)[:] = data
+        byte_view(buffer)[:] = data
         return buffer
 
     @abstractmethod
@@ -204,19 +200,8 @@ class DirectoryStore(SessionStore):
         return self._read_file(self._file(session_id), f"session {session_id}")
 
     def read_into(self, session_id: str, alloc: Alloc) -> torch.Tensor | None:
-        path = self._file(session_id)
         try:
-            # Unbuffered: one read(2) from the page cache into the buffer, no bytes object in between.
-            with open(path, "rb", buffering=0) as f:
-                size = os.fstat(f.fileno()).st_size  # of the file opened: a rename over it since does not matter
-                buffer = alloc(size)
-                view, done = _tensor_view(buffer), 0
-                while done < size:  # one pass, unless the kernel caps a read (Linux: at 2 GiB)
-                    n = f.readinto(view[done:])
-                    if not n:
-                        raise SessionStoreError(f"session {session_id} in {self.path} shrank while it was read")
-                    done += n
-                return buffer
+            return read_file_into(self._file(session_id), alloc)
         except FileNotFoundError:
             return None
         except OSError as e:
@@ -398,7 +383,7 @@ class RedisStore(SessionStore):
         if pieces is None:
             return None
         buffer = alloc(sum(len(p) for p in pieces))
-        view, offset = _tensor_view(buffer), 0
+        view, offset = byte_view(buffer), 0
         for piece in pieces:  # each chunk straight into its place: no joined copy in between
             view[offset : offset + len(piece)] = piece
             offset += len(piece)
@@ -546,7 +531,7 @@ class BackgroundWriter:
         while True:
             meta, snapshot, submitted = self._todo.get()
             try:
-                version, error = self.store.write(meta, self.encode(snapshot)).version, None
+                version, error = self.store.write_parts(meta, self.encode(snapshot)).version, None
             except Exception as exc:  # reported to the engine thread, which keeps the session in memory
                 version, error = None, exc
             self._done.put(WriteDone(meta.session_id, version, error, time.monotonic() - submitted))

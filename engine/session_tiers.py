@@ -36,7 +36,6 @@ from kvfree.engine.snapshot import (
     SnapshotError,
     check_finite_state,
     decode_snapshot,
-    encode_snapshot,
     snapshot_parts,
 )
 from kvfree.engine.state_mover import StateMover
@@ -120,6 +119,8 @@ class SessionTiers:
         self._host: dict[str, Session] = {}  # location "host" with host_state set (new sessions hold nothing)
         self._disk: dict[str, Session] = {}  # location "disk" (in the store)
         self._staged: set[str] = set()  # sessions whose host copy `prefetch` copied to the device already
+        # Sessions whose spill is under way (`Session.spill`), so that the engine's per-step poll looks at them only.
+        self._spilling: dict[str, Session] = {}
         self._tick = 0
         self._initial: PackedState | None = None
         # I/O threads, made on first use: reads (`prefetch`) apart from spill writes, so that a read a request waits
@@ -350,6 +351,7 @@ class SessionTiers:
             victim.spill = self._writes.submit(
                 self._write_parts, self._stored_meta(victim), self.snapshot(victim, victim.host_state)
             )
+            self._spilling[victim.session_id] = victim
 
     def _write_parts(self, meta: StoredSession, snap: Snapshot) -> int:
         """Store a snapshot (on any thread); returns the stored version."""
@@ -358,7 +360,8 @@ class SessionTiers:
     def poll(self) -> None:
         """Apply the spills that landed: those sessions now live in the store, their host memory is given back. A
         failed one stays in host memory (over the cap) rather than be lost; the next spill tries again."""
-        for session in [s for s in self._host.values() if s.spill is not None and s.spill.done()]:
+        for session in [s for s in self._spilling.values() if s.spill.done()]:
+            del self._spilling[session.session_id]
             future, session.spill = session.spill, None
             try:
                 session.store_version = future.result()
@@ -372,7 +375,7 @@ class SessionTiers:
     @property
     def moving(self) -> bool:
         """Whether spills are in flight (the engine polls soon even when idle)."""
-        return any(s.spill is not None for s in self._host.values())
+        return bool(self._spilling)
 
     def _cancel_spill(self, session: Session) -> None:
         """The session is needed (or changed) while its spill runs: wait for the write, then keep the copy in memory
@@ -380,6 +383,7 @@ class SessionTiers:
         future, session.spill = session.spill, None
         if future is None:
             return
+        del self._spilling[session.session_id]
         try:
             version = future.result()
         except Exception:  # nothing was stored
@@ -391,9 +395,7 @@ class SessionTiers:
 
     def flush_spills(self) -> None:
         """Wait for every spill in flight and apply it (shutdown)."""
-        for session in list(self._host.values()):
-            if session.spill is not None:
-                wait([session.spill])
+        wait([session.spill for session in self._spilling.values()])
         self.poll()
 
     def _fetched(self, session: Session) -> PackedState:
@@ -529,8 +531,8 @@ class SessionTiers:
                 settled.append(session)
         return settled
 
-    def _encode(self, snap: Snapshot) -> bytes:
-        return encode_snapshot(snap, self.hmac_key)
+    def _encode(self, snap: Snapshot) -> list[bytes | memoryview]:
+        return snapshot_parts(snap, self.hmac_key)  # (the header and the state's buffer: never joined)
 
     def _stored_meta(self, session: Session) -> StoredSession:
         return StoredSession(session.session_id, session.owner, session.num_tokens, session.token_hash,

@@ -40,7 +40,7 @@ import torch
 from safetensors.torch import load as st_load
 
 from kvfree.engine.model import HybridLM
-from kvfree.engine.packed_state import PackedState, StateEntry
+from kvfree.engine.packed_state import PackedState, StateEntry, byte_view
 
 SNAPSHOT_FORMAT = "kvfree-snapshot"
 SNAPSHOT_VERSION = "2"
@@ -205,11 +205,6 @@ def _dtypes(entries: tuple[StateEntry, ...]) -> str:
     return ",".join(sorted({str(e.dtype).removeprefix("torch.") for e in entries}))
 
 
-def _buffer(data: torch.Tensor) -> memoryview:
-    """The bytes of a CPU uint8 tensor, without a copy."""
-    return memoryview(data.numpy()) if data.numel() else memoryview(b"")
-
-
 def encode_header(snap: Snapshot, hmac_key: bytes | None = None) -> bytes:
     """The snapshot's header: 8-byte length, then the safetensors JSON header, padded so that the tensor bytes
     (`snap.state.data`, written right after it as they are) start at a multiple of `HEADER_ALIGN`. Hashes the tensor
@@ -237,7 +232,7 @@ def encode_header(snap: Snapshot, hmac_key: bytes | None = None) -> bytes:
         meta["owner"] = snap.owner
     table = _table(state.entries)
     h = payload_hasher(meta, table)
-    h.update(_buffer(state.data))
+    h.update(byte_view(state.data))
     meta["checksum"] = h.hexdigest()
     if hmac_key is not None:
         meta["hmac"] = _signature(meta, hmac_key)
@@ -249,13 +244,13 @@ def encode_header(snap: Snapshot, hmac_key: bytes | None = None) -> bytes:
 def encode_snapshot(snap: Snapshot, hmac_key: bytes | None = None) -> bytes:
     """The whole snapshot file as bytes (`encode_header` and the tensor bytes joined: one copy of the state; a
     writer that can take the two pieces apart should, see `write_snapshot`)."""
-    return encode_header(snap, hmac_key) + _buffer(snap.state.data).tobytes()
+    return encode_header(snap, hmac_key) + byte_view(snap.state.data).tobytes()
 
 
 def snapshot_parts(snap: Snapshot, hmac_key: bytes | None = None) -> list[bytes | memoryview]:
     """The snapshot file in two pieces, the header and the tensor bytes (a view of the state's buffer, no copy):
     written one after the other, they are `encode_snapshot`'s bytes."""
-    return [encode_header(snap, hmac_key), _buffer(snap.state.data)]
+    return [encode_header(snap, hmac_key), byte_view(snap.state.data)]
 
 
 def write_snapshot(f: Any, snap: Snapshot, hmac_key: bytes | None = None) -> int:
@@ -425,7 +420,7 @@ def decode_snapshot(
     a caller that checks the values where it is faster (`SessionTiers.check_finite`, on the GPU).
     """
     buf = _as_tensor(data)
-    view = _buffer(buf)
+    view = byte_view(buf)
     header = parse_header(view[: min(len(view), 8 + _MAX_HEADER)])
     meta = metadata(header)
     if meta["version"] == "1":
@@ -484,4 +479,4 @@ def peek_snapshot(path: str | Path, expected_fingerprint: str, hmac_key: bytes |
         raise SnapshotError("not a snapshot (not a safetensors file, or truncated): its header length is invalid")
     meta = metadata(parse_header(head))
     check_signature(meta, hmac_key)
-    return record(meta, expected_fingerprint, PackedState(torch.empty(0, dtype=torch.uint8), ()))
+    return record(meta, expected_fingerprint, PackedState.empty())

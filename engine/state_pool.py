@@ -25,7 +25,7 @@ import torch
 from kvfree.engine.host_copy import upload
 from kvfree.engine.layers import StateSpec
 from kvfree.engine.model import HybridLM, State
-from kvfree.engine.packed_state import PackedState, StateEntry
+from kvfree.engine.packed_state import PackedState, StateEntry, view_as
 from kvfree.kernels.rows import RowTable, copy_rows, gather_rows, scatter_rows
 
 
@@ -49,14 +49,8 @@ class StagedState:
 
 def staged_tensors(staged: StagedState) -> dict[str, torch.Tensor]:
     """name -> tensor: the staged state's tensors, views of its device bytes (per-token ones from host memory)."""
-    out = {}
     fixed = staged.fixed.view(-1)
-    for e in staged.packed.entries:
-        if e.end <= fixed.numel():
-            raw = fixed[e.offset : e.end]
-            if e.offset % e.dtype.itemsize:  # (views need offsets at a multiple of the item size)
-                raw = raw.clone()
-            out[e.name] = raw.view(e.dtype).view(e.shape)
+    out = {e.name: view_as(fixed, e) for e in staged.packed.entries if e.end <= fixed.numel()}
     host = staged.packed.tensors()
     out.update({name: t for name, t in host.items() if name not in out})
     return out

@@ -7,7 +7,6 @@ from collections.abc import AsyncIterator, Callable
 from typing import Annotated, BinaryIO, Literal
 
 import anyio
-import torch
 from fastapi import APIRouter, Body, Depends, Query, Request
 from fastapi.responses import Response, StreamingResponse
 from starlette.requests import ClientDisconnect
@@ -202,9 +201,6 @@ async def restore(request: Request, state: StateDep, owner: OwnerDep) -> Session
         state.snapshot_files.give_back(carrier)
 
 
-_NO_STATE = PackedState(torch.empty(0, dtype=torch.uint8), ())
-
-
 def check_snapshot_header(head: bytes | bytearray, fingerprint: str, hmac_key: bytes | None) -> int | None:
     """Refuse a snapshot from its header alone, with the SnapshotError codes the engine would give: not a kvfree
     snapshot (invalid_snapshot), a version this server cannot read (unsupported_version), a missing or wrong
@@ -217,7 +213,7 @@ def check_snapshot_header(head: bytes | bytearray, fingerprint: str, hmac_key: b
     header = parse_header(head)
     meta = metadata(header)
     check_signature(meta, hmac_key)
-    record(meta, fingerprint, _NO_STATE)
+    record(meta, fingerprint, PackedState.empty())
     if meta["version"] == "1":
         return None
     packed = entries(header)

@@ -133,7 +133,7 @@ def test_a_queued_sessions_host_copy_is_on_the_device_before_its_admission(model
     reference = StatePool(model, MAX_STAGED + 2, 64)
     sessions = [manager.create("k") for _ in range(MAX_STAGED + 2)]
     for i, s in enumerate(sessions):
-        prompt = [3 + i, 9, 27, 81 % 250, 5]
+        prompt = [3 + i, 9, 27, 81, 5]
         prefill(model, manager.pool, [manager.acquire_slot(s)], [prompt])
         prefill(model, reference, [i], [prompt])
         manager.release(s)
