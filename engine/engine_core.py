@@ -146,8 +146,10 @@ class EngineCore:
             write_through=write_through, async_writes=async_writes,
         )  # fmt: skip
         self.scheduler = Scheduler(
-            self.sessions, llm.tokenizer, max_waiting, max_batch_tokens, max_prefill_tokens, prefill_batch_wait
+            self.sessions, llm.tokenizer, max_waiting, max_batch_tokens, max_prefill_tokens, prefill_batch_wait,
+            grammars=llm.grammars,
         )
+        llm.grammars.warm_up()  # structured output's tokenizer, on a thread: ready before the first grammar
         self.core = LLMEngine(self.scheduler, llm.runner, on_outputs=self._outputs_ready)  # schedule, run, postprocess
         # Serving: every prefill graph a step can meet is captured before the first request, not in its middle.
         llm.runner.capture_prefill_graphs(self.scheduler.max_prefill_tokens)

@@ -32,6 +32,7 @@ import msgpack
 from kvfree.checkpoints import CheckpointError
 from kvfree.engine.engine_core import EngineStopped, SessionBusy
 from kvfree.engine.engine_info import EngineInfo, SessionPage, SessionRecord
+from kvfree.engine.grammar import GrammarError
 from kvfree.engine.sampling import SamplingParams
 from kvfree.engine.scheduler import QueueFull, RequestOutput
 from kvfree.engine.sequence import TokenLogprob
@@ -46,7 +47,7 @@ ERRORS: dict[str, type[Exception]] = {
     cls.__name__: cls
     for cls in (
         QueueFull, PoolExhausted, SessionLimitError, SessionNotFound, SessionBusy, EngineStopped, SessionStoreError,
-        SnapshotError, SnapshotMismatchError, CheckpointError, ValueError, KeyError, TypeError,
+        SnapshotError, SnapshotMismatchError, CheckpointError, GrammarError, ValueError, KeyError, TypeError,
     )
 }  # fmt: skip
 

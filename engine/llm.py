@@ -12,6 +12,7 @@ from typing import Any
 import torch
 
 from kvfree.checkpoints import default_checkpoint_path
+from kvfree.engine.grammar import GrammarCompiler
 from kvfree.engine.llm_engine import LLMEngine
 from kvfree.engine.loader import load_model
 from kvfree.engine.model_runner import ModelRunner
@@ -71,6 +72,8 @@ class LLM:
         self.tokenizer = Tokenizer(path)
         self.pool = StatePool(self.model, max_sessions, max_context)
         self.runner = ModelRunner(self.model, self.pool, enforce_eager=enforce_eager)
+        # Structured output's grammars, for the model's vocabulary (its llguidance tokenizer is built on first use).
+        self.grammars = GrammarCompiler(self.tokenizer, self.model.config.vocab_size)
         self.prefill_chunk = prefill_chunk
         self._engine: LLMEngine | None = None
         self._ids = itertools.count()
@@ -99,6 +102,8 @@ class LLM:
                 f"prompt ({len(ids)} tokens) plus max_tokens ({params.max_tokens}) exceeds this model's "
                 f"max_context of {self.pool.max_context} tokens"
             )
+        if params.grammar is not None:
+            self.grammars.compile(params.grammar)  # a GrammarError (ValueError) now, not an output later
         return Request(f"llm-{next(self._ids)}", ids, params, emit=outputs.append)
 
     @property
@@ -109,7 +114,8 @@ class LLM:
             # Offline requests hold slots only while they run: no session tiers, no snapshots.
             sessions = SessionManager(self.pool, fingerprint="offline", max_host_sessions=0)
             scheduler = Scheduler(
-                sessions, self.tokenizer, max_waiting=sys.maxsize, max_batch_tokens=self.prefill_chunk
+                sessions, self.tokenizer, max_waiting=sys.maxsize, max_batch_tokens=self.prefill_chunk,
+                grammars=self.grammars,
             )
             self._engine = LLMEngine(scheduler, self.runner)
         return self._engine

@@ -5,6 +5,10 @@ scheduled and launched, and only then are step k-1's tokens waited for and postp
 step k. The device thus never waits for detokenization, stop checks and emission. The price is one step of lag:
 a sequence that step k-1 finishes (EOS, a stop string) has already been decoded once more by step k; that token
 is dropped, and a session then holds one token more (its consumed tokens say so, so its next turn stays exact).
+
+A step with a grammar-constrained decode row is launched in two parts: its forward pass, then (once the previous
+step's tokens have advanced the rows' grammars, while the device runs that forward pass) its sampling under the
+new masks. Only the sampling waits for the host; the model's work still overlaps it.
 """
 
 from __future__ import annotations
@@ -105,7 +109,16 @@ class LLMEngine:
             # one upload and one replay to queue, so it goes first and the device does not idle behind the host.
             self._postprocess(*previous)
             previous = None
-        launched = (step, self.runner.launch(step)) if step.runs_model else None
+        launched = None
+        if step.runs_model and previous is not None and _follows_grammar(step):
+            # A constrained row's mask depends on the token the step in flight is sampling: the forward pass goes
+            # first, that token is read and its matcher advanced while the device runs it, then the sampling.
+            logits = self.runner.forward(step)
+            self._postprocess(*previous)
+            previous = None
+            launched = (step, self.runner.sample(step, logits))
+        elif step.runs_model:
+            launched = (step, self.runner.launch(step))
         if previous is not None:
             self._postprocess(*previous)
         if launched is not None:
@@ -131,3 +144,8 @@ class LLMEngine:
     def discard_in_flight(self) -> None:
         """Forget the step in flight without reading it (its requests are being failed)."""
         self._in_flight = None
+
+
+def _follows_grammar(step: ScheduledStep) -> bool:
+    """Whether a decode row of `step` is constrained by a grammar (its mask needs the previous step's token)."""
+    return any(seq.matcher is not None for seq in step.decode)

@@ -17,11 +17,12 @@ from dataclasses import dataclass
 import torch
 
 from kvfree.engine.cuda_graphs import DecodeGraphs, PrefillGraphs
-from kvfree.engine.host_copy import upload
+from kvfree.engine.grammar import fill_masks
+from kvfree.engine.host_copy import upload, upload_tensor
 from kvfree.engine.model import HybridLM
 from kvfree.engine.sampling import BatchFlags, SampleOutput, SamplingTable, sample
 from kvfree.engine.scheduler import SampledTokens, ScheduledStep
-from kvfree.engine.sequence import TokenLogprob
+from kvfree.engine.sequence import Sequence, TokenLogprob
 from kvfree.engine.state_pool import StatePool
 from kvfree.engine.step_batch import StepBatch
 
@@ -129,6 +130,12 @@ class ModelRunner:
     def launch(self, step: ScheduledStep) -> StepHandle:
         """Queue the step's device work: new rows' sampling setup, prefill, forks, decode, sampling, the copy of
         the sampled tokens to the host. Returns without waiting for the device."""
+        return self.sample(step, self.forward(step))
+
+    @torch.inference_mode()
+    def forward(self, step: ScheduledStep) -> torch.Tensor | None:
+        """Queue the model part of `launch`: new rows' sampling setup, prefill, forks, decode. Returns the logits
+        `[len(step.sample), V]` of the rows to sample (None when none), still being computed."""
         self.pool.flush_resets()  # (a graph replay reads the pool's rows without going through `pool.tensors`)
         if step.admitted:
             seqs = step.admitted
@@ -149,14 +156,40 @@ class ModelRunner:
                 rows = upload(step.sample_source, torch.long, self.device)
                 logits.append(prefill_logits.index_select(0, rows))
         if not step.sample:
+            return None
+        return torch.cat(logits) if len(logits) > 1 else logits[0]
+
+    @torch.inference_mode()
+    def sample(self, step: ScheduledStep, logits: torch.Tensor | None) -> StepHandle:
+        """Queue the sampling part of `launch` over `forward`'s logits, and the copy of the tokens to the host.
+
+        The grammar masks of constrained rows are computed here, on the host, from where their matchers stand now:
+        a caller that has a constrained row's previous token still in flight postprocesses it between `forward`
+        and this (engine/llm_engine.py), while the device runs the forward pass.
+        """
+        if logits is None:
             return StepHandle(None, None, [], None)
         slots = upload([s.slot for s in step.sample], torch.long, self.device)
         params = [s.params for s in step.sample]
         flags = BatchFlags.of(params, self.model.config.vocab_size)
-        out = sample(torch.cat(logits) if len(logits) > 1 else logits[0], self.sampling.rows(slots, flags, params))
+        rows = self.sampling.rows(slots, flags, params)
+        rows.allowed = self._grammar_masks(step.sample)
+        out = sample(logits, rows)
         self.sampling.advance(slots, out.token_ids, flags)
         self.next_tokens.index_copy_(0, slots, out.token_ids)
         return self._to_host(out, [p.logprobs for p in params])
+
+    def _grammar_masks(self, seqs: list[Sequence]) -> tuple[torch.Tensor, torch.Tensor] | None:
+        """The masks of the rows whose sequence follows a grammar (row indices, bitmasks), uploaded without a
+        sync; None when no row does. A sequence that has finished meanwhile is left free: its token is dropped."""
+        constrained = [i for i, s in enumerate(seqs) if s.matcher is not None and not s.finished]
+        if not constrained:
+            return None
+        vocab = self.model.config.vocab_size
+        ends = [[t for t in (seqs[i].eos_token_id, *seqs[i].params.stop_token_ids) if t is not None and t < vocab]
+                for i in constrained]  # fmt: skip
+        masks = fill_masks([seqs[i].matcher for i in constrained], ends, vocab)
+        return upload(constrained, torch.long, self.device), upload_tensor(masks, self.device)
 
     def _to_host(self, out: SampleOutput, logprobs: list[int | None]) -> StepHandle:
         on_gpu = self.device.type == "cuda"

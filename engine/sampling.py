@@ -1,7 +1,7 @@
 """Sampling: per-request parameters, and one batched sampler whose every parameter is a tensor row.
 
-Order of operations (as vLLM): penalties -> logit bias -> greedy argmax or (temperature -> min-p -> top-k -> top-p
--> draw).
+Order of operations (as vLLM): penalties -> logit bias -> grammar masks -> greedy argmax or (temperature -> min-p
+-> top-k -> top-p -> draw).
 A step samples its whole batch with the same few tensor ops whatever the batch holds: no Python loop over rows,
 no host sync. The draw is by inverse CDF from one uniform number per row, and that number is a counter-based
 hash of (the row's seed, how many tokens the row drew before), so a seeded request gets the same tokens whatever
@@ -17,6 +17,7 @@ from dataclasses import dataclass, field
 
 import torch
 
+from kvfree.engine.grammar import Grammar, bitmask_to_bool
 from kvfree.engine.host_copy import upload, upload_tensor
 
 MAX_TOP_LOGPROBS = 20
@@ -34,6 +35,8 @@ class SamplingParams:
     tokens; 1 disables). `logprobs`: None for none, 0 for the sampled token's, k for the k most likely as well.
     `logit_bias`: token id -> a value in [-100, 100] added to its logit before sampling (OpenAI's), so that 100
     all but forces a token and -100 all but bans it; the logprobs reported stay the model's.
+    `grammar`: the output must match it (structured output, engine/grammar.py): tokens it does not allow next are
+    never sampled, and the sequence ends where the grammar is complete.
     """
 
     max_tokens: int = 16
@@ -51,6 +54,7 @@ class SamplingParams:
     logprobs: int | None = None
     skip_special_tokens: bool = True
     logit_bias: dict[int, float] = field(default_factory=dict)
+    grammar: Grammar | None = None
 
     def __post_init__(self) -> None:
         for name in ("temperature", "top_p", "min_p", "repetition_penalty", "presence_penalty", "frequency_penalty"):
@@ -83,6 +87,10 @@ class SamplingParams:
                 raise ValueError(f"logit_bias keys must be token ids (integers >= 0), got {token!r}")
             if not isinstance(bias, int | float) or not -MAX_LOGIT_BIAS <= bias <= MAX_LOGIT_BIAS:
                 raise ValueError(f"logit_bias values must be numbers in [-100, 100], got {bias!r} for token {token}")
+        if isinstance(self.grammar, dict):  # from the wire (engine/ipc.py) or a config
+            self.grammar = Grammar(**self.grammar)
+        if self.grammar is not None and not isinstance(self.grammar, Grammar):
+            raise ValueError(f"grammar must be a Grammar, got {type(self.grammar).__name__}")
 
     @property
     def greedy(self) -> bool:
@@ -155,6 +163,7 @@ class SamplingRows:
     tokens each row drew before this one (the position in the row's random stream).  counts / prompt_mask:
     `[B, V]` fp32 / bool, how often each token was generated and which the prompt holds (needed with penalties).
     bias: the rows' `logit_bias` entries as three `[N]` tensors (row, token id, value), or None when no row has one.
+    allowed: the constrained rows' grammar masks, `([M] row indices, [M, ceil(V/32)] int32 bitmasks)`, or None.
     """
 
     params: torch.Tensor
@@ -164,6 +173,7 @@ class SamplingRows:
     counts: torch.Tensor | None = None
     prompt_mask: torch.Tensor | None = None
     bias: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None
+    allowed: tuple[torch.Tensor, torch.Tensor] | None = None
 
     @classmethod
     def build(
@@ -249,6 +259,14 @@ def logit_bias_rows(
     return upload(rows, torch.int64, device), upload(tokens, torch.int64, device), upload(values, torch.float32, device)
 
 
+def apply_allowed(logits: torch.Tensor, rows: torch.Tensor, masks: torch.Tensor) -> torch.Tensor:
+    """Grammar masks: logits `[B, V]`, row indices `[M]`, bitmasks `[M, ceil(V/32)]` int32 -> new logits whose
+    rows `rows` are -inf wherever their mask's bit is clear. The other rows are untouched."""
+    allowed = bitmask_to_bool(masks, logits.shape[-1])
+    constrained = logits.index_select(0, rows).masked_fill(~allowed, float("-inf"))
+    return logits.index_copy(0, rows, constrained)
+
+
 def apply_penalties(logits: torch.Tensor, rows: SamplingRows) -> torch.Tensor:
     """Repetition / presence / frequency penalties: logits `[B, V]` fp32 -> new logits.
 
@@ -322,6 +340,8 @@ def sample(logits: torch.Tensor, rows: SamplingRows) -> SampleOutput:
         logits = apply_penalties(logits, rows)
     if rows.bias is not None:
         logits = logits.index_put(rows.bias[:2], rows.bias[2], accumulate=True)  # (a new tensor: raw stays the model's)
+    if rows.allowed is not None:
+        logits = apply_allowed(logits, *rows.allowed)
     token_ids = logits.argmax(-1)
     if flags.sampled:
         probs = filter_logits(logits, rows).softmax(-1)

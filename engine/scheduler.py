@@ -16,8 +16,10 @@ import math
 import time
 from collections import deque
 from collections.abc import Callable
+from concurrent.futures import Future
 from dataclasses import dataclass, field, replace
 
+from kvfree.engine.grammar import GrammarCompiler, GrammarError, GrammarMatcher
 from kvfree.engine.sampling import SamplingParams
 from kvfree.engine.sequence import Sequence, TokenLogprob
 from kvfree.engine.session_store import SessionStoreError
@@ -49,7 +51,8 @@ class Request:
     ephemeral: list[Session] = field(default_factory=list)  # slot holders of choices 1..n-1 (or a sessionless 0)
     aborted: bool = False
     settled: bool = False  # the session has recorded (and stored) this turn
-    store_error: Exception | None = None  # the turn's state could not be stored: the request fails with it
+    failure: Exception | None = None  # the turn's state could not be stored, or its grammar failed: the request fails
+    grammar: Future[GrammarMatcher] | None = None  # the output's grammar, compiling (`params.grammar`)
 
 
 @dataclass
@@ -135,6 +138,8 @@ class Scheduler:
             CUDA graph, tens of them launched eagerly), and every decoding sequence waits for it; sharing one step
             among several prompts raises throughput and makes fewer long steps, at the price of up to this much
             time to first token. 0: never wait.
+        grammars: compiles the grammars of structured-output requests (for the model's vocabulary, which may be
+            larger than the tokenizer's); by default one over the tokenizer's.
     """
 
     def __init__(
@@ -145,8 +150,10 @@ class Scheduler:
         max_batch_tokens: int = 2048,
         max_prefill_tokens: int | None = None,
         prefill_batch_wait: float = 0.0,
+        grammars: GrammarCompiler | None = None,
     ) -> None:
         self.sessions = sessions
+        self.grammars = grammars or GrammarCompiler(tokenizer)
         self.tokenizer = tokenizer
         self.max_waiting = max_waiting
         self.max_batch_tokens = max_batch_tokens
@@ -163,6 +170,8 @@ class Scheduler:
     def add(self, request: Request) -> None:
         if len(self.waiting) >= self.max_waiting:
             raise QueueFull(f"{len(self.waiting)} requests are already waiting")
+        if request.params.grammar is not None:  # compiled off the engine thread; admitted once it is
+            request.grammar = self.grammars.compile_async(request.params.grammar)
         if request.session is not None:
             self.sessions.reserve(request.session)  # no other request may use it now; a stored one starts loading
         self.waiting.append(request)
@@ -229,6 +238,13 @@ class Scheduler:
         """Move waiting requests to running while slots can be found for all their choices."""
         while self.waiting:
             req = self.waiting[0]
+            if req.grammar is not None and not req.grammar.done():
+                if self.running or step.admitted:
+                    return  # its grammar is still compiling: the step goes on without it
+                req.grammar.exception()  # nothing else to run: wait for the compiler
+            if req.grammar is not None and req.grammar.exception() is not None:
+                self._refuse(req, req.grammar.exception())
+                continue
             try:
                 slots = self._take_slots(req)
             except StateLoading as loading:
@@ -254,7 +270,11 @@ class Scheduler:
     def _admit_resident(self, step: ScheduledStep) -> bool:
         """Admit waiting requests behind the first whose session already holds a slot (they need no new one, and
         their sessions, reserved for them, cannot be evicted to make room for the first). True if any was."""
-        ready = [r for r in list(self.waiting)[1:] if r.n == 1 and r.session is not None and r.session.slot is not None]
+        ready = [
+            r for r in list(self.waiting)[1:]
+            if r.n == 1 and r.session is not None and r.session.slot is not None
+            and (r.grammar is None or (r.grammar.done() and r.grammar.exception() is None))
+        ]  # fmt: skip
         for req in ready:
             self.waiting.remove(req)
             self._start(req, self._take_slots(req))  # its own slot: cannot fail for want of one
@@ -312,6 +332,8 @@ class Scheduler:
             seq.index = index
             seq.to_prefill = to_feed if index == 0 else []
             seq.session = session if index == 0 else None
+            if req.grammar is not None:
+                seq.matcher = req.grammar.result() if index == 0 else req.grammar.result().copy()
             req.sequences.append(seq)
 
     def _schedule_prefill(self, step: ScheduledStep, budget: int) -> None:
@@ -347,6 +369,8 @@ class Scheduler:
             if not seq.finished:
                 seq.append(token, logprob)
                 touched.append(seq)
+                if seq.error is not None:
+                    self._fail(seq, GrammarError(seq.error))
         for req in step.prompt_done:
             first = req.sequences[0]
             if not first.finished:
@@ -359,13 +383,21 @@ class Scheduler:
         self._emit(touched)
         self.retire()
 
+    def _fail(self, seq: Sequence, error: Exception) -> None:
+        """The request of `seq` fails with `error` (its other choices end with it)."""
+        for req in self.running:
+            if req.request_id == seq.request_id:
+                req.failure = req.failure or error
+                for other in req.sequences:
+                    other.finish_reason = other.finish_reason or "abort"
+
     def _emit(self, seqs: list[Sequence]) -> None:
         by_id = {r.request_id: r for r in self.running}
         for seq in seqs:
             req = by_id[seq.request_id]
-            if req.store_error is not None:
+            if req.failure is not None:
                 if seq.index == 0:
-                    req.emit(req.store_error)  # type: ignore[arg-type]
+                    req.emit(req.failure)  # type: ignore[arg-type]
                 continue
             new_tokens = seq.output_token_ids[seq.emitted_tokens :]
             new_logprobs = seq.logprobs[seq.emitted_tokens :] if seq.params.logprobs is not None else []
@@ -410,7 +442,7 @@ class Scheduler:
         try:
             self.sessions.tiers.persist_turn(req.session)
         except SessionStoreError as exc:
-            req.store_error = exc
+            req.failure = exc
 
     def _release_session(self, req: Request) -> None:
         if req.session is None:

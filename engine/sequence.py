@@ -5,6 +5,7 @@ from __future__ import annotations
 import itertools
 from dataclasses import dataclass, field
 
+from kvfree.engine.grammar import GrammarMatcher
 from kvfree.engine.sampling import SamplingParams, random_seed
 from kvfree.engine.text_output import TextOutput
 from kvfree.engine.tokenizer import Tokenizer
@@ -53,6 +54,10 @@ class Sequence:
     # The output's text, cut at the first stop string; None when the engine's client detokenizes (a serving front):
     # then only token-level stops (EOS, stop token ids, max_tokens) end the sequence here.
     text_output: TextOutput | None = None
+    # Structured output: where the output stands in its grammar (None: unconstrained), and why the grammar failed
+    # (a token it rejected: the request fails with this).
+    matcher: GrammarMatcher | None = None
+    error: str | None = None
 
     @classmethod
     def create(
@@ -94,11 +99,19 @@ class Sequence:
         self.output_token_ids.append(token_id)
         if logprob is not None:
             self.logprobs.append(logprob)
-        is_eos = token_id == self.eos_token_id and not p.ignore_eos
-        if is_eos or token_id in p.stop_token_ids:
+        is_end = (token_id == self.eos_token_id and not p.ignore_eos) or token_id in p.stop_token_ids
+        # A stop token the grammar's masks let through where the output may end is the end, not more output.
+        if self.matcher is not None and not (is_end and self.matcher.accepting) and not self.matcher.consume(token_id):
+            self.error = f"the grammar rejected token {token_id}: {self.matcher.error}"
+            self.finish_reason = "stop"
+            return
+        if is_end:
             self.finish_reason = "stop"
             return
         if self.text_output is not None and self.text_output.add(token_id):
+            self.finish_reason = "stop"
+            return
+        if self.matcher is not None and self.matcher.stopped:  # the output is complete: only its end could follow
             self.finish_reason = "stop"
             return
         if len(self.output_token_ids) >= p.max_tokens:

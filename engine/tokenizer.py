@@ -79,6 +79,12 @@ class Tokenizer:
     def token_to_id(self, token: str) -> int | None:
         return self._tok.token_to_id(token)
 
+    @functools.cached_property
+    def special_token_ids(self) -> frozenset[int]:
+        """Ids of the special tokens (`<|im_end|>`, and the tool-call tags of kvfree's byte-level tokenizers):
+        tokens text never encodes to unless it spells them whole, and a grammar's text never matches."""
+        return frozenset(i for i, added in self._tok.get_added_tokens_decoder().items() if added.special)
+
     def token_bytes(self, token_id: int) -> bytes:
         """The bytes one token stands for (OpenAI's logprob `bytes`), which its text may not show: a byte-level
         token in the middle of a UTF-8 character decodes to U+FFFD, whatever the byte."""

@@ -23,6 +23,8 @@ class ChoiceTexts:
     def __init__(self, tokenizer: Tokenizer, params: SamplingParams, n: int) -> None:
         self._texts = [TextOutput(tokenizer, params.stop, params.skip_special_tokens) for _ in range(n)]
         self.finished = [False] * n
+        eos = () if params.ignore_eos or tokenizer.eos_token_id is None else (tokenizer.eos_token_id,)
+        self._end_tokens = frozenset((*eos, *params.stop_token_ids))
 
     @property
     def all_finished(self) -> bool:
@@ -34,8 +36,10 @@ class ChoiceTexts:
         if self.finished[i]:
             return None
         text, kept, finish = self._texts[i], len(out.token_ids), out.finish_reason
-        # An engine "stop" ends on the EOS or stop token: it has no text of its own (as offline generation).
-        speaking = out.token_ids[:-1] if finish == "stop" else out.token_ids
+        # An engine "stop" on the EOS or a stop token: that token has no text of its own (as offline generation).
+        # (A "stop" where the output's grammar is complete ends on a token of the reply.)
+        ends_on_stop_token = finish == "stop" and out.token_ids and out.token_ids[-1] in self._end_tokens
+        speaking = out.token_ids[:-1] if ends_on_stop_token else out.token_ids
         for k, token in enumerate(speaking):
             if text.add(token):
                 kept, finish = k + 1, "stop"

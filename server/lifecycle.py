@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import functools
 import itertools
 from collections.abc import AsyncIterator, Callable, Iterator
 from typing import Any, TypeVar
@@ -25,6 +26,7 @@ from fastapi import Request
 from kvfree.engine.async_engine import EngineStopped, QueueFull, SessionBusy
 from kvfree.engine.engine_handle import EngineHandle
 from kvfree.engine.engine_info import EngineInfo, SessionPage, SessionRecord
+from kvfree.engine.grammar import Grammar, GrammarCompiler, GrammarError
 from kvfree.engine.sampling import SamplingParams
 from kvfree.engine.scheduler import RequestOutput
 from kvfree.engine.session_store import SessionStoreError
@@ -62,6 +64,7 @@ ENGINE_ERRORS = (
     SessionStoreError,
     SnapshotError,
     SnapshotMismatchError,
+    GrammarError,
 )
 
 
@@ -85,6 +88,8 @@ def engine_error(exc: Exception) -> APIError:
         return invalid_request(str(exc), "snapshot", code=exc.code)
     if isinstance(exc, SnapshotMismatchError):
         return invalid_request(f"snapshot does not fit this model: {exc}", "snapshot", code="model_mismatch")
+    if isinstance(exc, GrammarError):
+        return invalid_request(f"the output's grammar cannot be used: {exc}", "response_format")
     raise exc
 
 
@@ -174,6 +179,21 @@ class EngineClient:
         return await asyncio.to_thread(encode, text)
 
     # -- checks, before anything reaches the engine ---------------------------------------------------------------
+    @functools.cached_property
+    def grammars(self) -> GrammarCompiler:
+        """The front's grammar compiler (to answer a grammar the engine could not compile with a 400 up front)."""
+        return GrammarCompiler(self.tokenizer, self.info.vocab_size)
+
+    async def check_grammar(self, grammar: Grammar | None, param: str) -> None:
+        """A 400 naming `param` when `grammar` cannot be compiled (bad syntax, a JSON-schema keyword llguidance
+        does not support). Compiled on a worker thread: a long one takes the event loop nothing."""
+        if grammar is None:
+            return
+        try:
+            await asyncio.to_thread(self.grammars.compile, grammar)
+        except GrammarError as e:
+            raise invalid_request(f"{param} cannot be enforced: {e}", param) from None
+
     def check_token_ids(self, ids: list[int], param: str) -> None:
         """A 400 naming `param` when a token id is outside the vocabulary."""
         vocab = self.info.vocab_size

@@ -5,7 +5,7 @@ infinities are refused (Python's JSON parser accepts `NaN` and `Infinity`), and 
 `engine.sampling.SamplingParams` accepts, so a request that validates never fails later in the engine. Unknown
 fields are ignored, as OpenAI SDKs and tools send fields (`metadata`, `store`, `service_tier`...) a server may not
 know. Known OpenAI fields that would change the output and that kvfree does not implement (`echo`, `suffix`,
-`best_of` > n, a non-text `response_format`) are refused rather than silently ignored.
+`best_of` > n) are refused rather than silently ignored.
 
 The upper bound of `max_tokens` is a server setting, so it is checked by `to_sampling_params(max_tokens_limit)`,
 which raises an `APIError` (400) naming the field.
@@ -14,9 +14,9 @@ Responses use the `openai` package's own types where they fit kvfree's replies a
 tool calls, the model object), sent with the fields kvfree sets (`AsSet`); the other response models are kvfree's,
 each saying why OpenAI's does not fit.
 
-Extensions to OpenAI's schema: `top_k`, `min_p`, `repetition_penalty`, `stop_token_ids`, `ignore_eos` (as in
-vLLM), `session_id` on requests and `session` on responses (see architecture.md §6), the server's limits on the
-model object, and the session bodies.
+Extensions to OpenAI's schema: `top_k`, `min_p`, `repetition_penalty`, `stop_token_ids`, `ignore_eos` and
+`structured_outputs` (as in vLLM), `session_id` on requests and `session` on responses (see architecture.md §6),
+the server's limits on the model object, and the session bodies.
 """
 
 from __future__ import annotations
@@ -186,9 +186,10 @@ class FunctionDefinition(RequestModel):
     name: str = Field(pattern=r"^[A-Za-z0-9_.\-]{1,64}$", description="Letters, digits, `_`, `.`, `-`; 1-64 chars.")
     description: str | None = Field(default=None, description="What the function does; shown to the model.")
     parameters: dict[str, Any] | None = Field(
-        default=None, description="JSON Schema of the arguments object; shown to the model, not enforced."
+        default=None, description="JSON Schema of the arguments object; shown to the model, and a call's arguments "
+        "always validate against it."
     )
-    strict: bool | None = Field(default=None, description="Accepted for compatibility; arguments are not enforced.")
+    strict: bool | None = Field(default=None, description="Accepted: the arguments' schema is enforced either way.")
 
 
 class ChatTool(RequestModel):
@@ -219,17 +220,59 @@ class StreamOptions(RequestModel):
     )
 
 
+class JsonSchemaFormat(RequestModel):
+    """`response_format.json_schema`: the schema a JSON reply must satisfy."""
+
+    model_config = ConfigDict(populate_by_name=True)
+
+    name: str = Field(pattern=r"^[A-Za-z0-9_\-]{1,64}$", description="Letters, digits, `_`, `-`; 1-64 chars.")
+    description: str | None = None
+    schema_: dict[str, Any] = Field(
+        default_factory=dict, alias="schema", description="The JSON Schema; the reply always validates against it."
+    )
+    strict: bool | None = Field(default=None, description="Accepted: the schema is enforced either way.")
+
+
 class ResponseFormat(RequestModel):
-    """Only `{"type": "text"}`: constrained JSON output is not implemented, so asking for it is an error."""
+    """`{"type": "text"}` (free text), `{"type": "json_object"}` (any JSON object) or `{"type": "json_schema",
+    "json_schema": {...}}` (JSON valid for the schema): the reply is constrained while it is generated."""
 
-    type: Literal["text"] = Field(description='Only `"text"` is supported.')
+    type: Literal["text", "json_object", "json_schema"]
+    json_schema: JsonSchemaFormat | None = Field(default=None, description='Required with `"json_schema"`.')
 
-    @model_validator(mode="before")
-    @classmethod
-    def _text_only(cls, data: Any) -> Any:
-        if isinstance(data, dict) and data.get("type") != "text":
-            raise ValueError(f"response_format type {data.get('type')!r} is not supported; only 'text' is")
-        return data
+    @model_validator(mode="after")
+    def _schema_iff_json_schema(self) -> ResponseFormat:
+        if self.type == "json_schema" and self.json_schema is None:
+            raise ValueError('response_format of type "json_schema" needs a json_schema object')
+        return self
+
+
+class StructuredOutputs(RequestModel):
+    """vLLM's `structured_outputs` request field: exactly one of `json`, `regex`, `choice`, `grammar`,
+    `json_object`. vLLM's other options (`disable_any_whitespace`...) are accepted and ignored: JSON is always
+    written compactly, as `json.dumps` writes it."""
+
+    json_: dict[str, Any] | str | None = Field(default=None, alias="json", description="A JSON schema.")
+    regex: str | None = Field(default=None, description="A regular expression (Rust syntax) the whole reply matches.")
+    choice: list[Annotated[str, Field(min_length=1)]] | None = Field(
+        default=None, min_length=1, description="The reply is exactly one of these strings."
+    )
+    grammar: str | None = Field(
+        default=None, min_length=1, description="A Lark grammar (llguidance's dialect), or GBNF (`::=` rules)."
+    )
+    json_object: bool | None = Field(default=None, description="Any JSON object.")
+
+    model_config = ConfigDict(populate_by_name=True)
+
+    @model_validator(mode="after")
+    def _exactly_one(self) -> StructuredOutputs:
+        given = [name for name in ("json_", "regex", "choice", "grammar") if getattr(self, name) is not None]
+        given += ["json_object"] if self.json_object else []
+        if len(given) != 1:
+            names = ", ".join(name.rstrip("_") for name in given) or "none"
+            raise ValueError(f"structured_outputs takes exactly one of json, regex, choice, grammar, json_object; "
+                             f"got {names}")  # fmt: skip
+        return self
 
 
 # -- requests -----------------------------------------------------------------------------------------------------
@@ -283,6 +326,24 @@ class GenerationRequest(RequestModel):
         description="Token id (as a string, as OpenAI's) -> a value in [-100, 100] added to its logit before "
         "sampling: 100 all but forces the token, -100 all but bans it.",
     )
+    response_format: ResponseFormat | None = Field(
+        default=None,
+        description='`{"type": "json_object"}` or `{"type": "json_schema", "json_schema": {"name": ..., "schema": '
+        "{...}}}`: the reply is JSON (valid for the schema), enforced token by token.",
+    )
+    structured_outputs: StructuredOutputs | None = Field(
+        default=None,
+        description="vLLM's field (extension): exactly one of `json` (a schema), `regex`, `choice`, `grammar` "
+        "(Lark or GBNF), `json_object`. Not with a non-text `response_format`.",
+    )
+
+    @field_validator("structured_outputs")
+    @classmethod
+    def _one_constraint(cls, value: StructuredOutputs | None, info: ValidationInfo) -> StructuredOutputs | None:
+        format_ = info.data.get("response_format")
+        if value is not None and format_ is not None and format_.type != "text":
+            raise ValueError("give either response_format or structured_outputs, not both")
+        return value
 
     @field_validator("stream_options")
     @classmethod
@@ -430,14 +491,14 @@ class ChatCompletionRequest(GenerationRequest):
     )
     tool_choice: ToolChoice | None = Field(
         default=None,
-        description='`"none"`, `"auto"` (default when tools are given), `"required"`, or a named function. The '
-        "model is asked, not forced: with `required` or a named function a reply without a valid call is returned "
-        "as text.",
+        description='`"none"`, `"auto"` (default when tools are given), `"required"`, or a named function. Enforced '
+        'while generating: `"required"` and a named function make the reply calls (valid for their functions\' '
+        'schemas); with `"auto"` the model may answer in text, but a call it opens is a valid one.',
     )
     parallel_tool_calls: bool | None = Field(
-        default=None, description="Accepted for compatibility; every call the model writes is returned."
+        default=None,
+        description="With tools: whether the reply may hold several calls (default true); false: at most one.",
     )
-    response_format: ResponseFormat | None = Field(default=None, description='Only `{"type": "text"}`.')
 
     @field_validator("top_logprobs")
     @classmethod

@@ -37,8 +37,19 @@ from openai.types.responses import (
     ResponseUsage,
 )
 from openai.types.responses.response_usage import InputTokensDetails, OutputTokensDetails
-from pydantic import BaseModel, Discriminator, Field, Tag, TypeAdapter, ValidationInfo, field_validator
+from pydantic import (
+    BaseModel,
+    ConfigDict,
+    Discriminator,
+    Field,
+    Tag,
+    TypeAdapter,
+    ValidationInfo,
+    field_validator,
+    model_validator,
+)
 
+from kvfree.engine.grammar import Grammar
 from kvfree.engine.sampling import SamplingParams
 from kvfree.engine.session_store import SessionStore
 from kvfree.server.errors import not_found
@@ -136,8 +147,10 @@ class FunctionToolParam(RequestModel):
     type: Literal["function"] = Field(description='Only `"function"` tools.')
     name: str = Field(pattern=r"^[A-Za-z0-9_.\-]{1,64}$", description="Letters, digits, `_`, `.`, `-`; 1-64 chars.")
     description: str | None = None
-    parameters: dict[str, Any] | None = Field(default=None, description="JSON Schema of the arguments; not enforced.")
-    strict: bool | None = Field(default=None, description="Accepted for compatibility; arguments are not enforced.")
+    parameters: dict[str, Any] | None = Field(
+        default=None, description="JSON Schema of the arguments; a call's arguments always validate against it."
+    )
+    strict: bool | None = Field(default=None, description="Accepted: the arguments' schema is enforced either way.")
 
 
 class ToolChoiceFunction(RequestModel):
@@ -148,7 +161,31 @@ class ToolChoiceFunction(RequestModel):
 
 
 class TextFormat(RequestModel):
-    type: Literal["text"] = Field(description='Only `"text"`: structured output is not implemented.')
+    """The reply's form, enforced while it is generated: `{"type": "text"}`, `{"type": "json_object"}`, or
+    `{"type": "json_schema", "name": ..., "schema": {...}}` (the Responses API's flat form of chat's
+    `response_format`)."""
+
+    model_config = ConfigDict(populate_by_name=True)
+
+    type: Literal["text", "json_object", "json_schema"]
+    name: str | None = Field(default=None, pattern=r"^[A-Za-z0-9_\-]{1,64}$", description='With `"json_schema"`.')
+    description: str | None = None
+    schema_: dict[str, Any] | None = Field(default=None, alias="schema", description='With `"json_schema"`.')
+    strict: bool | None = Field(default=None, description="Accepted: the schema is enforced either way.")
+
+    @model_validator(mode="after")
+    def _schema_with_json_schema(self) -> TextFormat:
+        if self.type == "json_schema" and (self.name is None or self.schema_ is None):
+            raise ValueError('text.format of type "json_schema" needs a name and a schema')
+        return self
+
+    def grammar(self) -> Grammar | None:
+        """What the reply is held to (None: free text)."""
+        if self.type == "json_object":
+            return Grammar("json_object")
+        if self.type == "json_schema":
+            return Grammar.json_schema(self.schema_)
+        return None
 
 
 class TextConfig(RequestModel):
@@ -173,7 +210,9 @@ class ResponsesRequest(RequestModel):
     )
     tools: list[FunctionToolParam] | None = Field(default=None, max_length=MAX_TOOLS)
     tool_choice: Literal["none", "auto", "required"] | ToolChoiceFunction | None = None
-    parallel_tool_calls: bool | None = Field(default=None, description="Accepted; every call written is returned.")
+    parallel_tool_calls: bool | None = Field(
+        default=None, description="Whether the reply may hold several calls (default true); false: at most one."
+    )
     max_output_tokens: int | None = Field(default=None, ge=1, description="Most tokens to generate.")
     temperature: float | None = Field(default=None, ge=0, le=2, description="0 is greedy; default 1.")
     top_p: float | None = Field(default=None, gt=0, le=1, description="Nucleus sampling mass; default 1.")
@@ -182,7 +221,9 @@ class ResponsesRequest(RequestModel):
     stream: bool = Field(default=False, description="Stream the Responses API's typed server-sent events.")
     metadata: dict[str, str] | None = Field(default=None, description=f"Up to {MAX_METADATA} key-value pairs.")
     user: str | None = Field(default=None, description="Accepted for compatibility; ignored.")
-    text: TextConfig | None = Field(default=None, description='Only `{"format": {"type": "text"}}`.')
+    text: TextConfig | None = Field(
+        default=None, description='`{"format": {...}}`: `text` (default), `json_object` or `json_schema` (enforced).'
+    )
     truncation: Literal["disabled"] | None = Field(default=None, description='Only `"disabled"`.')
     reasoning: dict[str, Any] | None = Field(default=None, description="Accepted; the served models do not reason.")
     include: list[str] | None = Field(default=None, description="Accepted; nothing extra is included.")
@@ -236,6 +277,13 @@ class ResponsesRequest(RequestModel):
     @property
     def uses_tools(self) -> bool:
         return bool(self.tools) and self.chat_tool_choice() != "none"
+
+    @property
+    def text_format(self) -> TextFormat:
+        """`text.format`, `{"type": "text"}` when not given."""
+        if self.text is None or self.text.format is None:
+            return TextFormat(type="text")
+        return self.text.format
 
     def input_messages(self) -> list[ChatMessage]:
         """This request's input as chat messages (instructions not included)."""
@@ -439,7 +487,7 @@ def response_object(
         max_output_tokens=body.max_output_tokens,
         store=body.store,
         metadata=body.metadata or {},
-        text={"format": {"type": "text"}},
+        text={"format": body.text_format.model_dump(by_alias=True, exclude_none=True)},
         truncation="disabled",
         incomplete_details={"reason": "max_output_tokens"} if status == "incomplete" else None,
         error=None,

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import time
 from collections.abc import AsyncIterator, Callable
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any
 
 from fastapi import APIRouter, Depends, Request
@@ -46,6 +46,7 @@ from kvfree.server.protocol import (
 )
 from kvfree.server.reasoning import ReasoningFormat, ReasoningStreamParser
 from kvfree.server.state import ServerState, StateDep, check_model
+from kvfree.server.structured_outputs import answer_grammar, reply_grammar
 from kvfree.server.tools import (
     ContentDelta,
     ToolCallFormat,
@@ -93,6 +94,9 @@ async def completions(body: CompletionRequest, request: Request, state: StateDep
     if not prompt_ids:
         raise invalid_request("prompt is empty after tokenization", "prompt")
     params = body.to_sampling_params(state.settings.max_output_tokens)
+    grammar = answer_grammar(body.response_format, body.structured_outputs)
+    params = replace(params, grammar=grammar)
+    await state.engine.check_grammar(grammar, _constraint_param(body))
     gen = await _start(state, request, body, prompt_ids, params, owner, "prompt")
     if body.stream:
         return StreamingResponse(_completion_stream(state, body, gen), media_type="text/event-stream")
@@ -122,6 +126,10 @@ async def chat_completions(body: ChatCompletionRequest, request: Request, state:
     choice = body.effective_tool_choice
     text = render_chat(tok, body.messages, template_tools(body.tools, choice), add_generation_prompt=True)
     params = stop_at_turn_end(body.to_sampling_params(state.settings.max_output_tokens), tok)
+    answer = answer_grammar(body.response_format, body.structured_outputs)
+    grammar, param = reply_grammar(answer, _constraint_param(body), body.tools, choice, body.parallel_tool_calls, tok)
+    params = replace(params, grammar=grammar)
+    await state.engine.check_grammar(grammar, param)
     fmt = ToolCallFormat.from_tokenizer_config(tok.config) if body.uses_tools else None
     allowed = accepted_tool_names(body.tools, choice)
     thinking = ReasoningFormat.from_tokenizer_config(tok.config)
@@ -136,7 +144,7 @@ async def chat_completions(body: ChatCompletionRequest, request: Request, state:
         calls = []
         if fmt is not None:
             content, calls = parse_tool_calls(content, fmt.start, fmt.end, allowed)
-        finish = "tool_calls" if calls else _finish(c.finish_reason)
+        finish = "tool_calls" if calls and c.finish_reason == "stop" else _finish(c.finish_reason)
         result.append(
             ChatCompletionChoice(
                 index=i,
@@ -248,7 +256,7 @@ def _chat_stream(
                 yield chunk(out.index, delta, logprobs=logprobs if j == 0 else None)
             if out.finish_reason is not None:
                 finish = _finish(out.finish_reason)
-                if parsers is not None and parsers[out.index].tool_calls:
+                if parsers is not None and parsers[out.index].tool_calls and finish == "stop":
                     finish = "tool_calls"
                 if finish is not None:
                     yield chunk(out.index, DeltaMessage(), finish)
@@ -332,6 +340,11 @@ async def _collect(gen: Generation) -> list[Choice]:
         await gen.aclose()
     gen.finish()
     return choices
+
+
+def _constraint_param(body: CompletionRequest | ChatCompletionRequest) -> str:
+    """The field a reply's own constraint comes from (what a 400 about it names)."""
+    return "structured_outputs" if body.structured_outputs is not None else "response_format"
 
 
 def _usage(gen: Generation) -> CompletionUsage:

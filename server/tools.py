@@ -14,9 +14,10 @@ Two things the route must do for this to work:
 
 - Decode with `skip_special_tokens=False` while tools are in use (`ChatCompletionRequest.to_sampling_params`
   does): kvfree's tokenizers make the tags special tokens, which would otherwise vanish from the text.
-- `tool_choice` is a request to the model, not a constraint on decoding: with `"required"` or a named function
-  a reply without a valid call is returned as text with finish_reason `stop`; with a named function, calls to
-  other functions stay text. `"none"` hides the tools from the model and nothing is parsed.
+- Constrain the reply with the grammar of `tool_choice` (server/structured_outputs.py): the engine then only lets
+  the model write valid calls (and, under `"required"` or a named function, nothing else). The parser stays
+  forgiving for what a grammar does not rule out: a call cut by `max_tokens` stays text (finish_reason `length`).
+  `"none"` hides the tools from the model and nothing is parsed.
 """
 
 from __future__ import annotations

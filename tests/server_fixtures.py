@@ -13,8 +13,8 @@ The checkpoints are built from `engine.presets.init_checkpoint` and then edited:
   embedding and the next-token logits depend on the previous token only; embedding and LM head are set so greedy
   decoding after the generation prompt's newline writes a fixed chain of tokens, then `<|im_end|>`.
   `make_tool_checkpoint` writes `<tool_call>`, two added multi-character tokens holding
-  `{"name": "get_weather", "arguments": {"city": "Paris"}}`, `</tool_call>`; `make_thinking_checkpoint` a
-  `<think>` block, then an answer, with reasoning tags declared.
+  `{"name": "get_weather", "arguments": {"city": "Paris"}}` (split where a grammar stops forcing), `</tool_call>`;
+  `make_thinking_checkpoint` a `<think>` block, then an answer, with reasoning tags declared.
 """
 
 from __future__ import annotations
@@ -47,8 +47,10 @@ ROOT = Path(__file__).resolve().parents[1]
 
 EOS_ID, IM_START_ID, IM_END_ID, TOOL_START_ID, TOOL_END_ID = 256, 257, 258, 259, 260
 
-# The tool call the bigram checkpoint writes, split over two added tokens.
-TOOL_PIECES = ('{"name": "get_weather", ', '"arguments": {"city": "Paris"}}')
+# The tool call the bigram checkpoint writes, split over two added tokens. The split falls where a `get_weather`
+# call's grammar stops forcing bytes (the city is the model's to choose), and the first piece is how the tokenizer
+# encodes the forced part: a grammar lets the model write only the canonical tokens of bytes it forces.
+TOOL_PIECES = ('{"name": "get_weather", "arguments": {"city": "', 'Paris"}}')
 TOOL_CALL_TEXT = "".join(TOOL_PIECES)
 
 

@@ -307,7 +307,10 @@ def test_tool_call_round_trip(tool_server):
     ("body", "param"),
     [
         ({"input": []}, "input"),
-        ({"input": "x", "text": {"format": {"type": "json_schema"}}}, "text.format.type"),
+        ({"input": "x", "text": {"format": {"type": "json_schema"}}}, "text.format"),
+        ({"input": "x", "text": {"format": {"type": "xml"}}}, "text.format.type"),
+        ({"input": "x", "text": {"format": {"type": "json_schema", "name": "s", "schema": {"$dynamicRef": "#a"}}}},
+         "text.format"),
         ({"input": "x", "tools": [WEATHER], "tool_choice": {"type": "function", "name": "nope"}}, "tool_choice"),
         ({"input": "x", "truncation": "auto"}, "truncation"),
         ({"input": "x", "metadata": {str(i): "v" for i in range(17)}}, "metadata"),

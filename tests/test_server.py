@@ -472,14 +472,16 @@ def test_tool_choice_none_named_and_history_with_tool_results(tool_server):
         model="kvfree-tool", messages=messages, tools=[WEATHER_TOOL, TIME_TOOL], tool_choice=named, temperature=0
     )
     _check_weather_call(r.choices[0].message.tool_calls[0])
-    # Another function named: the call the model wrote is not to it, so it stays text.
+    # Another function named: the grammar makes the reply a call to it, whatever the model prefers (this one knows
+    # only get_weather's call, so it is cut by max_tokens inside the arguments: text, finish_reason length).
     other = {"type": "function", "function": {"name": "get_time"}}
     r = client.chat.completions.create(
-        model="kvfree-tool", messages=messages, tools=[WEATHER_TOOL, TIME_TOOL], tool_choice=other, temperature=0
+        model="kvfree-tool", messages=messages, tools=[WEATHER_TOOL, TIME_TOOL], tool_choice=other, temperature=0,
+        max_tokens=40,
     )
     assert r.choices[0].message.tool_calls is None
-    assert r.choices[0].message.content == f"<tool_call>{TOOL_CALL_TEXT}</tool_call>"
-    assert r.choices[0].finish_reason == "stop"
+    assert r.choices[0].message.content.startswith('<tool_call>{"name": "get_time", "arguments": {')
+    assert r.choices[0].finish_reason == "length"
 
     # The SDK sends the call and its result back: the history renders and the model answers again.
     call = (
@@ -1018,10 +1020,31 @@ def _bad_chat_bodies() -> list[tuple[str, dict[str, Any] | str, int, str | None]
         ),
         ("n with a session", {"messages": msgs, "n": 2, "session_id": "sess_000000000000000000000000"}, 400, "n"),
         (
-            "json response_format",
-            {"messages": msgs, "response_format": {"type": "json_object"}},
+            "json_schema response_format without its schema",
+            {"messages": msgs, "response_format": {"type": "json_schema"}},
             400,
             "response_format",
+        ),
+        (
+            "a schema keyword the grammar engine lacks",
+            {"messages": msgs, "response_format": {"type": "json_schema",
+                                                   "json_schema": {"name": "s", "schema": {"$dynamicRef": "#a"}}}},
+            400,
+            "response_format",
+        ),
+        (
+            "an unclosed regex group",
+            {"messages": msgs, "structured_outputs": {"regex": "a("}},
+            400,
+            "structured_outputs",
+        ),
+        (
+            "a tool whose parameters use an unknown format",
+            {"messages": msgs, "tool_choice": "required",
+             "tools": [{"type": "function", "function": {"name": "f", "parameters": {
+                 "type": "object", "properties": {"x": {"type": "string", "format": "idn-email"}}}}}]},
+            400,
+            "tools",
         ),
     ]
 
