@@ -26,9 +26,9 @@ from dataclasses import dataclass
 from typing import Any, Literal
 
 import torch
-from llguidance import LLExecutor, LLMatcher, LLTokenizer, TokenizerWrapper
+from llguidance import LLMatcher, LLTokenizer, TokenizerWrapper
 from llguidance.gbnf_to_lark import any_to_lark
-from llguidance.torch import fill_next_token_bitmask_par
+from llguidance.torch import fill_next_token_bitmask
 
 from kvfree.engine.tokenizer import Tokenizer
 
@@ -148,6 +148,35 @@ class _TokenBytes:
         return self._tokenizer.encode(text)
 
 
+def native_lltokenizer(tokenizer: Tokenizer, vocab_size: int) -> LLTokenizer | None:
+    """llguidance's own tokenizer, read from the checkpoint's `tokenizer.json`, when it sees every token's bytes and
+    special tokens as kvfree does (checked token by token); None otherwise.
+
+    Preferred to `_TokenBytes`: where a grammar forces text, llguidance tokenizes it, and with its own tokenizer it
+    does so in Rust, without calling back into Python (a callback each time, under the interpreter lock, which the
+    threads filling masks in parallel then queue for). A ByteLevel decoder inside a Sequence (the embedded model's)
+    is given to it alone: llguidance reads the pieces of such a vocabulary wrongly otherwise.
+    """
+    data = json.loads(tokenizer.backend_json)
+    decoder = data.get("decoder") or {}
+    if decoder.get("type") == "Sequence":
+        byte_level = [d for d in decoder.get("decoders") or [] if d.get("type") == "ByteLevel"]
+        if byte_level:
+            data["decoder"] = byte_level[0]
+    try:
+        llt = LLTokenizer(json.dumps(data), n_vocab=vocab_size, eos_token=tokenizer.eos_token_id)
+    except Exception:  # a tokenizer llguidance cannot read: kvfree's own bytes are handed over instead
+        return None
+    special = tokenizer.special_token_ids
+    for i in range(tokenizer.vocab_size):
+        expected = tokenizer.token_bytes(i)
+        if expected.startswith(b"\xff"):
+            continue  # (byte 0xFF: llguidance's mark of a special token; never part of valid UTF-8 text)
+        if llt.is_special_token(i) != (i in special) or (i not in special and llt.decode_bytes([i]) != expected):
+            return None
+    return llt
+
+
 class GrammarCompiler:
     """Compiles grammars for one tokenizer, caching the results; thread-safe.
 
@@ -170,7 +199,9 @@ class GrammarCompiler:
     def lltokenizer(self) -> LLTokenizer:
         with self._lock:
             if self._llt is None:
-                self._llt = LLTokenizer(TokenizerWrapper(_TokenBytes(self.tokenizer, self.vocab_size)))
+                self._llt = native_lltokenizer(self.tokenizer, self.vocab_size) or LLTokenizer(
+                    TokenizerWrapper(_TokenBytes(self.tokenizer, self.vocab_size))
+                )
             return self._llt
 
     def warm_up(self) -> threading.Thread:
@@ -233,7 +264,7 @@ class GrammarMatcher:
 
 
 # -- masks --------------------------------------------------------------------------------------------------------
-_executor: LLExecutor | None = None
+
 
 
 def mask_words(vocab_size: int) -> int:
@@ -245,14 +276,16 @@ def fill_masks(matchers: list[GrammarMatcher], end_tokens: list[list[int]], voca
     """The allowed next tokens of each matcher: `[M, mask_words(V)]` int32 on the host, row i for matchers[i].
 
     llguidance sets the bits of the tokens the grammar allows, the tokenizer's EOS among them where the output may
-    end; `end_tokens[i]` (the request's other stop tokens: a chat's end-of-turn) are allowed there too. The rows
-    are filled on llguidance's thread pool.
+    end; `end_tokens[i]` (the request's other stop tokens: a chat's end-of-turn) are allowed there too.
+
+    Rows are filled one after another, not on llguidance's thread pool: on an H100's 16-core host, with 16 and with
+    48 JSON rows of 64, the pool made the decode slower (16 rows: 11.6K against 20.0K tok/s with the embedded model,
+    14.9K against 16.9K with a 370M one; 48 rows: 9.6K against 14.7K; docs/bench/structured-cuda-graphs-vs-eager-a.json,
+    structured-cuda-48-rows.json).
     """
-    global _executor
-    if _executor is None:
-        _executor = LLExecutor()
     masks = torch.zeros(len(matchers), mask_words(vocab_size), dtype=torch.int32)
-    fill_next_token_bitmask_par(_executor, [(m._m, i) for i, m in enumerate(matchers)], masks)
+    for i, matcher in enumerate(matchers):
+        fill_next_token_bitmask(matcher._m, masks, i)
     for i, (matcher, ends) in enumerate(zip(matchers, end_tokens, strict=True)):
         if ends and matcher.accepting:
             row = masks[i]

@@ -6,9 +6,10 @@ step k. The device thus never waits for detokenization, stop checks and emission
 a sequence that step k-1 finishes (EOS, a stop string) has already been decoded once more by step k; that token
 is dropped, and a session then holds one token more (its consumed tokens say so, so its next turn stays exact).
 
-A step with a grammar-constrained decode row is launched in two parts: its forward pass, then (once the previous
-step's tokens have advanced the rows' grammars, while the device runs that forward pass) its sampling under the
-new masks. Only the sampling waits for the host; the model's work still overlaps it.
+A step with a grammar-constrained decode row is launched in two parts: its forward pass; then, while the device runs
+it, the previous step's tokens are read, the rows' grammars advanced and their masks filled, and the sampling is
+launched under them; the rest of the previous step's host work (detokenizing, stop checks, emitting) comes after.
+Only the sampling waits for the host, and only for the grammars' part of it.
 """
 
 from __future__ import annotations
@@ -19,7 +20,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 
 from kvfree.engine.model_runner import ModelRunner, StepHandle
-from kvfree.engine.scheduler import ScheduledStep, Scheduler
+from kvfree.engine.scheduler import SampledTokens, ScheduledStep, Scheduler
 
 
 @dataclass
@@ -112,11 +113,14 @@ class LLMEngine:
         launched = None
         if step.runs_model and previous is not None and _follows_grammar(step):
             # A constrained row's mask depends on the token the step in flight is sampling: the forward pass goes
-            # first, that token is read and its matcher advanced while the device runs it, then the sampling.
+            # first; while the device runs it, that token is read and the grammars advanced, and the sampling is
+            # launched under the new masks; the rest of the previous step's host work follows.
             logits = self.runner.forward(step)
-            self._postprocess(*previous)
-            previous = None
+            sampled = self._result(previous[1])
+            self.scheduler.advance_grammars(previous[0], sampled)
             launched = (step, self.runner.sample(step, logits))
+            self._finish(previous[0], sampled)
+            previous = None
         elif step.runs_model:
             launched = (step, self.runner.launch(step))
         if previous is not None:
@@ -134,9 +138,16 @@ class LLMEngine:
         self.totals.add(record)
 
     def _postprocess(self, step: ScheduledStep, handle: StepHandle) -> None:
+        self._finish(step, self._result(handle))
+
+    def _result(self, handle: StepHandle) -> SampledTokens:
+        """A launched step's tokens (waiting for the device, counted as the step's wait)."""
         start = time.perf_counter()
         sampled = handle.result()
         self._wait += time.perf_counter() - start
+        return sampled
+
+    def _finish(self, step: ScheduledStep, sampled: SampledTokens) -> None:
         self.scheduler.postprocess(step, sampled)
         if self.on_outputs is not None:
             self.on_outputs()

@@ -4,8 +4,9 @@ On a GPU, decode replays a CUDA graph captured per batch bucket, and prefill one
 bucket with the step padded to it, when every mixer of the model can be captured for that step (engine/cuda_graphs.py,
 each mixer's `graph_blocker` and `prefill_graph_blocker`); either runs eagerly otherwise. A decode row's input is
 the token sampled for its slot by the previous step, kept on the device in `next_tokens`, so a step can be
-launched before the previous one's tokens reach the host. `launch` only queues device work; the handle it returns
-waits for the one device-to-host copy of the step's sampled tokens.
+launched before the previous one's tokens reach the host. Sampling replays a graph too, per batch bucket and the
+kinds of sampling its rows ask for (engine/sampler_graphs.py). `launch` only queues device work; the handle it
+returns waits for the one device-to-host copy of the step's sampled tokens.
 """
 
 from __future__ import annotations
@@ -20,6 +21,7 @@ from kvfree.engine.cuda_graphs import DecodeGraphs, PrefillGraphs
 from kvfree.engine.grammar import fill_masks
 from kvfree.engine.host_copy import upload, upload_tensor
 from kvfree.engine.model import HybridLM
+from kvfree.engine.sampler_graphs import SamplerGraphs
 from kvfree.engine.sampling import BatchFlags, SampleOutput, SamplingTable, sample
 from kvfree.engine.scheduler import SampledTokens, ScheduledStep
 from kvfree.engine.sequence import Sequence, TokenLogprob
@@ -82,6 +84,7 @@ class ModelRunner:
         self.sampling = SamplingTable(rows, model.config.vocab_size, self.device)
         self.graphs: DecodeGraphs | None = None
         self.prefill_graphs: PrefillGraphs | None = None
+        self.sampler_graphs: SamplerGraphs | None = None
         if self.device.type == "cuda":
             self.warm_up_prefill()
         if self.device.type == "cuda" and not enforce_eager:
@@ -92,6 +95,12 @@ class ModelRunner:
                 with torch.inference_mode():
                     self.graphs = DecodeGraphs(self._decode_rows, pool.capacity, pool.scratch_slot, self.device)
                 log.info("captured CUDA graphs for decode batches of %s sessions", self.graphs.sizes)
+            self.sampler_graphs = SamplerGraphs(
+                self.sampling, self.next_tokens, model.config.vocab_size, pool.capacity, pool.scratch_slot
+            )
+            with torch.inference_mode():
+                count = self.sampler_graphs.capture_common()
+            log.info("captured %d CUDA graphs for sampling batches of %s rows", count, self.sampler_graphs.sizes)
             blockers = graph_blockers(model, prefill=True)
             if blockers:
                 log.info("prefill runs eagerly (no CUDA graphs): %s", "; ".join(blockers))
@@ -164,32 +173,43 @@ class ModelRunner:
         """Queue the sampling part of `launch` over `forward`'s logits, and the copy of the tokens to the host.
 
         The grammar masks of constrained rows are computed here, on the host, from where their matchers stand now:
-        a caller that has a constrained row's previous token still in flight postprocesses it between `forward`
-        and this (engine/llm_engine.py), while the device runs the forward pass.
+        a caller that has a constrained row's previous token still in flight reads it and advances the grammars
+        between `forward` and this (engine/llm_engine.py), while the device runs the forward pass.
         """
         if logits is None:
             return StepHandle(None, None, [], None)
-        slots = upload([s.slot for s in step.sample], torch.long, self.device)
+        slot_list = [s.slot for s in step.sample]
         params = [s.params for s in step.sample]
         flags = BatchFlags.of(params, self.model.config.vocab_size)
+        masks = self._host_masks(step.sample)
+        graphs = self.sampler_graphs
+        if graphs is not None and graphs.serves(len(slot_list), flags):
+            full = None
+            if masks is not None:  # every row's mask, all bits set for the free ones
+                full = torch.full((len(slot_list), masks[1].shape[1]), -1, dtype=torch.int32)
+                full[masks[0]] = masks[1]
+            out = graphs.replay(logits, slot_list, flags, full)
+            return self._to_host(out, [p.logprobs for p in params])
+        slots = upload(slot_list, torch.long, self.device)
         rows = self.sampling.rows(slots, flags, params)
-        rows.allowed = self._grammar_masks(step.sample)
+        if masks is not None:
+            rows.allowed = (upload(masks[0], torch.long, self.device), upload_tensor(masks[1], self.device))
         out = sample(logits, rows)
         self.sampling.advance(slots, out.token_ids, flags)
         self.next_tokens.index_copy_(0, slots, out.token_ids)
         return self._to_host(out, [p.logprobs for p in params])
 
-    def _grammar_masks(self, seqs: list[Sequence]) -> tuple[torch.Tensor, torch.Tensor] | None:
-        """The masks of the rows whose sequence follows a grammar (row indices, bitmasks), uploaded without a
-        sync; None when no row does. A sequence that has finished meanwhile is left free: its token is dropped."""
+    def _host_masks(self, seqs: list[Sequence]) -> tuple[list[int], torch.Tensor] | None:
+        """The grammar masks of the rows whose sequence follows a grammar: (row indices, `[M, ceil(V/32)]` int32
+        bitmasks on the host); None when no row does. A sequence that has finished meanwhile is left free: its
+        token is dropped."""
         constrained = [i for i, s in enumerate(seqs) if s.matcher is not None and not s.finished]
         if not constrained:
             return None
         vocab = self.model.config.vocab_size
         ends = [[t for t in (seqs[i].eos_token_id, *seqs[i].params.stop_token_ids) if t is not None and t < vocab]
                 for i in constrained]  # fmt: skip
-        masks = fill_masks([seqs[i].matcher for i in constrained], ends, vocab)
-        return upload(constrained, torch.long, self.device), upload_tensor(masks, self.device)
+        return constrained, fill_masks([seqs[i].matcher for i in constrained], ends, vocab)
 
     def _to_host(self, out: SampleOutput, logprobs: list[int | None]) -> StepHandle:
         on_gpu = self.device.type == "cuda"

@@ -362,6 +362,13 @@ class Scheduler:
                 step.sample_source.append(len(step.prefill) - 1)
 
     # -- after a step -------------------------------------------------------------------------------------------
+    def advance_grammars(self, step: ScheduledStep, sampled: SampledTokens) -> None:
+        """Move the grammars of `step`'s constrained rows past their sampled tokens ahead of `postprocess` (which
+        then does not again), so that the next step's masks can be computed before the rest of the host work."""
+        for seq, token in zip(step.sample, sampled.token_ids, strict=True):
+            if seq.matcher is not None and not seq.finished:
+                seq.advance_grammar(token)
+
     def postprocess(self, step: ScheduledStep, sampled: SampledTokens) -> None:
         """Append each sampled token (dropping those of sequences that finished meanwhile), emit, retire."""
         touched: list[Sequence] = []

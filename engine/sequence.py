@@ -57,6 +57,7 @@ class Sequence:
     # Structured output: where the output stands in its grammar (None: unconstrained), and why the grammar failed
     # (a token it rejected: the request fails with this).
     matcher: GrammarMatcher | None = None
+    grammar_tokens: int = 0  # output tokens the matcher has consumed (one ahead of `output_token_ids` at times)
     error: str | None = None
 
     @classmethod
@@ -93,19 +94,31 @@ class Sequence:
         """Every token this sequence fed into its state: the prefilled prompt part, then the decoded outputs."""
         return self.to_prefill[: self.prefilled] + self.output_token_ids[: self.decoded]
 
+    def _is_end(self, token_id: int) -> bool:
+        """Whether `token_id` ends the output (EOS, unless ignored, or a stop token id)."""
+        p = self.params
+        return (token_id == self.eos_token_id and not p.ignore_eos) or token_id in p.stop_token_ids
+
+    def advance_grammar(self, token_id: int) -> None:
+        """Move the grammar's matcher past the next sampled token, once per token: the engine may do it before
+        `append`, to compute the next step's mask sooner (engine/llm_engine.py). A token the grammar rejects sets
+        `error`. A stop token where the output may end is the end, not more output: the matcher is left there."""
+        matcher = self.matcher
+        if matcher is None or self.grammar_tokens > len(self.output_token_ids):
+            return
+        self.grammar_tokens += 1
+        if self._is_end(token_id) and matcher.accepting:
+            return
+        if not matcher.consume(token_id):
+            self.error = f"the grammar rejected token {token_id}: {matcher.error}"
+
     def append(self, token_id: int, logprob: TokenLogprob | None = None) -> None:
         """Record a sampled token and decide whether the sequence is finished."""
-        p = self.params
+        self.advance_grammar(token_id)
         self.output_token_ids.append(token_id)
         if logprob is not None:
             self.logprobs.append(logprob)
-        is_end = (token_id == self.eos_token_id and not p.ignore_eos) or token_id in p.stop_token_ids
-        # A stop token the grammar's masks let through where the output may end is the end, not more output.
-        if self.matcher is not None and not (is_end and self.matcher.accepting) and not self.matcher.consume(token_id):
-            self.error = f"the grammar rejected token {token_id}: {self.matcher.error}"
-            self.finish_reason = "stop"
-            return
-        if is_end:
+        if self.error is not None or self._is_end(token_id):
             self.finish_reason = "stop"
             return
         if self.text_output is not None and self.text_output.add(token_id):
@@ -114,7 +127,7 @@ class Sequence:
         if self.matcher is not None and self.matcher.stopped:  # the output is complete: only its end could follow
             self.finish_reason = "stop"
             return
-        if len(self.output_token_ids) >= p.max_tokens:
+        if len(self.output_token_ids) >= self.params.max_tokens:
             self.finish_reason = "length"
 
     def take_delta(self) -> str:

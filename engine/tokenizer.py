@@ -43,7 +43,7 @@ class Tokenizer:
         self.eos_token = _token_text(self.config.get("eos_token"))
         self.eos_token_id = self._tok.token_to_id(self.eos_token) if self.eos_token else None
         self.bos_token_id = self._tok.token_to_id(self.bos_token) if self.bos_token else None
-        decoder = json.loads(self._tok.to_str()).get("decoder") or {}
+        decoder = json.loads(self.backend_json).get("decoder") or {}
         # Byte-level pieces (GPT-2's symbols for bytes) are decoded by a ByteLevel decoder, alone or as one step of a
         # Sequence (the embedded model's: byte fallback, fuse, "▁" to space, then ByteLevel).
         chain = (decoder.get("decoders") or []) if decoder.get("type") == "Sequence" else [decoder]
@@ -78,6 +78,11 @@ class Tokenizer:
 
     def token_to_id(self, token: str) -> int | None:
         return self._tok.token_to_id(token)
+
+    @property
+    def backend_json(self) -> str:
+        """The `tokenizers` tokenizer as JSON (what `tokenizer.json` holds, added tokens included)."""
+        return self._tok.to_str()
 
     @functools.cached_property
     def special_token_ids(self) -> frozenset[int]:

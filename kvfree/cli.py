@@ -152,6 +152,11 @@ def cmd_bench(args: argparse.Namespace) -> int:
         from kvfree.session_bench import main as session_bench_main
 
         return session_bench_main(args.forwarded)
+    if "--structured" in args.forwarded:
+        # Grammar-constrained rows against free ones; it builds tool-call grammars, so it lives above engine and server.
+        from kvfree.structured_bench import main as structured_bench_main
+
+        return structured_bench_main(args.forwarded)
     if "--serve" in args.forwarded:
         # The served benchmark starts `kvfree serve` and drives it over HTTP, so it lives above engine and loadtest.
         from kvfree.serve_bench import main as serve_bench_main
@@ -350,7 +355,8 @@ def build_parser() -> argparse.ArgumentParser:
         "time a preset's model step (decode at several batch sizes, one long prefill) against its floor, "
         "or LLM.generate end to end (--offline), or a checkpoint served over HTTP to streaming clients against "
         "LLM.generate of the same work (--serve; `kvfree bench --serve --help`), or a session's next turn by where "
-        "its state was parked against recomputing it (--sessions; `kvfree bench --sessions --help`)",
+        "its state was parked against recomputing it (--sessions; `kvfree bench --sessions --help`), or a decode batch "
+        "with grammar-constrained rows against the same batch free (--structured)",
         cmd_bench,
     )
     _add_forwarding_parser(
