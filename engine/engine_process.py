@@ -88,6 +88,7 @@ class EngineLoop:
         self.conn = conn
         self.outbox: list[list] = []  # [request_id, wire output] of this step
         self._stats_sent = 0.0
+        self._front_gone: OSError | None = None  # a send of outputs found the pipe closed (inside a step)
         core.on_outputs = self._send_outputs
 
     def run(self) -> None:
@@ -110,6 +111,8 @@ class EngineLoop:
                 shape = self._shape()
                 if core.has_work:
                     core.step()
+                if self._front_gone is not None:
+                    raise self._front_gone
                 core.poll_store()
                 # Counters go out when the step admitted or retired requests (what /metrics readers look for right
                 # after acting), when the engine goes idle, and at least every STATS_INTERVAL_S while it is busy.
@@ -174,7 +177,11 @@ class EngineLoop:
     def _send_outputs(self) -> None:
         if self.outbox:
             items, self.outbox = self.outbox, []
-            self._send(["outputs", items])
+            try:
+                self._send(["outputs", items])
+            except OSError as exc:
+                # The front has gone (killed mid-step). Not the step's failure: the loop ends once the step returns.
+                self._front_gone = exc
 
     def _send_stats(self) -> None:
         self._stats_sent = time.monotonic()

@@ -7,8 +7,9 @@ copy). A `GrammarMatcher` follows one sequence's output: it consumes each sample
 come next, as a bitmask of the vocabulary (`fill_masks`, 32 tokens per int32 word, bit `t % 32` of word `t // 32`)
 that the sampler applies to the logits on the device (engine/sampling.py, `apply_allowed`).
 
-Why llguidance (docs/design/structured-outputs.md): one 8 MB wheel with no dependencies, a JSON schema compiled in
-under a millisecond, a row's mask in about 13 µs with a 49K vocabulary; it serves vLLM, SGLang and llama.cpp.
+Why llguidance (docs/design/structured-outputs.md): one 3 MB wheel with no dependencies, a JSON schema compiled in
+under a millisecond; it serves vLLM, SGLang and llama.cpp. A row's mask over a 49K vocabulary costs 50-160 µs the
+first time its state is met (llguidance caches it).
 
 JSON is written as `json.dumps` writes it (`", "` and `": "`, no other whitespace): what models trained on
 Python-made JSON (the embedded one) write, and no room for a weak model to loop on whitespace. A schema's own
@@ -28,7 +29,6 @@ from typing import Any, Literal
 import torch
 from llguidance import LLMatcher, LLTokenizer, TokenizerWrapper
 from llguidance.gbnf_to_lark import any_to_lark
-from llguidance.torch import fill_next_token_bitmask
 
 from kvfree.engine.tokenizer import Tokenizer
 
@@ -102,6 +102,14 @@ class Grammar:
         return LLMatcher.grammar_from_lark(source)
 
 
+def check_grammar(grammar: Grammar) -> None:
+    """Raise GrammarError if `grammar` cannot be compiled for any tokenizer (its syntax, its JSON-schema keywords);
+    what depends on the vocabulary (a special token's name) is checked when it is compiled for one."""
+    is_error, messages = LLMatcher.validate_grammar_with_warnings(grammar.llguidance())
+    if is_error:
+        raise GrammarError(_first_lines(messages[0]))
+
+
 def lark_string(text: str) -> str:
     """`text` as a Lark string literal (JSON's escapes, which llguidance's Lark reads)."""
     return json.dumps(text, ensure_ascii=False)
@@ -153,9 +161,8 @@ def native_lltokenizer(tokenizer: Tokenizer, vocab_size: int) -> LLTokenizer | N
     special tokens as kvfree does (checked token by token); None otherwise.
 
     Preferred to `_TokenBytes`: where a grammar forces text, llguidance tokenizes it, and with its own tokenizer it
-    does so in Rust, without calling back into Python (a callback each time, under the interpreter lock, which the
-    threads filling masks in parallel then queue for). A ByteLevel decoder inside a Sequence (the embedded model's)
-    is given to it alone: llguidance reads the pieces of such a vocabulary wrongly otherwise.
+    does so in Rust, without a call back into Python each time. A ByteLevel decoder inside a Sequence (the embedded
+    model's) is given to it alone: llguidance reads the pieces of such a vocabulary wrongly otherwise.
     """
     data = json.loads(tokenizer.backend_json)
     decoder = data.get("decoder") or {}
@@ -180,10 +187,10 @@ def native_lltokenizer(tokenizer: Tokenizer, vocab_size: int) -> LLTokenizer | N
 class GrammarCompiler:
     """Compiles grammars for one tokenizer, caching the results; thread-safe.
 
-    The llguidance tokenizer (every token's bytes, a trie over them) is built on first use, a quarter of a second
-    for a 49K vocabulary: `warm_up` builds it ahead, on a thread, at start-up. `compile` runs on the caller's
-    thread; `compile_async` on the compiler's own worker, so that a long grammar (a big tool list: tens of
-    milliseconds) never stalls the engine's steps.
+    The llguidance tokenizer (every token's bytes, a trie over them) is built on first use, about half a second for
+    a 49K vocabulary, checks included: `warm_up` builds it ahead, on a thread, at an engine's start-up. `compile`
+    runs on the caller's thread; `compile_async` on the compiler's own worker, so that a long grammar (a big tool
+    list: tens of milliseconds) never stalls the engine's steps.
     """
 
     def __init__(self, tokenizer: Tokenizer, vocab_size: int | None = None, cache_size: int = 256) -> None:
@@ -284,8 +291,10 @@ def fill_masks(matchers: list[GrammarMatcher], end_tokens: list[list[int]], voca
     structured-cuda-48-rows.json).
     """
     masks = torch.zeros(len(matchers), mask_words(vocab_size), dtype=torch.int32)
+    row_bytes = masks.shape[1] * masks.element_size()
     for i, matcher in enumerate(matchers):
-        fill_next_token_bitmask(matcher._m, masks, i)
+        # (llguidance.torch would do this, but importing it imports torch.compile's machinery: 1.8 s per process)
+        matcher._m.unsafe_compute_mask_ptr(masks[i].data_ptr(), row_bytes)
     for i, (matcher, ends) in enumerate(zip(matchers, end_tokens, strict=True)):
         if ends and matcher.accepting:
             row = masks[i]

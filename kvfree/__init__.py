@@ -3,7 +3,7 @@
 The one import package. Its subpackages live in the repository's top-level folders and are mapped here by
 `pyproject.toml`: `kvfree.engine` (engine/), `kvfree.kernels` (kernels/), `kvfree.server` (server/),
 `kvfree.checkpoints` (checkpoints/), `kvfree.training` (training/), `kvfree.clients` (clients/) and
-`kvfree.loadtest` (loadtest/). The public Python API is `from kvfree import LLM, SamplingParams`.
+`kvfree.loadtest` (loadtest/). The public Python API is `from kvfree import LLM, SamplingParams, Grammar`.
 """
 
 from __future__ import annotations
@@ -17,14 +17,14 @@ except PackageNotFoundError:  # running from a source tree that was never instal
     __version__ = "0.0.0+unknown"
 
 if TYPE_CHECKING:
-    from kvfree.engine import LLM, SamplingParams
+    from kvfree.engine import LLM, Grammar, SamplingParams
 
-__all__ = ["LLM", "SamplingParams", "__version__"]
+__all__ = ["LLM", "Grammar", "SamplingParams", "__version__"]
 
 
 def __getattr__(name: str) -> Any:
     # Lazy, so that `import kvfree.loadtest` or `import kvfree.clients` (HTTP only) does not import torch.
-    if name in ("LLM", "SamplingParams"):
+    if name in ("LLM", "SamplingParams", "Grammar"):
         from kvfree import engine
 
         return getattr(engine, name)

@@ -121,11 +121,16 @@ def instrument(llm: LLM) -> dict[str, list[float]]:
     return times
 
 
+def _fill_pooled(executor, matchers: list, masks: torch.Tensor) -> None:
+    """Every matcher's mask into its row of `masks` (`[M, W]` int32, host), on llguidance's thread pool."""
+    executor.unsafe_compute_mask_ptr([(m._m, i) for i, m in enumerate(matchers)], masks.data_ptr(),
+                                     masks.shape[1] * 4, masks.shape[0])  # fmt: skip
+
+
 @contextlib.contextmanager
 def pooled_masks() -> Iterator[None]:
     """Within: the runner fills masks on llguidance's thread pool instead of one row after another."""
     from llguidance import LLExecutor
-    from llguidance.torch import fill_next_token_bitmask_par
 
     import kvfree.engine.model_runner as runner_module
 
@@ -133,7 +138,7 @@ def pooled_masks() -> Iterator[None]:
 
     def pooled(matchers, end_tokens, vocab_size):
         masks = torch.zeros(len(matchers), grammar_module.mask_words(vocab_size), dtype=torch.int32)
-        fill_next_token_bitmask_par(executor, [(m._m, i) for i, m in enumerate(matchers)], masks)
+        _fill_pooled(executor, matchers, masks)
         for i, (matcher, ends) in enumerate(zip(matchers, end_tokens, strict=True)):
             if ends and matcher.accepting:  # (the end tokens' bits, as fill_masks sets them)
                 masks[i : i + 1] = one_by_one([matcher], [ends], vocab_size)
@@ -228,7 +233,6 @@ def mask_fill_times(tokenizer: Tokenizer, rows: int, repeats: int = 40) -> dict[
     pool, median ms of each. Each fill is cold: fresh matchers advanced to a new position (llguidance caches a
     state's mask, so filling the same state twice measures the cache)."""
     from llguidance import LLExecutor
-    from llguidance.torch import fill_next_token_bitmask, fill_next_token_bitmask_par
 
     compiler = GrammarCompiler(tokenizer)
     grammar = Grammar.json_schema(RECORDS_SCHEMA)
@@ -245,10 +249,10 @@ def mask_fill_times(tokenizer: Tokenizer, rows: int, repeats: int = 40) -> dict[
                 assert all(matcher.consume(t) for t in ids[: (r + i) % len(ids)])
             start = time.perf_counter()
             if name == "pooled":
-                fill_next_token_bitmask_par(executor, [(m._m, i) for i, m in enumerate(matchers)], masks)
+                _fill_pooled(executor, matchers, masks)
             else:
                 for i, m in enumerate(matchers):
-                    fill_next_token_bitmask(m._m, masks, i)
+                    m._m.unsafe_compute_mask_ptr(masks[i].data_ptr(), masks.shape[1] * 4)
             times.append(time.perf_counter() - start)
         out[f"{rows}_rows_{name}_ms"] = statistics.median(times) * 1e3
     return out

@@ -70,7 +70,6 @@ def create_app(
     @asynccontextmanager
     async def lifespan(app: FastAPI):
         engine.start()
-        client.grammars.warm_up()  # structured output's tokenizer, built on a thread before the first grammar
         log.info(
             "serving %r (%s) on %s; %d state slots", name, engine.info.device, settings.port, settings.max_sessions
         )

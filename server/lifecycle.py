@@ -15,7 +15,6 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import functools
 import itertools
 from collections.abc import AsyncIterator, Callable, Iterator
 from typing import Any, TypeVar
@@ -26,7 +25,7 @@ from fastapi import Request
 from kvfree.engine.async_engine import EngineStopped, QueueFull, SessionBusy
 from kvfree.engine.engine_handle import EngineHandle
 from kvfree.engine.engine_info import EngineInfo, SessionPage, SessionRecord
-from kvfree.engine.grammar import Grammar, GrammarCompiler, GrammarError
+from kvfree.engine.grammar import Grammar, GrammarError, check_grammar
 from kvfree.engine.sampling import SamplingParams
 from kvfree.engine.scheduler import RequestOutput
 from kvfree.engine.session_store import SessionStoreError
@@ -88,8 +87,12 @@ def engine_error(exc: Exception) -> APIError:
         return invalid_request(str(exc), "snapshot", code=exc.code)
     if isinstance(exc, SnapshotMismatchError):
         return invalid_request(f"snapshot does not fit this model: {exc}", "snapshot", code="model_mismatch")
-    if isinstance(exc, GrammarError):
-        return invalid_request(f"the output's grammar cannot be used: {exc}", "response_format")
+    if isinstance(exc, GrammarError):  # (what the front's check could not see: the model's vocabulary)
+        message = (
+            "the reply's grammar (response_format, structured_outputs, tools or text.format) cannot be used with this "
+            f"model's vocabulary: {exc}"
+        )
+        return invalid_request(message, None)
     raise exc
 
 
@@ -179,18 +182,14 @@ class EngineClient:
         return await asyncio.to_thread(encode, text)
 
     # -- checks, before anything reaches the engine ---------------------------------------------------------------
-    @functools.cached_property
-    def grammars(self) -> GrammarCompiler:
-        """The front's grammar compiler (to answer a grammar the engine could not compile with a 400 up front)."""
-        return GrammarCompiler(self.tokenizer, self.info.vocab_size)
-
     async def check_grammar(self, grammar: Grammar | None, param: str) -> None:
-        """A 400 naming `param` when `grammar` cannot be compiled (bad syntax, a JSON-schema keyword llguidance
-        does not support). Compiled on a worker thread: a long one takes the event loop nothing."""
+        """A 400 naming `param` when `grammar` cannot be compiled (bad syntax, a JSON-schema keyword llguidance does
+        not support), found before the request reaches the engine. Checked without a tokenizer (what a grammar
+        says of tokens, a special token's name, is the engine's to check: a 400 too), on a worker thread."""
         if grammar is None:
             return
         try:
-            await asyncio.to_thread(self.grammars.compile, grammar)
+            await asyncio.to_thread(check_grammar, grammar)
         except GrammarError as e:
             raise invalid_request(f"{param} cannot be enforced: {e}", param) from None
 

@@ -449,6 +449,10 @@ def test_grammar_errors_are_400s_naming_the_field(server) -> None:
     for path, body, param in cases:
         r = http.post(path, json={"model": MODEL, **body})
         assert_openai_error(r, 400, param=param)
+    # A special token this vocabulary lacks: only compiling for the model's tokenizer (in the engine) finds it.
+    r = http.post("/v1/completions", json={"model": MODEL, "prompt": "x",
+                                           "structured_outputs": {"grammar": "start: <|no_such_token|>"}})
+    assert "no_such_token" in assert_openai_error(r, 400, param=None)["message"]
     # The server still serves afterwards.
     assert http.post("/v1/completions", json={"model": MODEL, "prompt": "Hi", "max_tokens": 2}).status_code == 200
 
