@@ -8,7 +8,7 @@ come next, as a bitmask of the vocabulary (`fill_masks`, 32 tokens per int32 wor
 that the sampler applies to the logits on the device (engine/sampling.py, `apply_allowed`).
 
 Why llguidance (docs/design/structured-outputs.md): one 3 MB wheel with no dependencies, a JSON schema compiled in
-under a millisecond; it serves vLLM, SGLang and llama.cpp. A row's mask over a 49K vocabulary costs 50-160 µs the
+under a millisecond; it serves vLLM, SGLang and llama.cpp. A row's mask over a 49K vocabulary costs 50-200 µs the
 first time its state is met (llguidance caches it).
 
 JSON is written as `json.dumps` writes it (`", "` and `": "`, no other whitespace): what models trained on
@@ -26,11 +26,12 @@ from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import Any, Literal
 
+import numpy as np
 import torch
 from llguidance import LLMatcher, LLTokenizer, TokenizerWrapper
 from llguidance.gbnf_to_lark import any_to_lark
 
-from kvfree.engine.tokenizer import Tokenizer
+from kvfree.engine.tokenizer import Tokenizer, byte_level_decoder
 
 GrammarKind = Literal["json_schema", "json_object", "regex", "choice", "lark"]
 GRAMMAR_KINDS: tuple[str, ...] = ("json_schema", "json_object", "regex", "choice", "lark")
@@ -165,11 +166,9 @@ def native_lltokenizer(tokenizer: Tokenizer, vocab_size: int) -> LLTokenizer | N
     model's) is given to it alone: llguidance reads the pieces of such a vocabulary wrongly otherwise.
     """
     data = json.loads(tokenizer.backend_json)
-    decoder = data.get("decoder") or {}
-    if decoder.get("type") == "Sequence":
-        byte_level = [d for d in decoder.get("decoders") or [] if d.get("type") == "ByteLevel"]
-        if byte_level:
-            data["decoder"] = byte_level[0]
+    byte_level = byte_level_decoder(data.get("decoder"))
+    if byte_level is not None:
+        data["decoder"] = byte_level
     try:
         llt = LLTokenizer(json.dumps(data), n_vocab=vocab_size, eos_token=tokenizer.eos_token_id)
     except Exception:  # a tokenizer llguidance cannot read: kvfree's own bytes are handed over instead
@@ -187,10 +186,10 @@ def native_lltokenizer(tokenizer: Tokenizer, vocab_size: int) -> LLTokenizer | N
 class GrammarCompiler:
     """Compiles grammars for one tokenizer, caching the results; thread-safe.
 
-    The llguidance tokenizer (every token's bytes, a trie over them) is built on first use, about half a second for
-    a 49K vocabulary, checks included: `warm_up` builds it ahead, on a thread, at an engine's start-up. `compile`
-    runs on the caller's thread; `compile_async` on the compiler's own worker, so that a long grammar (a big tool
-    list: tens of milliseconds) never stalls the engine's steps.
+    The llguidance tokenizer (every token's bytes, a trie over them) is built on first use, 0.4-1.3 s for a 49K
+    vocabulary, checks included (the development CPU; an H100's host): `warm_up` builds it ahead, on a thread, at an
+    engine's start-up. `compile` runs on the caller's thread; `compile_async` on the compiler's own worker, so that
+    a long grammar (a big tool list: milliseconds) never stalls the engine's steps.
     """
 
     def __init__(self, tokenizer: Tokenizer, vocab_size: int | None = None, cache_size: int = 256) -> None:
@@ -271,16 +270,16 @@ class GrammarMatcher:
 
 
 # -- masks --------------------------------------------------------------------------------------------------------
-
-
-
 def mask_words(vocab_size: int) -> int:
     """int32 words per row of a bitmask over `vocab_size` tokens."""
     return (vocab_size + 31) // 32
 
 
-def fill_masks(matchers: list[GrammarMatcher], end_tokens: list[list[int]], vocab_size: int) -> torch.Tensor:
-    """The allowed next tokens of each matcher: `[M, mask_words(V)]` int32 on the host, row i for matchers[i].
+def fill_masks(
+    matchers: list[GrammarMatcher], end_tokens: list[frozenset[int]], out: torch.Tensor, rows: list[int]
+) -> None:
+    """Write each matcher's allowed next tokens into row `rows[i]` of `out` (`[R, mask_words(V)]` int32, contiguous,
+    on the host); other rows are left as they are.
 
     llguidance sets the bits of the tokens the grammar allows, the tokenizer's EOS among them where the output may
     end; `end_tokens[i]` (the request's other stop tokens: a chat's end-of-turn) are allowed there too.
@@ -290,18 +289,15 @@ def fill_masks(matchers: list[GrammarMatcher], end_tokens: list[list[int]], voca
     14.9K against 16.9K with a 370M one; 48 rows: 9.6K against 14.7K; docs/bench/structured-cuda-graphs-vs-eager-a.json,
     structured-cuda-48-rows.json).
     """
-    masks = torch.zeros(len(matchers), mask_words(vocab_size), dtype=torch.int32)
-    row_bytes = masks.shape[1] * masks.element_size()
-    for i, matcher in enumerate(matchers):
+    row_bytes = out.shape[1] * out.element_size()
+    words = out.numpy().view(np.uint32)  # (the same memory, so that bit 31 is an ordinary bit)
+    for matcher, ends, row in zip(matchers, end_tokens, rows, strict=True):
         # (llguidance.torch would do this, but importing it imports torch.compile's machinery: 1.8 s per process)
-        matcher._m.unsafe_compute_mask_ptr(masks[i].data_ptr(), row_bytes)
-    for i, (matcher, ends) in enumerate(zip(matchers, end_tokens, strict=True)):
+        matcher._m.unsafe_compute_mask_ptr(out[row].data_ptr(), row_bytes)
         if ends and matcher.accepting:
-            row = masks[i]
             for token in ends:
-                word = (int(row[token // 32]) | (1 << (token % 32))) & 0xFFFFFFFF
-                row[token // 32] = word - (1 << 32) if word >= 1 << 31 else word
-    return masks
+                if token >> 5 < words.shape[1]:  # (a stop token id past the vocabulary can never be sampled)
+                    words[row, token >> 5] |= np.uint32(1 << (token & 31))
 
 
 def bitmask_to_bool(masks: torch.Tensor, vocab_size: int) -> torch.Tensor:

@@ -18,11 +18,11 @@ from dataclasses import dataclass
 import torch
 
 from kvfree.engine.cuda_graphs import DecodeGraphs, PrefillGraphs
-from kvfree.engine.grammar import fill_masks
+from kvfree.engine.grammar import fill_masks, mask_words
 from kvfree.engine.host_copy import upload, upload_tensor
 from kvfree.engine.model import HybridLM
 from kvfree.engine.sampler_graphs import SamplerGraphs
-from kvfree.engine.sampling import BatchFlags, SampleOutput, SamplingTable, sample
+from kvfree.engine.sampling import BatchFlags, SampleOutput, SamplingTable
 from kvfree.engine.scheduler import SampledTokens, ScheduledStep
 from kvfree.engine.sequence import Sequence, TokenLogprob
 from kvfree.engine.state_pool import StatePool
@@ -181,35 +181,33 @@ class ModelRunner:
         slot_list = [s.slot for s in step.sample]
         params = [s.params for s in step.sample]
         flags = BatchFlags.of(params, self.model.config.vocab_size)
-        masks = self._host_masks(step.sample)
+        constrained = [i for i, s in enumerate(step.sample) if s.matcher is not None and not s.finished]
         graphs = self.sampler_graphs
         if graphs is not None and graphs.serves(len(slot_list), flags):
-            full = None
-            if masks is not None:  # every row's mask, all bits set for the free ones
-                full = torch.full((len(slot_list), masks[1].shape[1]), -1, dtype=torch.int32)
-                full[masks[0]] = masks[1]
-            out = graphs.replay(logits, slot_list, flags, full)
+            # A graph takes every row's mask, all bits set for the free ones.
+            masks = self._host_masks(step.sample, constrained, every_row=True) if constrained else None
+            out = graphs.replay(logits, slot_list, flags, masks)
             return self._to_host(out, [p.logprobs for p in params])
+        allowed = None
+        if constrained:
+            masks = self._host_masks(step.sample, constrained, every_row=False)
+            allowed = (upload(constrained, torch.long, self.device), upload_tensor(masks, self.device))
         slots = upload(slot_list, torch.long, self.device)
-        rows = self.sampling.rows(slots, flags, params)
-        if masks is not None:
-            rows.allowed = (upload(masks[0], torch.long, self.device), upload_tensor(masks[1], self.device))
-        out = sample(logits, rows)
-        self.sampling.advance(slots, out.token_ids, flags)
+        out = self.sampling.sample(logits, slots, flags, params, allowed)
         self.next_tokens.index_copy_(0, slots, out.token_ids)
         return self._to_host(out, [p.logprobs for p in params])
 
-    def _host_masks(self, seqs: list[Sequence]) -> tuple[list[int], torch.Tensor] | None:
-        """The grammar masks of the rows whose sequence follows a grammar: (row indices, `[M, ceil(V/32)]` int32
-        bitmasks on the host); None when no row does. A sequence that has finished meanwhile is left free: its
-        token is dropped."""
-        constrained = [i for i, s in enumerate(seqs) if s.matcher is not None and not s.finished]
-        if not constrained:
-            return None
+    def _host_masks(self, seqs: list[Sequence], constrained: list[int], every_row: bool) -> torch.Tensor:
+        """The grammar masks of the sequences `seqs[i]`, i in `constrained` (those that follow a grammar and have not
+        finished: a finished one's token is dropped), as int32 bitmasks on the host, pinned on a GPU: one row per
+        sequence of `seqs` with `every_row` (the free ones all bits set), else one per constrained sequence."""
         vocab = self.model.config.vocab_size
-        ends = [[t for t in (seqs[i].eos_token_id, *seqs[i].params.stop_token_ids) if t is not None and t < vocab]
-                for i in constrained]  # fmt: skip
-        return constrained, fill_masks([seqs[i].matcher for i in constrained], ends, vocab)
+        rows = len(seqs) if every_row else len(constrained)
+        out = torch.full((rows, mask_words(vocab)), -1, dtype=torch.int32, pin_memory=self.device.type == "cuda")
+        picked = [seqs[i] for i in constrained]
+        fill_masks([s.matcher for s in picked], [s.end_tokens for s in picked], out,
+                   constrained if every_row else list(range(len(constrained))))  # fmt: skip
+        return out
 
     def _to_host(self, out: SampleOutput, logprobs: list[int | None]) -> StepHandle:
         on_gpu = self.device.type == "cuda"

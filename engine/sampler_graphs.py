@@ -1,14 +1,16 @@
 """Sampler graphs: a step's sampling captured in a CUDA graph per (batch bucket, what the rows ask), replayed padded.
 
-The batched sampler (engine/sampling.py) is some eighty small tensor ops for a sampled batch (the counter-based
-random numbers alone are forty): launched one by one from Python they cost the host about 2.3 ms a step on an H100
-host, as long as a 370M model's decode step on the GPU. Captured once, a step's sampling is one launch: gather the
-rows' parameters by slot, apply the grammar masks, sample, advance the rows' counters and penalty counts, and keep
-the tokens on the device for the next decode (`next_tokens`), all from static buffers.
+The batched sampler (engine/sampling.py) is about 120 small tensor ops for a batch sampled at a temperature (the
+counter-based random numbers are 89 of them; counted with the torch profiler): launched one by one from Python they
+cost the host about 1.8 ms a step on an H100's host (docs/bench/structured-cuda-graphs-vs-eager-b.json: the
+sampling call's median less its masks'), half a 370M model's decode step on the GPU. Captured once, a step's
+sampling is one launch: gather the rows' parameters by slot, apply the grammar masks, sample, advance the rows'
+counters and penalty counts, and keep the tokens on the device for the next decode (`next_tokens`), all from
+static buffers.
 
 That matters twice. Every step's host work shrinks. And a step with grammar-constrained rows, whose sampling can
 only be launched once the previous step's tokens have advanced the grammars (engine/llm_engine.py), waits on the
-host for the masks and one replay instead of the masks and eighty launches, so the device's forward pass hides it.
+host for the masks and one replay instead of the masks and 120 launches, so the device's forward pass hides it.
 
 A graph is keyed by its bucket (`cuda_graphs.graph_batch_sizes`, the rows beyond the step's pointed at the pool's
 scratch slot), its `BatchFlags` (which ops run) and whether masks apply. The common ones (greedy, or sampled at
@@ -26,7 +28,7 @@ import torch
 from kvfree.engine.cuda_graphs import bucket_for, capture, graph_batch_sizes, padded_slots
 from kvfree.engine.grammar import mask_words
 from kvfree.engine.host_copy import upload_into
-from kvfree.engine.sampling import BatchFlags, SampleOutput, SamplingTable, sample
+from kvfree.engine.sampling import BatchFlags, SampleOutput, SamplingTable
 
 
 @dataclass
@@ -58,7 +60,6 @@ class SamplerGraphs:
         self.logits = torch.zeros(largest, vocab_size, dtype=torch.float32, device=device)
         self.slots = torch.full((largest,), scratch_slot, dtype=torch.int64, device=device)
         self.masks = torch.full((largest, mask_words(vocab_size)), -1, dtype=torch.int32, device=device)
-        self.rows = torch.arange(largest, device=device)
         self.graphs: dict[tuple[int, BatchFlags, bool], _SamplerGraph] = {}
         self.pool = torch.cuda.graph_pool_handle()
 
@@ -91,8 +92,8 @@ class SamplerGraphs:
         key = (size, flags, masks is not None)
         self.logits[:n].copy_(logits, non_blocking=True)
         upload_into(self.slots[:size], padded_slots(slots, size, self.scratch_slot))
-        if masks is not None:
-            self.masks[:n].copy_(masks.pin_memory(), non_blocking=True)
+        if masks is not None:  # (pinned by the caller: a true asynchronous copy)
+            self.masks[:n].copy_(masks, non_blocking=True)
             self.masks[n:size].fill_(-1)
         entry = self.graphs.get(key)
         if entry is None:
@@ -109,11 +110,7 @@ class SamplerGraphs:
     def _step(self, size: int, flags: BatchFlags, masked: bool) -> SampleOutput:
         """The sampling of one bucket, as captured (and as run once eagerly before the capture)."""
         slots = self.slots[:size]
-        rows = self.table.rows(slots, flags)
-        if masked:
-            rows.allowed = (self.rows[:size], self.masks[:size])
-        out = sample(self.logits[:size], rows)
-        self.table.advance(slots, out.token_ids, flags)
+        out = self.table.sample(self.logits[:size], slots, flags, allowed=(None, self.masks[:size]) if masked else None)
         self.next_tokens.index_copy_(0, slots, out.token_ids)
         return out
 

@@ -92,6 +92,12 @@ class SamplingParams:
         if self.grammar is not None and not isinstance(self.grammar, Grammar):
             raise ValueError(f"grammar must be a Grammar, got {type(self.grammar).__name__}")
 
+    def end_token_ids(self, eos_token_id: int | None) -> frozenset[int]:
+        """The tokens that end this request's output: the tokenizer's EOS (unless `ignore_eos`) and `stop_token_ids`.
+        Such a token is not part of the output's text."""
+        eos = () if self.ignore_eos or eos_token_id is None else (eos_token_id,)
+        return frozenset((*eos, *self.stop_token_ids))
+
     @property
     def greedy(self) -> bool:
         return self.temperature < GREEDY_BELOW
@@ -163,7 +169,8 @@ class SamplingRows:
     tokens each row drew before this one (the position in the row's random stream).  counts / prompt_mask:
     `[B, V]` fp32 / bool, how often each token was generated and which the prompt holds (needed with penalties).
     bias: the rows' `logit_bias` entries as three `[N]` tensors (row, token id, value), or None when no row has one.
-    allowed: the constrained rows' grammar masks, `([M] row indices, [M, ceil(V/32)] int32 bitmasks)`, or None.
+    allowed: grammar masks, `(rows, bitmasks)`: `[M]` row indices and their `[M, ceil(V/32)]` int32 bitmasks, or
+        rows None and one bitmask per row (all bits set for free rows); None when no row is constrained.
     """
 
     params: torch.Tensor
@@ -173,7 +180,7 @@ class SamplingRows:
     counts: torch.Tensor | None = None
     prompt_mask: torch.Tensor | None = None
     bias: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None
-    allowed: tuple[torch.Tensor, torch.Tensor] | None = None
+    allowed: tuple[torch.Tensor | None, torch.Tensor] | None = None
 
     @classmethod
     def build(
@@ -259,10 +266,12 @@ def logit_bias_rows(
     return upload(rows, torch.int64, device), upload(tokens, torch.int64, device), upload(values, torch.float32, device)
 
 
-def apply_allowed(logits: torch.Tensor, rows: torch.Tensor, masks: torch.Tensor) -> torch.Tensor:
-    """Grammar masks: logits `[B, V]`, row indices `[M]`, bitmasks `[M, ceil(V/32)]` int32 -> new logits whose
-    rows `rows` are -inf wherever their mask's bit is clear. The other rows are untouched."""
+def apply_allowed(logits: torch.Tensor, rows: torch.Tensor | None, masks: torch.Tensor) -> torch.Tensor:
+    """Grammar masks: logits `[B, V]`, row indices `[M]` (None: every row), bitmasks `[M, ceil(V/32)]` int32 -> new
+    logits whose rows `rows` are -inf wherever their mask's bit is clear. The other rows are untouched."""
     allowed = bitmask_to_bool(masks, logits.shape[-1])
+    if rows is None:
+        return logits.masked_fill(~allowed, float("-inf"))
     constrained = logits.index_select(0, rows).masked_fill(~allowed, float("-inf"))
     return logits.index_copy(0, rows, constrained)
 
@@ -405,6 +414,22 @@ class SamplingTable:
             prompt_mask=self.prompt_mask.index_select(0, slots) if penalties else None,
             bias=logit_bias_rows(params, self.device) if flags.logit_bias and params is not None else None,
         )
+
+    def sample(
+        self,
+        logits: torch.Tensor,
+        slots: torch.Tensor,
+        flags: BatchFlags,
+        params: list[SamplingParams] | None = None,
+        allowed: tuple[torch.Tensor | None, torch.Tensor] | None = None,
+    ) -> SampleOutput:
+        """Sample `logits` `[B, V]` for the rows of `slots` (`[B]` int64 on the device) and advance those rows: the
+        step's whole sampling, launched op by op or captured in a graph (engine/sampler_graphs.py)."""
+        rows = self.rows(slots, flags, params)
+        rows.allowed = allowed
+        out = sample(logits, rows)
+        self.advance(slots, out.token_ids, flags)
+        return out
 
     def advance(self, slots: torch.Tensor, token_ids: torch.Tensor, flags: BatchFlags) -> None:
         """After a draw: each row's counter moves on, and its penalty counts take the drawn token."""

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import functools
 import itertools
 from dataclasses import dataclass, field
 
@@ -94,10 +95,10 @@ class Sequence:
         """Every token this sequence fed into its state: the prefilled prompt part, then the decoded outputs."""
         return self.to_prefill[: self.prefilled] + self.output_token_ids[: self.decoded]
 
-    def _is_end(self, token_id: int) -> bool:
-        """Whether `token_id` ends the output (EOS, unless ignored, or a stop token id)."""
-        p = self.params
-        return (token_id == self.eos_token_id and not p.ignore_eos) or token_id in p.stop_token_ids
+    @functools.cached_property
+    def end_tokens(self) -> frozenset[int]:
+        """The tokens that end the output (`SamplingParams.end_token_ids`)."""
+        return self.params.end_token_ids(self.eos_token_id)
 
     def advance_grammar(self, token_id: int) -> None:
         """Move the grammar's matcher past the next sampled token, once per token: the engine may do it before
@@ -107,18 +108,19 @@ class Sequence:
         if matcher is None or self.grammar_tokens > len(self.output_token_ids):
             return
         self.grammar_tokens += 1
-        if self._is_end(token_id) and matcher.accepting:
+        if token_id in self.end_tokens and matcher.accepting:
             return
         if not matcher.consume(token_id):
             self.error = f"the grammar rejected token {token_id}: {matcher.error}"
 
     def append(self, token_id: int, logprob: TokenLogprob | None = None) -> None:
         """Record a sampled token and decide whether the sequence is finished."""
-        self.advance_grammar(token_id)
+        if self.matcher is not None:
+            self.advance_grammar(token_id)
         self.output_token_ids.append(token_id)
         if logprob is not None:
             self.logprobs.append(logprob)
-        if self.error is not None or self._is_end(token_id):
+        if self.error is not None or token_id in self.end_tokens:
             self.finish_reason = "stop"
             return
         if self.text_output is not None and self.text_output.add(token_id):

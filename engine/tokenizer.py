@@ -27,6 +27,14 @@ def _token_text(value: Any) -> str | None:
     return value
 
 
+def byte_level_decoder(decoder: dict[str, Any] | None) -> dict[str, Any] | None:
+    """The ByteLevel decoder of a `tokenizer.json` decoder (GPT-2's symbols for bytes), alone or as one step of a
+    Sequence (the embedded model's: byte fallback, fuse, "▁" to space, then ByteLevel); None when it has none."""
+    decoder = decoder or {}
+    chain = (decoder.get("decoders") or []) if decoder.get("type") == "Sequence" else [decoder]
+    return next((d for d in chain if isinstance(d, dict) and d.get("type") == "ByteLevel"), None)
+
+
 class Tokenizer:
     """Encode/decode text and render chat messages with the checkpoint's template."""
 
@@ -43,11 +51,7 @@ class Tokenizer:
         self.eos_token = _token_text(self.config.get("eos_token"))
         self.eos_token_id = self._tok.token_to_id(self.eos_token) if self.eos_token else None
         self.bos_token_id = self._tok.token_to_id(self.bos_token) if self.bos_token else None
-        decoder = json.loads(self.backend_json).get("decoder") or {}
-        # Byte-level pieces (GPT-2's symbols for bytes) are decoded by a ByteLevel decoder, alone or as one step of a
-        # Sequence (the embedded model's: byte fallback, fuse, "▁" to space, then ByteLevel).
-        chain = (decoder.get("decoders") or []) if decoder.get("type") == "Sequence" else [decoder]
-        self._byte_level = any(isinstance(d, dict) and d.get("type") == "ByteLevel" for d in chain)
+        self._byte_level = byte_level_decoder(json.loads(self.backend_json).get("decoder")) is not None
         self._bytes_cache: dict[int, bytes] = {}
         self._env = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True)
         self._env.filters["tojson"] = lambda v, indent=None: json.dumps(v, indent=indent, ensure_ascii=False)

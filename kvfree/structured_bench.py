@@ -35,8 +35,7 @@ from typing import Any
 import torch
 
 from kvfree.checkpoints import default_checkpoint_path
-from kvfree.engine import grammar as grammar_module
-from kvfree.engine.grammar import Grammar, GrammarCompiler
+from kvfree.engine.grammar import Grammar, GrammarCompiler, fill_masks
 from kvfree.engine.llm import LLM
 from kvfree.engine.loader import resolve_device, resolve_dtype, save_model
 from kvfree.engine.model import HybridLM
@@ -121,9 +120,10 @@ def instrument(llm: LLM) -> dict[str, list[float]]:
     return times
 
 
-def _fill_pooled(executor, matchers: list, masks: torch.Tensor) -> None:
-    """Every matcher's mask into its row of `masks` (`[M, W]` int32, host), on llguidance's thread pool."""
-    executor.unsafe_compute_mask_ptr([(m._m, i) for i, m in enumerate(matchers)], masks.data_ptr(),
+def _fill_pooled(executor, matchers: list, masks: torch.Tensor, rows: list[int] | None = None) -> None:
+    """Matcher i's mask into row `rows[i]` (default i) of `masks` (`[R, W]` int32, host), on llguidance's pool."""
+    rows = list(range(len(matchers))) if rows is None else rows
+    executor.unsafe_compute_mask_ptr([(m._m, r) for m, r in zip(matchers, rows, strict=True)], masks.data_ptr(),
                                      masks.shape[1] * 4, masks.shape[0])  # fmt: skip
 
 
@@ -136,13 +136,11 @@ def pooled_masks() -> Iterator[None]:
 
     executor, one_by_one = LLExecutor(), runner_module.fill_masks
 
-    def pooled(matchers, end_tokens, vocab_size):
-        masks = torch.zeros(len(matchers), grammar_module.mask_words(vocab_size), dtype=torch.int32)
-        _fill_pooled(executor, matchers, masks)
-        for i, (matcher, ends) in enumerate(zip(matchers, end_tokens, strict=True)):
+    def pooled(matchers, end_tokens, out, rows):
+        _fill_pooled(executor, matchers, out, rows)
+        for matcher, ends, row in zip(matchers, end_tokens, rows, strict=True):
             if ends and matcher.accepting:  # (the end tokens' bits, as fill_masks sets them)
-                masks[i : i + 1] = one_by_one([matcher], [ends], vocab_size)
-        return masks
+                one_by_one([matcher], [ends], out, [row])
 
     runner_module.fill_masks = pooled
     try:
@@ -250,9 +248,8 @@ def mask_fill_times(tokenizer: Tokenizer, rows: int, repeats: int = 40) -> dict[
             start = time.perf_counter()
             if name == "pooled":
                 _fill_pooled(executor, matchers, masks)
-            else:
-                for i, m in enumerate(matchers):
-                    m._m.unsafe_compute_mask_ptr(masks[i].data_ptr(), masks.shape[1] * 4)
+            else:  # (what the engine does)
+                fill_masks(matchers, [frozenset()] * rows, masks, list(range(rows)))
             times.append(time.perf_counter() - start)
         out[f"{rows}_rows_{name}_ms"] = statistics.median(times) * 1e3
     return out

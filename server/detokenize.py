@@ -23,8 +23,7 @@ class ChoiceTexts:
     def __init__(self, tokenizer: Tokenizer, params: SamplingParams, n: int) -> None:
         self._texts = [TextOutput(tokenizer, params.stop, params.skip_special_tokens) for _ in range(n)]
         self.finished = [False] * n
-        eos = () if params.ignore_eos or tokenizer.eos_token_id is None else (tokenizer.eos_token_id,)
-        self._end_tokens = frozenset((*eos, *params.stop_token_ids))
+        self._end_tokens = params.end_token_ids(tokenizer.eos_token_id)
 
     @property
     def all_finished(self) -> bool:

@@ -17,6 +17,7 @@ import asyncio
 import contextlib
 import itertools
 from collections.abc import AsyncIterator, Callable, Iterator
+from dataclasses import replace
 from typing import Any, TypeVar
 
 import anyio
@@ -182,16 +183,18 @@ class EngineClient:
         return await asyncio.to_thread(encode, text)
 
     # -- checks, before anything reaches the engine ---------------------------------------------------------------
-    async def check_grammar(self, grammar: Grammar | None, param: str) -> None:
-        """A 400 naming `param` when `grammar` cannot be compiled (bad syntax, a JSON-schema keyword llguidance does
-        not support), found before the request reaches the engine. Checked without a tokenizer (what a grammar
-        says of tokens, a special token's name, is the engine's to check: a 400 too), on a worker thread."""
+    async def constrain(self, params: SamplingParams, grammar: Grammar | None, param: str) -> SamplingParams:
+        """`params` with the reply held to `grammar` (server/structured_outputs.py), after a check: a 400 naming
+        `param` when the grammar cannot be compiled (bad syntax, a JSON-schema keyword llguidance does not support),
+        found before the request reaches the engine. Checked without a tokenizer (what a grammar says of tokens, a
+        special token's name, is the engine's to check: a 400 too), on a worker thread."""
         if grammar is None:
-            return
+            return params
         try:
             await asyncio.to_thread(check_grammar, grammar)
         except GrammarError as e:
             raise invalid_request(f"{param} cannot be enforced: {e}", param) from None
+        return replace(params, grammar=grammar)
 
     def check_token_ids(self, ids: list[int], param: str) -> None:
         """A 400 naming `param` when a token id is outside the vocabulary."""

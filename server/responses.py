@@ -75,6 +75,7 @@ from kvfree.server.protocol import (
     one_line,
     resolve_max_tokens,
 )
+from kvfree.server.structured_outputs import format_grammar
 from kvfree.server.tools import ContentDelta, DeltaToolCall, ToolCallFormat, ToolCallStreamParser
 
 MAX_METADATA = 16
@@ -181,11 +182,7 @@ class TextFormat(RequestModel):
 
     def grammar(self) -> Grammar | None:
         """What the reply is held to (None: free text)."""
-        if self.type == "json_object":
-            return Grammar("json_object")
-        if self.type == "json_schema":
-            return Grammar.json_schema(self.schema_)
-        return None
+        return format_grammar(self.type, self.schema_)
 
 
 class TextConfig(RequestModel):

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import time
 from collections.abc import AsyncIterator, Callable
-from dataclasses import dataclass, field, replace
+from dataclasses import dataclass, field
 from typing import Any
 
 from fastapi import APIRouter, Depends, Request
@@ -94,9 +94,8 @@ async def completions(body: CompletionRequest, request: Request, state: StateDep
     if not prompt_ids:
         raise invalid_request("prompt is empty after tokenization", "prompt")
     params = body.to_sampling_params(state.settings.max_output_tokens)
-    grammar = answer_grammar(body.response_format, body.structured_outputs)
-    params = replace(params, grammar=grammar)
-    await state.engine.check_grammar(grammar, _constraint_param(body))
+    params = await state.engine.constrain(params, answer_grammar(body.response_format, body.structured_outputs),
+                                          _constraint_param(body))  # fmt: skip
     gen = await _start(state, request, body, prompt_ids, params, owner, "prompt")
     if body.stream:
         return StreamingResponse(_completion_stream(state, body, gen), media_type="text/event-stream")
@@ -127,9 +126,8 @@ async def chat_completions(body: ChatCompletionRequest, request: Request, state:
     text = render_chat(tok, body.messages, template_tools(body.tools, choice), add_generation_prompt=True)
     params = stop_at_turn_end(body.to_sampling_params(state.settings.max_output_tokens), tok)
     answer = answer_grammar(body.response_format, body.structured_outputs)
-    grammar, param = reply_grammar(answer, _constraint_param(body), body.tools, choice, body.parallel_tool_calls, tok)
-    params = replace(params, grammar=grammar)
-    await state.engine.check_grammar(grammar, param)
+    grammar = reply_grammar(answer, _constraint_param(body), body.tools, choice, body.parallel_tool_calls, tok)
+    params = await state.engine.constrain(params, *grammar)
     fmt = ToolCallFormat.from_tokenizer_config(tok.config) if body.uses_tools else None
     allowed = accepted_tool_names(body.tools, choice)
     thinking = ReasoningFormat.from_tokenizer_config(tok.config)

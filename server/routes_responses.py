@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import contextlib
 from collections.abc import AsyncIterator, Callable
-from dataclasses import dataclass, field, replace
+from dataclasses import dataclass, field
 
 import anyio
 from fastapi import APIRouter, Depends, Request
@@ -88,10 +88,8 @@ async def create_response(body: ResponsesRequest, request: Request, state: State
 
     text = render(conversation, add_generation_prompt=True)
     params = stop_at_turn_end(body.to_sampling_params(state.settings.max_output_tokens), tok)
-    answer = body.text_format.grammar()
-    grammar, param = reply_grammar(answer, "text.format", tools, choice, body.parallel_tool_calls, tok)
-    params = replace(params, grammar=grammar)
-    await state.engine.check_grammar(grammar, param)
+    grammar = reply_grammar(body.text_format.grammar(), "text.format", tools, choice, body.parallel_tool_calls, tok)
+    params = await state.engine.constrain(params, *grammar)
     # Continuing: the previous turn's own tokens, then only the new text encoded (when the history renders as it
     # did then); otherwise the whole conversation encoded.
     prompt_ids = None

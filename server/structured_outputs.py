@@ -68,11 +68,20 @@ def answer_grammar(response_format: ResponseFormat | None, structured: Structure
         if structured.grammar is not None:
             return Grammar("lark", structured.grammar)
         return Grammar("json_object")
-    if response_format is None or response_format.type == "text":
+    if response_format is None:
         return None
-    if response_format.type == "json_object":
+    schema = response_format.json_schema.schema_ if response_format.json_schema is not None else None
+    return format_grammar(response_format.type, schema)
+
+
+def format_grammar(kind: str, schema: dict[str, Any] | None) -> Grammar | None:
+    """The grammar of a reply format, chat's `response_format` or the Responses API's `text.format`: "text" (None,
+    free text), "json_object" or "json_schema" (`schema`)."""
+    if kind == "json_object":
         return Grammar("json_object")
-    return Grammar.json_schema(response_format.json_schema.schema_)
+    if kind == "json_schema":
+        return Grammar.json_schema(schema)
+    return None
 
 
 def tool_call_grammar(

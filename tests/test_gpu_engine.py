@@ -116,4 +116,6 @@ def test_sampler_graphs_draw_what_the_eager_sampler_draws():
         for g, w in zip(got, want, strict=True):
             for a, b in zip(g.logprobs or [], w.logprobs or [], strict=True):
                 assert abs(a.logprob - b.logprob) < 1e-4
-    assert len(graphed.runner.sampler_graphs.graphs) >= 4
+    # Batches beyond the kinds captured at start-up (filtered, penalised, logprobs) were captured when met, and served.
+    kinds = {flags for _, flags, _ in graphed.runner.sampler_graphs.graphs}
+    assert any(f.top_p for f in kinds) and any(f.penalties for f in kinds) and any(f.logprobs for f in kinds)

@@ -189,18 +189,26 @@ def test_compiled_grammars_are_cached_and_each_request_gets_its_own_matcher() ->
 
 
 def test_masks_allow_the_end_only_where_the_grammar_is_complete() -> None:
+    # The request's end tokens: the tokenizer's EOS (<|im_end|>, which llguidance knows), and two stop tokens it does
+    # not, <|endoftext|> (0) and "/" (31: bit 31 of its word, the sign bit of an int32).
     tok = Tokenizer(DEFAULT)
     compiler, vocab = GrammarCompiler(tok), tok.vocab_size
-    im_end = tok.token_to_id("<|im_end|>")
+    ends = SamplingParams(stop_token_ids=[0, 31]).end_token_ids(tok.eos_token_id)
     matcher = compiler.compile(Grammar("regex", "[0-9]{1,3}"))
-    ends = [[tok.eos_token_id, im_end]]
-    allowed = bitmask_to_bool(fill_masks([matcher], ends, vocab), vocab)[0]
-    assert not allowed[tok.eos_token_id] and not allowed[im_end]  # nothing written yet: no end
-    digits = [i for i in range(vocab) if allowed[i]]
+
+    def allowed() -> torch.Tensor:
+        masks = torch.full((3, (vocab + 31) // 32), 7, dtype=torch.int32)  # rows 0 and 2: not written
+        fill_masks([matcher], [ends], masks, [1])
+        assert (masks[0] == 7).all() and (masks[2] == 7).all()
+        return bitmask_to_bool(masks, vocab)[1]
+
+    first = allowed()
+    assert not any(first[t] for t in ends)  # nothing written yet: no end
+    digits = [i for i in range(vocab) if first[i]]
     assert digits and all(tok.token_bytes(i).isdigit() for i in digits)
     assert matcher.consume(tok.encode("7")[0])
-    allowed = bitmask_to_bool(fill_masks([matcher], ends, vocab), vocab)[0]
-    assert allowed[tok.eos_token_id] and allowed[im_end] and allowed[tok.encode("1")[0]]
+    after = allowed()
+    assert all(after[t] for t in ends) and after[tok.encode("1")[0]] and not after[tok.encode("a")[0]]
 
 
 # -- through the engine -------------------------------------------------------------------------------------------
@@ -382,7 +390,7 @@ def test_json_schema_and_json_object_replies_validate(server) -> None:
         jsonschema.validate(json.loads(choice.message.content), PLACE)
     r = client.chat.completions.create(
         model=MODEL, messages=user("Any JSON object."), response_format={"type": "json_object"}, temperature=0,
-        max_tokens=120, extra_body={"structured_outputs": None},
+        max_tokens=120,
     )
     # (An object with free-form strings may run to max_tokens; whatever was written is an object's beginning.)
     assert r.choices[0].message.content.startswith("{")
@@ -481,3 +489,6 @@ def test_masks_are_applied_on_the_device_rows_they_belong_to() -> None:
     rows.allowed = (torch.tensor([1]), masks)
     out = sample(logits, rows)
     assert out.token_ids.tolist() == [int(logits[0].argmax()), 37]
+    # A mask for every row (the sampler graphs' form): the free row's all bits set.
+    rows.allowed = (None, torch.cat([torch.full((1, 3), -1, dtype=torch.int32), masks]))
+    assert sample(logits, rows).token_ids.tolist() == [int(logits[0].argmax()), 37]
