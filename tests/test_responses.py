@@ -179,8 +179,12 @@ def test_a_client_that_leaves_mid_stream_leaves_no_session_behind(server):
     kept = respond(server.openai(), "Keep me")
     held = sessions_held(server)
     assert held == base + 1
+    # A reply that cannot end before the client leaves: a JSON list of at least 2,000 numbers, in at most 2,000
+    # tokens (a sampled reply could end on <|im_end|> first, be stored, and keep its session: a flake seen in CI).
+    endless = {"format": {"type": "json_schema", "name": "endless",
+                          "schema": {"type": "array", "items": {"type": "integer"}, "minItems": 2000}}}
     for extra in ({}, {"previous_response_id": kept.id}):
-        body = {"input": "Talk for a long time", "stream": True, "max_output_tokens": 2000, **extra}
+        body = {"input": "Talk for a long time", "stream": True, "max_output_tokens": 2000, "text": endless, **extra}
         with server.http() as http, http.stream("POST", "/v1/responses", json=body) as r:
             lines = r.iter_lines()
             assert next(line for line in lines if "output_text.delta" in line)
