@@ -186,9 +186,17 @@ class ToolCallStreamParser:
 
     def finish(self) -> list[StreamEvent]:
         """The model is done: flush held text. An unclosed call is plain text."""
-        if self._body is not None:
-            self._text(self._space_before_call + self.start_tag + self._body)
-            self._body = None
+        while self._body is not None:
+            body, self._body = self._body, None
+            at = body.find(self.end_tag)
+            if at < 0:
+                self._text(self._space_before_call + self.start_tag + body)
+                break
+            # End tags were passed over as inside a string of JSON that never closed: the first one ends the
+            # (invalid) call after all, as text, and what follows is read again (it may hold calls).
+            self._text(self._space_before_call + self.start_tag + body[: at + len(self.end_tag)])
+            self._space_before_call = ""
+            self._scan(body[at + len(self.end_tag) :])
         if self._outside:
             self._text(self._outside)
             self._outside = ""
@@ -222,6 +230,10 @@ class ToolCallStreamParser:
                 from_ = max(0, len(self._body) - len(self.end_tag) + 1)
                 body = self._body + text
                 at = body.find(self.end_tag, from_)
+                # An end tag inside a JSON string of the call is part of a value (a grammar-valid call may hold
+                # one): the call goes on to the next end tag.
+                while at >= 0 and _parse_call(body[:at], self.allowed_names) is None and _in_json_string(body, at):
+                    at = body.find(self.end_tag, at + 1)
                 if at < 0:
                     self._body = body
                     return
@@ -259,6 +271,20 @@ class ToolCallStreamParser:
             self._after_call = False
         self._events.append(ContentDelta(out))
         self._space = text[len(core) :]
+
+
+def _in_json_string(text: str, at: int) -> bool:
+    """Whether position `at` of `text` (JSON, or the start of it) is inside a string: an odd number of unescaped
+    quotes before it."""
+    inside = escaped = False
+    for char in text[:at]:
+        if escaped:
+            escaped = False
+        elif char == "\\" and inside:
+            escaped = True
+        elif char == '"':
+            inside = not inside
+    return inside
 
 
 def _partial_suffix(text: str, tag: str) -> int:

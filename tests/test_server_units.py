@@ -643,6 +643,22 @@ def test_only_allowed_names_are_calls() -> None:
     assert content == _call("rm_rf", {})
 
 
+@pytest.mark.parametrize("step", [1, 4, 1000])
+def test_an_end_tag_inside_a_string_value_is_part_of_the_value(step: int) -> None:
+    """A grammar-valid call may hold its own end tag in a string (a small model wrote `"tier": "}}</tool_call>{"`):
+    the call ends at the first end tag outside a JSON string, streamed or whole. An end tag inside a string that
+    never closes still ends the (invalid) call as text, and a call after it is still read."""
+    value = '}}</tool_call>{"\\'
+    text = f"{_call('f', {'tier': value})} and {_call('g', {})}"
+    content, deltas, parser = _stream(text, step)
+    assert content == parse_tool_calls(text, START, END)[0] == "and"
+    assert [json.loads(c.function.arguments) for c in parser.tool_calls] == [{"tier": value}, {}]
+    broken = f'{START}{{"name": "f", "arguments": {{"a": "b}}{END} text {_call("g", {})}'
+    content, calls = parse_tool_calls(broken, START, END)
+    assert content == f'{START}{{"name": "f", "arguments": {{"a": "b}}{END} text'
+    assert [c.function.name for c in calls] == ["g"]
+
+
 @pytest.mark.parametrize("step", [1, 2, 3, 5, 7, 11, 1000])
 def test_streaming_matches_whole_text_for_any_chunking(step: int) -> None:
     text = f"Hi <there>.\n{_call('get_weather', {'city': 'Zürich'})} \n{_call('get_time', {})}\nbye <tool"
