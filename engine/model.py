@@ -118,10 +118,15 @@ class HybridLM(nn.Module):
 
     def forward(self, input_ids: torch.Tensor) -> torch.Tensor:
         """Training forward: input_ids `[B, T]` -> fp32 logits `[B, T, vocab]`, every sequence from a new state."""
+        return self.logits(self.hidden_states(input_ids))
+
+    def hidden_states(self, input_ids: torch.Tensor) -> torch.Tensor:
+        """Training forward up to the final norm: input_ids `[B, T]` -> the fp32 residual stream `[B, T, hidden]`
+        (`logits` of the rows that are scored is cheaper than the whole `[B, T, vocab]`)."""
         h = self.embed(input_ids).float()
         for layer in self.layers:
             h = layer(h)
-        return self.logits(h)
+        return h
 
     def prefill(
         self, input_ids: torch.Tensor, state: State, batch: StepBatch, all_logits: bool = False

@@ -2,10 +2,11 @@
 
     python -m kvfree.training.demo_eval --base-url http://127.0.0.1:8000 --n 40 --filler-tokens 1024 4096 16384
 
-- **tools**: held-out requests (`demo_data`, split "eval": schemas the training split never shows) sent to
-  `/v1/chat/completions` with their tools, greedy. A reply is right when it is exactly one well-formed tool call
-  (`finish_reason: "tool_calls"`), naming the expected function, with arguments that validate against its JSON
-  schema; the share of exactly expected arguments is reported too.
+- **tools**: held-out requests (`demo_data`, split "eval": function names, argument names and values from word banks
+  the training split never uses) sent to `/v1/chat/completions` with their tools and `tool_choice: "auto"`, greedy:
+  the server's structured-outputs engine lets the model answer in words or call, and makes any call it opens valid
+  for one of the tools shown. Scored separately: exactly one call (`finish_reason: "tool_calls"`), the expected
+  function, arguments valid for its schema, and exactly the expected arguments.
 - **recall**: a fact stated in the first turn, then filler turns until the conversation holds at least N tokens,
   prefilled into a session (`POST /v1/sessions`), then the question asked on that session: right when the reply
   contains the answer. Reported per N, with the tokens the session's state already held (`cached_tokens`).
@@ -72,15 +73,24 @@ def score_tool_reply(finish_reason: str | None, tool_calls: list[Any] | None, ex
     return ToolScore(True, right_function, right_function and valid, exact)
 
 
-def evaluate_tools(client: openai.OpenAI, model: str, cases: list[Example], max_tokens: int = 128) -> dict[str, Any]:
-    """Greedy replies to `cases` (tools examples) through chat completions, scored."""
+def evaluate_tools(client: openai.OpenAI, model: str, cases: list[Example], max_tokens: int = 128,
+                   replies: list[dict[str, Any]] | None = None) -> dict[str, Any]:  # fmt: skip
+    """Greedy replies to `cases` (tools examples) through chat completions, scored; each reply appended to
+    `replies` when given (the expected call, the calls made, the text)."""
     scores = []
     for ex in cases:
         r = client.chat.completions.create(
-            model=model, messages=ex.messages, tools=ex.tools, temperature=0, max_tokens=max_tokens
+            model=model, messages=ex.messages, tools=ex.tools, tool_choice="auto", temperature=0, max_tokens=max_tokens
         )
         choice = r.choices[0]
         scores.append(score_tool_reply(choice.finish_reason, choice.message.tool_calls, ex))
+        if replies is not None:
+            made = [{"name": c.function.name, "arguments": c.function.arguments}
+                    for c in choice.message.tool_calls or []]  # fmt: skip
+            shown = [t["function"]["name"] for t in ex.tools or []]
+            replies.append({"expected": ex.expected, "shown": shown, "calls": made, "content": choice.message.content,
+                            "right_function": scores[-1].right_function,
+                            "exact_arguments": scores[-1].exact_arguments})  # fmt: skip
     return summarise(scores)
 
 
@@ -122,7 +132,7 @@ def evaluate_recall(base_url: str, model: str, filler_tokens: list[int], per_len
     out: dict[str, Any] = {}
     with httpx.Client(base_url=base_url, timeout=600) as http:
         for tokens in filler_tokens:
-            right, cached, prompt = 0, [], []
+            right, cached, prompt, cases = 0, [], [], []
             for _ in range(per_length):
                 messages, answer = recall_conversation(rng, http, tokens)
                 session = http.post("/v1/sessions", json={"messages": messages[:-1]}).raise_for_status().json()
@@ -133,7 +143,9 @@ def evaluate_recall(base_url: str, model: str, filler_tokens: list[int], per_len
                     )  # fmt: skip
                 finally:
                     http.delete(f"/v1/sessions/{session['id']}")
-                right += answer.lower() in (r.choices[0].message.content or "").lower()
+                reply = r.choices[0].message.content or ""
+                right += answer.lower() in reply.lower()
+                cases.append({"fact": messages[1]["content"], "reply": reply, "right": answer.lower() in reply.lower()})
                 cached.append(r.usage.prompt_tokens_details.cached_tokens)
                 prompt.append(r.usage.prompt_tokens)
             out[str(tokens)] = {
@@ -141,6 +153,7 @@ def evaluate_recall(base_url: str, model: str, filler_tokens: list[int], per_len
                 "conversations": per_length,
                 "prompt_tokens_mean": sum(prompt) / max(1, len(prompt)),
                 "cached_tokens_mean": sum(cached) / max(1, len(cached)),
+                "cases": cases,
             }
     return out
 
@@ -223,10 +236,12 @@ def main(argv: list[str] | None = None) -> int:
         return _print_report(report, a.out)
     client = openai.OpenAI(base_url=a.base_url + "/v1", api_key="unused", max_retries=0, timeout=600)
     model = a.model or client.models.list().data[0].id
+    replies: list[dict[str, Any]] = []
     report = {
         "model": model,
-        "tools": evaluate_tools(client, model, examples("eval", a.seed, a.n, skills=("tools",))),
+        "tools": evaluate_tools(client, model, examples("eval", a.seed, a.n, skills=("tools",)), replies=replies),
         "recall": evaluate_recall(a.base_url, model, a.filler_tokens, a.recall_per_length, a.seed),
+        "tool_replies": replies,
     }
     return _print_report(report, a.out)
 
