@@ -1,23 +1,22 @@
 """The embedded default, `kvfree-demo` (checkpoints/default): an Echo hybrid distilled from SmolLM2-135M-Instruct.
 
 It fits the wheel's budget with every layer's state bounded, shares its teacher's tokenizer, renders tools into its
-chat template, and answers a held-out tool request (a schema the training split never shows) with a tool call that
-validates against the schema, through a real server and the OpenAI SDK. On 40 held-out requests it is right 62.5%
-of the time (BENCHMARKS.md); this test pins one request it answers, so a change that breaks the path from weights
-to `tool_calls` (loading, templates, the tool parser, the kernels) fails here.
+chat template, and, through a real server and the OpenAI SDK, keeps a floor on what BENCHMARKS.md measures at
+scale ("kvfree-demo, second run"): tool calls on held-out schemas (function and argument names training never
+showed) under `tool_choice: "auto"`, and recall of a value planted 1K tokens earlier in a session. A later
+checkpoint that scores below the floor, or a change that breaks the path from weights to `tool_calls` (loading,
+templates, grammars, the tool parser, sessions, the kernels), fails here.
 """
 
 from __future__ import annotations
 
-import json
-
-import jsonschema
 import pytest
 
 from kvfree.checkpoints import default_checkpoint_path
 from kvfree.engine.loader import load_model
 from kvfree.engine.tokenizer import Tokenizer
 from kvfree.training.demo_data import examples
+from kvfree.training.demo_eval import evaluate_recall, evaluate_tools
 from tests.server_fixtures import serve
 
 DEFAULT = default_checkpoint_path()
@@ -61,18 +60,16 @@ def server():
     srv.stop()
 
 
-def test_answers_a_held_out_tool_request_with_a_schema_valid_call(server):
-    ex = examples("eval", 0, 3, skills=("tools",))[2]  # get_stock, a schema held out of training
-    r = server.openai().chat.completions.create(
-        model="kvfree-default", messages=ex.messages, tools=ex.tools, temperature=0, max_tokens=64
-    )
-    choice = r.choices[0]
-    assert choice.finish_reason == "tool_calls", choice.message.content
-    (call,) = choice.message.tool_calls
-    assert call.function.name == ex.expected["name"]
-    arguments = json.loads(call.function.arguments)
-    jsonschema.validate(arguments, ex.schema)
-    assert arguments == ex.expected["arguments"]
+def test_it_reads_held_out_tools_and_recalls_a_planted_value(server):
+    """The floor: of the first 8 held-out tool requests (greedy, `tool_choice: "auto"`), at least 7 answered with
+    one well-formed call and 4 with the right function (the shipped model: 8 and 5, BENCHMARKS.md); and a level
+    number and a gate code planted 1K tokens before the question, recalled from the session's state."""
+    cases = examples("eval", 0, 8, skills=("tools",))
+    report = evaluate_tools(server.openai(), "kvfree-default", cases, max_tokens=96)
+    assert report["well_formed"] >= 7 / 8 and report["right"] >= 4 / 8, report  # right: the function, valid arguments
+    for seed in (4, 5):  # "My flight leaves from gate G64.", "I parked on level 116."
+        recall = evaluate_recall(server.url, "kvfree-default", filler_tokens=[1024], per_length=1, seed=seed)
+        assert recall["1024"]["right"] == 1.0 and recall["1024"]["cached_tokens_mean"] >= 1024, (seed, recall)
 
 
 def test_chat_reply_is_text(server):
