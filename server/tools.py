@@ -230,20 +230,23 @@ class ToolCallStreamParser:
                 from_ = max(0, len(self._body) - len(self.end_tag) + 1)
                 body = self._body + text
                 at = body.find(self.end_tag, from_)
-                # An end tag inside a JSON string of the call is part of a value (a grammar-valid call may hold
-                # one): the call goes on to the next end tag.
-                while at >= 0 and _parse_call(body[:at], self.allowed_names) is None and _in_json_string(body, at):
+                parsed = None
+                while at >= 0:
+                    parsed = _parse_call(body[:at], self.allowed_names)
+                    # An end tag inside a JSON string of the call is part of a value (a grammar-valid call may hold
+                    # one): the call goes on to the next end tag.
+                    if parsed is not None or not _in_json_string(body, at):
+                        break
                     at = body.find(self.end_tag, at + 1)
                 if at < 0:
                     self._body = body
                     return
-                self._close(body[:at])
+                self._close(body[:at], parsed)
                 text = body[at + len(self.end_tag) :]
 
-    def _close(self, body: str) -> None:
-        """The end tag arrived: a call if the body parses, else the whole tagged text as content."""
+    def _close(self, body: str, parsed: tuple[str, str] | None) -> None:
+        """The end tag arrived: a call when the body parsed (`_parse_call`), else the whole tagged text as content."""
         self._body = None
-        parsed = _parse_call(body, self.allowed_names)
         if parsed is None:
             self._text(self._space_before_call + self.start_tag + body + self.end_tag)
             return

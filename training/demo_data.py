@@ -32,10 +32,6 @@ Split = Literal["train", "eval"]
 SKILLS = ("chat", "tools", "recall", "text")
 
 
-def _pick(split: Split, train: list[Any], held: list[Any]) -> list[Any]:
-    return held if split == "eval" else train
-
-
 def _check_split(split: str) -> None:
     if split not in ("train", "eval"):
         raise ValueError(f"split must be 'train' or 'eval', got {split!r}")
