@@ -10,6 +10,7 @@ import torch
 from kvfree.checkpoints import CheckpointError, default_checkpoint_path, read_checkpoint, write_checkpoint
 from kvfree.engine.config import ConfigError, ModelConfig
 from kvfree.engine.model import HybridLM
+from kvfree.engine.tensor_parallel import ONE_RANK, TensorParallel, rank_shape, shard
 
 
 def resolve_dtype(dtype: str | torch.dtype | None, device: torch.device) -> torch.dtype:
@@ -54,12 +55,15 @@ def load_model(
     device: str | torch.device | None = None,
     dtype: str | torch.dtype | None = None,
     config_overrides: dict[str, Any] | None = None,
+    tp: TensorParallel = ONE_RANK,
 ) -> HybridLM:
     """Load a checkpoint (the embedded default when `path` is None) onto `device` in `dtype`.
 
     `config_overrides` replaces config values that do not change the weights, by dotted key (e.g.
-    `{"gka.num_iter": 10}` for fewer solver iterations at serving time).
-    Raises CheckpointError naming the config key or tensor when the checkpoint does not describe a valid model.
+    `{"gka.num_iter": 10}` for fewer solver iterations at serving time). With `tp`, this rank's part of the model:
+    each tensor is checked whole, then cut (`HybridLM.weight_splits`).
+    Raises CheckpointError naming the config key or tensor when the checkpoint does not describe a valid model,
+    ValueError naming the layer when it does not divide among `tp`'s ranks.
     """
     path = Path(path) if path is not None else default_checkpoint_path()
     raw = read_checkpoint(path)
@@ -68,7 +72,8 @@ def load_model(
     except ConfigError as e:
         raise CheckpointError(f"{path / 'config.json'}: {e}") from None
     dev = resolve_device(device)
-    model = HybridLM(config)
+    model = HybridLM(config, tp)
+    splits = model.weight_splits()
     expected = model.state_dict()
     missing = [k for k in expected if k not in raw.tensors]
     if missing:
@@ -80,15 +85,20 @@ def load_model(
         raise CheckpointError(f"{path}: unexpected tensor {unexpected[0]!r} (not part of this config's model)")
     for name, want in expected.items():
         got = raw.tensors[name]
-        if tuple(got.shape) != tuple(want.shape):
-            raise CheckpointError(
-                f"{path}: tensor {name!r} has shape {tuple(got.shape)}, the config needs {tuple(want.shape)}"
-            )
+        try:
+            fits = rank_shape(got.shape, splits.get(name), tp.size, name) == tuple(want.shape)
+        except ValueError:
+            fits = False
+        if not fits:
+            need = f"the config needs {tuple(want.shape)}"
+            if tp.size > 1:
+                need = f"the config needs {tuple(want.shape)} on each of {tp.size} tensor-parallel ranks"
+            raise CheckpointError(f"{path}: tensor {name!r} has shape {tuple(got.shape)}, {need}")
         if not got.is_floating_point():
             raise CheckpointError(f"{path}: tensor {name!r} has dtype {got.dtype}, expected floating point")
         if not torch.isfinite(got).all():
             raise CheckpointError(f"{path}: tensor {name!r} holds NaN or Inf values")
-    model.load_state_dict(raw.tensors)
+    model.load_state_dict({name: shard(raw.tensors[name], splits.get(name), tp) for name in expected})
     for layer in model.layers:
         layer.mixer.on_load()
     model.checkpoint_path = path  # type: ignore[attr-defined]

@@ -10,6 +10,7 @@ from kvfree.engine.layers import Mixer, build_mixer
 from kvfree.engine.layers.mlp import KoopmanMLP, build_mlp
 from kvfree.engine.layers.norms import RMSNorm
 from kvfree.engine.step_batch import StepBatch
+from kvfree.engine.tensor_parallel import ONE_RANK, ROW, Split, TensorParallel, embed
 
 State = list[dict[str, torch.Tensor]]  # per layer: name -> pool tensor [capacity, *shape]
 
@@ -21,22 +22,36 @@ class Block(nn.Module):
     way the tensors are `mlp_norm.*` and `mlp.*`, and the block (not the MLP) adds the residual.
     """
 
-    def __init__(self, config: ModelConfig, kind: str) -> None:
+    def __init__(self, config: ModelConfig, kind: str, tp: TensorParallel = ONE_RANK, what: str = "") -> None:
         super().__init__()
+        self.tp = tp
         self.norm = RMSNorm(config.hidden_size, config.norm_eps)
-        self.mixer: Mixer = build_mixer(kind, config)
+        self.mixer: Mixer = build_mixer(kind, config, tp, what)
         self.mlp_norm: nn.Module | None = None
         self.mlp: nn.Module | None = None
         if config.mlp is not None:
-            self.mlp_norm, self.mlp = build_mlp(config.hidden_size, config.mlp, config.norm_eps)
+            mlp = config.mlp
+            if tp.size > 1:  # a rank's block of the intermediate channels: gate/up column-, down row-parallel
+                if mlp.kind != "swiglu":
+                    raise ValueError(f"{what} mlp: the {mlp.kind} MLP has no tensor-parallel form yet")
+                size = tp.block(mlp.intermediate_size, f"{what} mlp intermediate_size")
+                mlp = mlp.model_copy(update={"intermediate_size": size.stop - size.start})
+            self.mlp_norm, self.mlp = build_mlp(config.hidden_size, mlp, config.norm_eps)
+
+    def weight_splits(self) -> dict[str, Split]:
+        """Parameter name (within the block) -> how it divides among tensor-parallel ranks (`Mixer.weight_splits`)."""
+        splits = {f"mixer.{name}": split for name, split in self.mixer.weight_splits().items()}
+        if self.mlp is not None:
+            splits.update({"mlp.gate_proj.weight": Split(), "mlp.up_proj.weight": Split(), "mlp.down_proj.weight": ROW})
+        return splits
 
     def _mlp(self, x: torch.Tensor) -> torch.Tensor:
         if self.mlp is None:
             return x
-        return x + self.mlp(self.mlp_norm(x)).float()
+        return x + self.tp.all_reduce(self.mlp(self.mlp_norm(x))).float()
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self._mlp(x + self.mixer(self.norm(x)).float())
+        return self._mlp(x + self.tp.all_reduce(self.mixer(self.norm(x))).float())
 
     def serve(
         self, h: torch.Tensor, residual: torch.Tensor | None, state: dict[str, torch.Tensor], batch: StepBatch
@@ -49,14 +64,15 @@ class Block(nn.Module):
         """
         normed, residual = self.norm.add_forward(h, residual)
         mix = self.mixer.decode if batch.is_decode else self.mixer.prefill
-        h = mix(normed, state, batch)
+        # Under tensor parallelism each rank's out projection gives a partial sum: one all-reduce completes it.
+        h = self.tp.all_reduce(mix(normed, state, batch))
         if self.mlp is not None:
             if isinstance(self.mlp_norm, RMSNorm):
                 normed, residual = self.mlp_norm.add_forward(h, residual)
             else:  # the Koopman MLP's LayerNorm has no fused add
                 residual = residual + h.float()
                 normed = self.mlp_norm(residual)
-            h = self.mlp(normed)
+            h = self.tp.all_reduce(self.mlp(normed))
         return h, residual
 
 
@@ -64,15 +80,30 @@ class HybridLM(nn.Module):
     """A language model whose blocks mix tokens with the kinds listed in `config.layers`.
 
     The residual stream is kept in fp32 whatever the weight dtype (as HF's `residual_in_fp32`).
+
+    With `tp` of N ranks this is one rank's part (docs/design/tensor-parallel.md): a block of every layer's heads and
+    MLP channels, a block of the vocabulary in the embedding and the LM head; logits come back whole on every rank.
+    Raises ValueError naming the layer when something does not divide among the ranks.
     """
 
-    def __init__(self, config: ModelConfig) -> None:
+    def __init__(self, config: ModelConfig, tp: TensorParallel = ONE_RANK) -> None:
         super().__init__()
         self.config = config
-        self.embed = nn.Embedding(config.vocab_size, config.hidden_size)
-        self.layers = nn.ModuleList([Block(config, kind) for kind in config.layers])
+        self.tp = tp
+        vocab = tp.block(config.vocab_size, "vocab_size (the embedding and LM head split the vocabulary)")
+        rows = vocab.stop - vocab.start
+        self.embed = nn.Embedding(rows, config.hidden_size)
+        self.layers = nn.ModuleList([Block(config, kind, tp, f"layers.{i} ({kind})")
+                                     for i, kind in enumerate(config.layers)])  # fmt: skip
         self.norm = RMSNorm(config.hidden_size, config.norm_eps)
-        self.lm_head = None if config.tie_word_embeddings else nn.Linear(config.hidden_size, config.vocab_size, False)
+        self.lm_head = None if config.tie_word_embeddings else nn.Linear(config.hidden_size, rows, False)
+
+    def weight_splits(self) -> dict[str, Split]:
+        """Tensor name -> how the whole model's tensor divides among tensor-parallel ranks (absent: held whole)."""
+        splits = {"embed.weight": Split(), "lm_head.weight": Split()}
+        for i, layer in enumerate(self.layers):
+            splits.update({f"layers.{i}.{name}": split for name, split in layer.weight_splits().items()})
+        return splits
 
     @property
     def dtype(self) -> torch.dtype:
@@ -114,7 +145,10 @@ class HybridLM(nn.Module):
 
     def _lm_head(self, h: torch.Tensor) -> torch.Tensor:
         weight = self.embed.weight if self.lm_head is None else self.lm_head.weight
-        return (h @ weight.t()).float()
+        return self.tp.gather_last((h @ weight.t()).float())  # (each rank's block of the vocabulary, gathered)
+
+    def _embed(self, input_ids: torch.Tensor) -> torch.Tensor:
+        return self.embed(input_ids) if self.tp.size == 1 else embed(input_ids, self.embed.weight, self.tp)
 
     def forward(self, input_ids: torch.Tensor) -> torch.Tensor:
         """Training forward: input_ids `[B, T]` -> fp32 logits `[B, T, vocab]`, every sequence from a new state."""
@@ -123,7 +157,7 @@ class HybridLM(nn.Module):
     def hidden_states(self, input_ids: torch.Tensor) -> torch.Tensor:
         """Training forward up to the final norm: input_ids `[B, T]` -> the fp32 residual stream `[B, T, hidden]`
         (`logits` of the rows that are scored is cheaper than the whole `[B, T, vocab]`)."""
-        h = self.embed(input_ids).float()
+        h = self._embed(input_ids).float()
         for layer in self.layers:
             h = layer(h)
         return h
@@ -147,7 +181,7 @@ class HybridLM(nn.Module):
         return self._head(*self._serve(input_ids, state, batch))
 
     def _serve(self, input_ids: torch.Tensor, state: State, batch: StepBatch) -> tuple[torch.Tensor, torch.Tensor]:
-        h, residual = self.embed(input_ids), None
+        h, residual = self._embed(input_ids), None
         for layer, layer_state in zip(self.layers, state, strict=True):
             h, residual = layer.serve(h, residual, layer_state, batch)
         return h, residual

@@ -1,10 +1,11 @@
 """Tensor parallelism's arithmetic: the ranks' process group and Megatron's split of a layer's weights.
 
-The first piece of `--tensor-parallel-size N` (docs/design/tensor-parallel.md, issue 31): each of N processes holds
-a contiguous block of every layer's heads. A projection into heads is column-parallel (a rank keeps its rows of the
-weight and computes its heads), the projection out is row-parallel (a rank keeps its columns and computes a partial
-sum, which one `all_reduce` completes). The embedding and the LM head split the vocabulary. Nothing in the serving
-path uses this module yet; the engine's ranks are the next step.
+`--tensor-parallel-size N` (docs/design/tensor-parallel.md): each of N processes holds a contiguous block of every
+layer's heads. A projection into heads is column-parallel (a rank keeps its rows of the weight and computes its
+heads), the projection out is row-parallel (a rank keeps its columns and computes a partial sum, which one
+`all_reduce` completes). The embedding and the LM head split the vocabulary. How each weight and each state tensor
+splits is declared once, as a `Split`, by the module that owns it; the loader cuts a checkpoint's tensors with it and
+the snapshot path puts a session's shards back together with it, so a snapshot's format does not depend on N.
 """
 
 from __future__ import annotations
@@ -15,6 +16,36 @@ from dataclasses import dataclass
 
 import torch
 import torch.distributed as dist
+
+
+@dataclass(frozen=True)
+class Split:
+    """How one tensor (a weight, or a session's state tensor without its slot axis) is divided among the ranks.
+
+    axis: the axis cut into blocks. parts: this rank's sizes of the pieces fused along `axis` (Mamba-2's in_proj holds
+    z, x, B, C and dt back to back; each is cut on its own, a rank keeping its block of every piece, in order); empty
+    means one piece, the whole axis. replicas: per piece, how many consecutive ranks hold the same block (1: split;
+    k > 1: fewer heads than ranks, each head held by k ranks, as grouped-query attention's KV heads at TP > Hkv);
+    empty means 1 for every piece. first_rank_only: the tensor is whole on rank 0 and zero elsewhere (the bias of a
+    row-parallel projection, which the all-reduce would otherwise add N times).
+    """
+
+    axis: int = 0
+    parts: tuple[int, ...] = ()
+    replicas: tuple[int, ...] = ()
+    first_rank_only: bool = False
+
+    def pieces(self, rank_size: int) -> list[tuple[int, int]]:
+        """(this rank's size, replicas) of each piece, given this rank's size of the axis."""
+        parts = self.parts or (rank_size,)
+        replicas = self.replicas or (1,) * len(parts)
+        if sum(parts) != rank_size or len(replicas) != len(parts):
+            raise ValueError(f"split {self} does not describe an axis of {rank_size}")
+        return list(zip(parts, replicas, strict=True))
+
+
+ROW = Split(axis=1)  # a row-parallel projection's weight `[out, in]`: this rank's columns
+ROW_BIAS = Split(first_rank_only=True)  # a row-parallel projection's bias: added once, by rank 0
 
 
 @dataclass(frozen=True)
@@ -48,10 +79,27 @@ class TensorParallel:
         per = n // self.size
         return slice(self.rank * per, (self.rank + 1) * per)
 
+    def heads(self, n: int, what: str, replicate: bool = False) -> tuple[int, int]:
+        """(heads per rank, ranks per head) for `n` heads of `what`: (n / size, 1) when they divide; with
+        `replicate`, fewer heads than ranks are each held whole by size / n consecutive ranks, (1, size / n) (KV heads
+        of grouped-query attention, as vLLM's). Raises ValueError naming `what` otherwise."""
+        if n % self.size == 0:
+            return n // self.size, 1
+        if replicate and self.size % n == 0:
+            return 1, self.size // n
+        how = " (nor is it a divisor of the ranks, to replicate)" if replicate else ""
+        raise ValueError(f"{what}: {n} does not divide among {self.size} tensor-parallel ranks{how}")
+
     def all_reduce(self, x: torch.Tensor) -> torch.Tensor:
         """The sum of every rank's `x` (any shape), in place; `x` itself with one rank."""
         if self.size > 1:
             dist.all_reduce(x)
+        return x
+
+    def broadcast_(self, x: torch.Tensor) -> torch.Tensor:
+        """Rank 0's `x` on every rank, in place (the decode step's input tokens, which rank 0 samples)."""
+        if self.size > 1:
+            dist.broadcast(x, src=0)
         return x
 
     def gather_last(self, x: torch.Tensor) -> torch.Tensor:
@@ -61,6 +109,9 @@ class TensorParallel:
         parts = [torch.empty_like(x) for _ in range(self.size)]
         dist.all_gather(parts, x.contiguous())
         return torch.cat(parts, dim=-1)
+
+
+ONE_RANK = TensorParallel()  # no tensor parallelism: every collective is the identity
 
 
 def column_shard(weight: torch.Tensor, tp: TensorParallel, what: str,
@@ -73,18 +124,78 @@ def column_shard(weight: torch.Tensor, tp: TensorParallel, what: str,
     parts = list(parts) if parts is not None else [weight.shape[0]]
     if sum(parts) != weight.shape[0]:
         raise ValueError(f"{what}: parts {parts} do not add up to its {weight.shape[0]} rows")
-    pieces, start = [], 0
     for i, n in enumerate(parts):
-        block = tp.block(n, f"{what} (part {i})" if len(parts) > 1 else what)
-        pieces.append(weight[start + block.start : start + block.stop])
-        start += n
-    return torch.cat(pieces, dim=0).contiguous()
+        tp.block(n, f"{what} (part {i})" if len(parts) > 1 else what)  # refuses a part that does not divide
+    return shard(weight, Split(parts=tuple(n // tp.size for n in parts)), tp)
+
+
+def rank_shape(full: Sequence[int], split: Split | None, size: int, what: str) -> tuple[int, ...]:
+    """The shape one rank holds of a tensor of shape `full` under `split` (refused, naming `what`, when it does not
+    divide)."""
+    if split is None or split.first_rank_only or size == 1:
+        return tuple(full)
+    total, rank = full[split.axis], 0
+    parts = split.parts or (None,)
+    replicas = split.replicas or (1,) * len(parts)
+    if split.parts:
+        # The full pieces are the rank pieces times size / replicas; they must add up to the full axis.
+        full_sum = sum(p * size // r for p, r in zip(parts, replicas, strict=True))
+        if full_sum != total:
+            raise ValueError(f"{what}: {total} does not split into pieces {list(parts)} on {size} ranks")
+        rank = sum(parts)
+    else:
+        blocks = size // replicas[0]
+        if total % blocks:
+            raise ValueError(f"{what}: {total} does not divide among {size} tensor-parallel ranks")
+        rank = total // blocks
+    shape = list(full)
+    shape[split.axis] = rank
+    return tuple(shape)
+
+
+def shard(full: torch.Tensor, split: Split | None, tp: TensorParallel) -> torch.Tensor:
+    """This rank's part of the whole tensor `full` (a checkpoint's weight, or a session's state tensor)."""
+    if split is None or tp.size == 1:
+        return full
+    if split.first_rank_only:
+        return full if tp.rank == 0 else torch.zeros_like(full)
+    return split_among(full, split, tp.size)[tp.rank]
+
+
+def split_among(full: torch.Tensor, split: Split, size: int) -> list[torch.Tensor]:
+    """Every rank's part of `full`, in rank order (rank parts are contiguous copies)."""
+    rank_len = rank_shape(full.shape, split, size, "tensor")[split.axis]
+    moved = full.movedim(split.axis, 0)
+    out: list[list[torch.Tensor]] = [[] for _ in range(size)]
+    start = 0
+    for part, replicas in split.pieces(rank_len):
+        blocks = size // replicas
+        for rank in range(size):
+            b = rank // replicas
+            out[rank].append(moved[start + b * part : start + (b + 1) * part])
+        start += part * blocks
+    return [torch.cat(p, dim=0).movedim(0, split.axis).contiguous() for p in out]
+
+
+def unshard(parts: Sequence[torch.Tensor], split: Split | None) -> torch.Tensor:
+    """The whole tensor from every rank's part (in rank order): the inverse of `split_among`. A replicated tensor
+    (`split` None) is rank 0's."""
+    if split is None or split.first_rank_only or len(parts) == 1:
+        return parts[0]
+    size = len(parts)
+    moved = [p.movedim(split.axis, 0) for p in parts]
+    pieces, start = [], 0
+    for part, replicas in split.pieces(moved[0].shape[0]):
+        pieces += [moved[rank][start : start + part] for rank in range(0, size, replicas)]
+        start += part
+    return torch.cat(pieces, dim=0).movedim(0, split.axis).contiguous()
 
 
 def row_shard(weight: torch.Tensor, tp: TensorParallel, what: str) -> torch.Tensor:
     """A projection out of heads, `weight` `[out, in]` -> this rank's columns `[out, in / size]`; its products are
     partial sums for `TensorParallel.all_reduce`."""
-    return weight[:, tp.block(weight.shape[1], what)].contiguous()
+    tp.block(weight.shape[1], what)
+    return shard(weight, ROW, tp)
 
 
 def embed(ids: torch.Tensor, vocab_rows: torch.Tensor, tp: TensorParallel) -> torch.Tensor:

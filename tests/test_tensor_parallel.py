@@ -4,6 +4,8 @@ does not divide is refused with the layer's name."""
 
 from __future__ import annotations
 
+import dataclasses
+
 import pytest
 import torch
 import torch.distributed as dist
@@ -11,6 +13,7 @@ import torch.multiprocessing as mp
 import torch.nn.functional as F
 
 from kvfree.engine.tensor_parallel import TensorParallel, column_shard, embed, lm_logits, row_shard
+from tests.paths import TINY_CHECKPOINT
 
 HIDDEN, INTER, VOCAB = 16, 32, 10
 
@@ -81,3 +84,104 @@ def test_one_rank_is_the_identity_and_a_split_that_does_not_divide_is_refused():
         column_shard(torch.zeros(7, 2), two, "mlp.gate_up", parts=[4, 4])
     with pytest.raises(ValueError, match="rank 2 is not one of 2"):
         TensorParallel.start(2, 2, "unused")
+# appended to tests/test_tensor_parallel.py
+
+
+# -- a whole hybrid at TP=2 ------------------------------------------------------------------------------------------
+# Every kind with a tensor-parallel form. Attention's one KV head and GKA's one v head are each held whole by both
+# ranks (fewer heads than ranks); the other heads split.
+HYBRID = {
+    "vocab_size": 262, "hidden_size": 32, "layers": ["attention", "mamba2", "gka", "swa"], "tie_word_embeddings": False,
+    "eos_token_id": 256, "mlp": {"intermediate_size": 64},
+    "attention": {"num_heads": 4, "num_kv_heads": 1, "head_dim": 8, "qk_norm": True, "use_bias": True},
+    "swa": {"num_heads": 4, "num_kv_heads": 2, "head_dim": 8, "window": 6},
+    "mamba2": {"num_heads": 4, "head_dim": 8, "state_size": 16, "n_groups": 2, "chunk_size": 8, "use_bias": True},
+    "gka": {"num_heads": 4, "head_dim": 8, "num_k_heads": 2, "num_v_heads": 1, "chunk_size": 8, "num_iter": 30},
+}  # fmt: skip
+PROMPTS = [[5, 17, 99, 3, 250, 8, 8, 41, 7, 12, 130], [77, 2, 61]]
+
+
+def hybrid_checkpoint(path) -> str:
+    """A random checkpoint of HYBRID (every parameter random, norms and biases too) at `path`."""
+    from kvfree.checkpoints import write_checkpoint
+    from kvfree.engine.config import ModelConfig
+    from kvfree.engine.model import HybridLM
+
+    model = HybridLM(ModelConfig.from_dict(HYBRID))
+    gen = torch.Generator().manual_seed(3)
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            p.copy_((1.0 if "A_log" in name else 0.0) + torch.randn(p.shape, generator=gen) / p.shape[-1] ** 0.5)
+    write_checkpoint(path, ModelConfig.from_dict(HYBRID).to_dict(), model.state_dict(), TINY_CHECKPOINT)
+    return str(path)
+
+
+def run_hybrid(path: str, tp: TensorParallel) -> dict[str, torch.Tensor]:
+    """Prefill PROMPTS into two sessions (one packed step), then 4 greedy decode steps: every step's logits, and
+    the sessions' states put back whole (`unshard` of every rank's rows)."""
+    from kvfree.engine.loader import load_model
+    from kvfree.engine.state_pool import StatePool
+    from kvfree.engine.step_batch import StepBatch
+    from kvfree.engine.tensor_parallel import unshard
+
+    model = load_model(path, device="cpu", dtype="float32", tp=tp)
+    pool = StatePool(model, 4, max_context=32)
+    slots = [pool.alloc(), pool.alloc()]
+    ids = torch.tensor([t for p in PROMPTS for t in p])
+    logits = [model.prefill(ids, pool.tensors, StepBatch.prefill(slots, [len(p) for p in PROMPTS], model.device))]
+    for _ in range(4):
+        logits.append(model.decode(logits[-1].argmax(-1), pool.tensors, StepBatch.decode(slots, model.device)))
+    out = {f"logits.{i}": x for i, x in enumerate(logits)}
+    for i, (specs, state) in enumerate(zip(pool.specs, pool.tensors, strict=True)):
+        for name, spec in specs.items():
+            rows = state[name][slots]
+            parts = [torch.empty_like(rows) for _ in range(tp.size)]
+            if tp.size > 1:
+                dist.all_gather(parts, rows.contiguous())
+            else:
+                parts = [rows]
+            split = None if spec.split is None else dataclasses.replace(spec.split, axis=spec.split.axis + 1)
+            out[f"state.{i}.{name}"] = unshard(parts, split)
+    return out
+
+
+def _hybrid_rank(rank: int, size: int, init: str, path: str, out: str) -> None:
+    tp = TensorParallel.start(rank, size, init, backend="gloo")
+    try:
+        torch.save(run_hybrid(path, tp), f"{out}.{rank}")
+    finally:
+        dist.destroy_process_group()
+
+
+def test_a_hybrid_split_over_two_ranks_gives_the_logits_and_states_of_one(tmp_path):
+    """Attention (one KV head, held by both ranks), sliding-window attention, Mamba-2 (two groups) and GKA (its one v
+    head held by both), each with a SwiGLU MLP, under a vocab-parallel embedding and LM head: a packed prefill of two
+    prompts and four decode steps give one rank's logits on both ranks, and the sessions' states, put back together
+    from the two ranks' halves, are the one-rank states."""
+    path = hybrid_checkpoint(tmp_path / "ckpt")
+    out = str(tmp_path / "result")
+    mp.start_processes(_hybrid_rank, args=(2, f"file://{tmp_path / 'init'}", path, out), nprocs=2,
+                       start_method="spawn")  # fmt: skip
+    want = run_hybrid(path, TensorParallel())
+    for rank in range(2):
+        got = torch.load(f"{out}.{rank}")
+        assert got.keys() == want.keys()
+        for name, value in want.items():
+            torch.testing.assert_close(got[name], value, rtol=2e-4, atol=2e-5, msg=f"rank {rank}: {name}")
+    assert [x.argmax(-1).tolist() for k, x in sorted(want.items()) if k.startswith("logits")]  # a real run
+
+
+def test_a_layer_whose_heads_do_not_divide_is_refused_by_name(tmp_path):
+    """Three query heads on two ranks: the model is refused at build time with the layer, its kind and the count."""
+    from kvfree.engine.config import ModelConfig
+    from kvfree.engine.model import HybridLM
+
+    config = dict(HYBRID, attention={"num_heads": 3, "num_kv_heads": 1, "head_dim": 8})
+    with pytest.raises(ValueError, match=r"layers.0 \(attention\) num_heads: 3 does not divide among 2"):
+        HybridLM(ModelConfig.from_dict(config), TensorParallel(rank=0, size=2))
+    with pytest.raises(ValueError, match=r"layers.1 \(mamba2\) n_groups"):
+        HybridLM(ModelConfig.from_dict(dict(HYBRID, mamba2=dict(HYBRID["mamba2"], n_groups=1))),
+                 TensorParallel(rank=1, size=2))  # fmt: skip
+    with pytest.raises(ValueError, match=r"layers.0 \(ska\): ska layers have no tensor-parallel form"):
+        HybridLM(ModelConfig.from_dict(dict(HYBRID, layers=["ska"], ska={"num_heads": 2, "rank": 8, "head_dim": 16})),
+                 TensorParallel(rank=0, size=2))  # fmt: skip

@@ -12,6 +12,7 @@ from kvfree.engine.layers.gka import GKAMixer
 from kvfree.engine.layers.lattice import LatticeMixer
 from kvfree.engine.layers.mamba2 import Mamba2Mixer
 from kvfree.engine.layers.ska import SKAMixer
+from kvfree.engine.tensor_parallel import ONE_RANK, TensorParallel
 
 if TYPE_CHECKING:
     from kvfree.engine.config import ModelConfig
@@ -38,9 +39,14 @@ def mixer_class(kind: str) -> type[Mixer]:
     return MIXERS[kind]
 
 
-def build_mixer(kind: str, config: ModelConfig) -> Mixer:
-    """The mixer of `kind` for a model of `config` (the kind's sub-config is read from `config`)."""
-    return MIXERS[kind](config.hidden_size, config.mixer_config(kind))
+def build_mixer(kind: str, config: ModelConfig, tp: TensorParallel = ONE_RANK, what: str = "") -> Mixer:
+    """The mixer of `kind` for a model of `config` (the kind's sub-config is read from `config`); under tensor
+    parallelism, this rank's block of it (ValueError naming `what`, e.g. "layers.3 (gka)", when it cannot split)."""
+    cls, whole = MIXERS[kind], config.mixer_config(kind)
+    mixer = cls(config.hidden_size, cls.shard_config(whole, tp, what or kind))
+    if tp.size > 1:
+        mixer.tp, mixer.whole_cfg = tp, whole
+    return mixer
 
 
 __all__ = ["MIXERS", "ContextOverflowError", "Mixer", "StateSpec", "build_mixer", "mixer_class"]

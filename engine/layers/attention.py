@@ -14,6 +14,7 @@ from kvfree.engine.layers.base import ContextOverflowError, Mixer, StateSpec
 from kvfree.engine.layers.norms import RMSNorm
 from kvfree.engine.step_batch import StepBatch
 from kvfree.engine.strict_config import PositiveInt, StrictConfig
+from kvfree.engine.tensor_parallel import ROW, ROW_BIAS, Split, TensorParallel
 from kvfree.kernels.attention import KVCacheFull, apply_rope, attend, chunk_attention, fused_recurrent_attention
 from kvfree.kernels.attention.reference import decode_graph_safe
 
@@ -73,12 +74,34 @@ class AttentionMixer(Mixer):
         self.k_norm = RMSNorm(D, cfg.qk_norm_eps) if cfg.qk_norm else None
         self.window = cfg.window
 
+    @classmethod
+    def shard_config(cls, cfg: AttentionConfig, tp: TensorParallel, what: str) -> AttentionConfig:
+        """A rank's block of query heads and the KV heads they read: KV heads split with them, or, when there are
+        fewer KV heads than ranks, each held whole by the ranks whose query heads read it (as vLLM's)."""
+        heads, _ = tp.heads(cfg.num_heads, f"{what} num_heads")
+        kv_heads, _ = tp.heads(cfg.num_kv_heads, f"{what} num_kv_heads", replicate=True)
+        return cfg.model_copy(update={"num_heads": heads, "num_kv_heads": kv_heads})
+
+    @property
+    def kv_replicas(self) -> int:
+        """How many ranks hold each KV head (1 unless there are fewer KV heads than ranks)."""
+        whole = self.whole_cfg or self.cfg
+        return self.tp.heads(whole.num_kv_heads, "num_kv_heads", replicate=True)[1]
+
+    def weight_splits(self) -> dict[str, Split]:
+        kv = Split(replicas=(self.kv_replicas,))
+        splits = {"q_proj.weight": Split(), "k_proj.weight": kv, "v_proj.weight": kv, "o_proj.weight": ROW}
+        if self.cfg.use_bias:
+            splits.update({"q_proj.bias": Split(), "k_proj.bias": kv, "v_proj.bias": kv, "o_proj.bias": ROW_BIAS})
+        return splits
+
     def state_specs(self, max_context: int) -> dict[str, StateSpec]:
         c = self.cfg
+        split = Split(axis=1, replicas=(self.kv_replicas,))  # by KV head
         if self.window is None:
-            kv = StateSpec((max_context, c.num_kv_heads, c.head_dim), dtype=None, per_token=True)
+            kv = StateSpec((max_context, c.num_kv_heads, c.head_dim), dtype=None, per_token=True, split=split)
         else:
-            kv = StateSpec((self.window, c.num_kv_heads, c.head_dim), dtype=None)
+            kv = StateSpec((self.window, c.num_kv_heads, c.head_dim), dtype=None, split=split)
         return {"k": kv, "v": kv, "length": StateSpec((), dtype=torch.int64)}
 
     def _qkv(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:

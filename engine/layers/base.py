@@ -11,6 +11,10 @@ serving entry points read and write that state in pool tensors of shape `[capaci
 pool rows in place.
 
 `forward(x)` is the training path: whole `[B, T, D]` sequences from a fresh state, differentiable.
+
+Under tensor parallelism (engine/tensor_parallel.py) a rank's mixer is the same class built from `shard_config`'s
+smaller config (its block of the heads); `weight_splits` and each `StateSpec.split` say how the whole layer's
+tensors divide, and the block all-reduces the mixer's output (its out projection is row-parallel).
 """
 
 from __future__ import annotations
@@ -22,6 +26,7 @@ from torch import nn
 
 from kvfree.engine.step_batch import StepBatch
 from kvfree.engine.strict_config import StrictConfig
+from kvfree.engine.tensor_parallel import ONE_RANK, Split, TensorParallel
 
 
 @dataclass(frozen=True)
@@ -32,11 +37,14 @@ class StateSpec:
     dtype: fixed dtype (recurrent matrices are fp32), or None for the model's activation dtype.
     per_token: axis 0 indexes context positions (the attention baseline's KV cache); only the first
         `length` entries of such a tensor hold data, where `length` is the layer's int64 `length` state.
+    split: how the whole tensor divides among tensor-parallel ranks (axes of `shape`); None: every rank holds it
+        whole (a position counter).
     """
 
     shape: tuple[int, ...]
     dtype: torch.dtype | None = torch.float32
     per_token: bool = False
+    split: Split | None = None
 
 
 class ContextOverflowError(ValueError):
@@ -55,10 +63,29 @@ class Mixer(nn.Module):
     # chunk metadata from the device (`batch.device_chunks`), never read `cu_seqlens` on the host, accept sequences
     # of length 0 and touch only the rows it is given. A model with any such mixer prefills eagerly.
     prefill_graph_blocker: str = "its prefill plans on the host boundaries (no device-metadata path)"
+    # Under tensor parallelism: the ranks, and the whole layer's config (this mixer was built from `shard_config`'s).
+    tp: TensorParallel = ONE_RANK
+    whole_cfg: StrictConfig | None = None
 
     def state_specs(self, max_context: int) -> dict[str, StateSpec]:
         """The state one session needs. `max_context` only sizes per-token (KV-cache) states."""
         raise NotImplementedError
+
+    @classmethod
+    def shard_config(cls, cfg: StrictConfig, tp: TensorParallel, what: str) -> StrictConfig:
+        """The config of one rank's block of this layer (`cfg` with its head counts divided among `tp`'s ranks).
+
+        Raises ValueError naming `what` (e.g. "layers.3 (gka) num_heads") when the heads do not divide, or when the
+        kind has no tensor-parallel form.
+        """
+        if tp.size == 1:
+            return cfg
+        raise ValueError(f"{what}: {cls.kind} layers have no tensor-parallel form yet; serve this model on one GPU")
+
+    def weight_splits(self) -> dict[str, Split]:
+        """Parameter name (within the mixer) -> how the whole layer's tensor divides among ranks; a parameter not
+        named is held whole by every rank."""
+        return {}
 
     def reset_state(self, state: dict[str, torch.Tensor], slots: torch.Tensor) -> None:
         """Give `slots` the state of a new session (zeros unless the mixer overrides it)."""

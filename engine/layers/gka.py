@@ -7,6 +7,7 @@ heads than the state, expanded by repetition (grouped-query style) or by a low-r
 
 from __future__ import annotations
 
+import dataclasses
 import math
 
 import torch
@@ -19,6 +20,7 @@ from kvfree.engine.layers.conv import ShortConv
 from kvfree.engine.layers.norms import GatedRMSNorm, RMSNorm
 from kvfree.engine.step_batch import StepBatch
 from kvfree.engine.strict_config import PositiveInt, StrictConfig
+from kvfree.engine.tensor_parallel import ROW, Split, TensorParallel
 from kvfree.kernels.gka import chunk_gka, fused_recurrent_gka, gka_chunked
 
 _L2_EPS = 1e-6  # q, k <- q / (||q|| + 1e-6) (docs/design/gka.md §3 step 4, the HF/FLA form)
@@ -147,6 +149,47 @@ class GKAMixer(Mixer):
         self.scale = D**-0.5 if cfg.gla_rescale else 1.0
         self.reset_parameters()
 
+    @classmethod
+    def shard_config(cls, cfg: GKAConfig, tp: TensorParallel, what: str) -> GKAConfig:
+        """A rank's block of the He state heads and of the q, k, v projection heads they read (a projection with
+        fewer heads than ranks is held whole by the ranks that read each head). The Chebyshev solve, the adaptive
+        ridge (‖H‖_F of each head) and the per-head norm need nothing from another rank."""
+        if cfg.kv_proj_rank is not None:
+            raise ValueError(f"{what}: the low-rank k/v expansion (kv_proj_rank) reads every k and v head; it has no "
+                             "tensor-parallel form yet")  # fmt: skip
+        heads, _ = tp.heads(cfg.num_heads, f"{what} num_heads")
+        update: dict = {"num_heads": heads}
+        for field, n in (("num_q_heads", cfg.q_heads), ("num_k_heads", cfg.k_heads), ("num_v_heads", cfg.v_heads)):
+            update[field] = tp.heads(n, f"{what} {field}", replicate=True)[0]
+        return cfg.model_copy(update=update)
+
+    @property
+    def replicas(self) -> tuple[int, int, int]:
+        """How many ranks hold each q, k and v projection head (1 unless there are fewer such heads than ranks)."""
+        w = self.whole_cfg or self.cfg
+        return tuple(self.tp.heads(n, "heads", replicate=True)[1] for n in (w.q_heads, w.k_heads, w.v_heads))
+
+    def weight_splits(self) -> dict[str, Split]:
+        rq, rk, rv = self.replicas
+        heads = Split()
+        splits = {
+            "q_proj.weight": Split(replicas=(rq,)), "k_proj.weight": Split(replicas=(rk,)),
+            "v_proj.weight": Split(replicas=(rv,)), "conv.weight": dataclasses.replace(self._conv_split(), axis=0),
+            "a_proj.weight": heads, "A_log": heads, "dt_bias": heads, "o_proj.weight": ROW,
+        }  # fmt: skip
+        for name in ("b_proj", "alpha_proj"):
+            if getattr(self, name) is not None:
+                splits.update({f"{name}.weight": heads, f"{name}.bias": heads})
+        if self.g_proj is not None:
+            splits["g_proj.weight"] = heads
+        return splits
+
+    def _conv_split(self) -> Split:
+        """The conv's channels (q | k | v, each by head) along axis 1 of its state `[K-1, channels]`."""
+        c = self.cfg
+        parts = (c.q_heads * c.head_dim, c.k_heads * c.head_dim) + ((c.v_heads * c.v_head_dim,) if c.use_v_conv else ())
+        return Split(axis=1, parts=parts, replicas=self.replicas[: len(parts)])
+
     def reset_parameters(self) -> None:
         He = self.cfg.num_heads
         with torch.no_grad():
@@ -160,9 +203,9 @@ class GKAMixer(Mixer):
     def state_specs(self, max_context: int) -> dict[str, StateSpec]:
         c = self.cfg
         return {
-            "conv": StateSpec((c.conv_kernel - 1, self.conv_dim), dtype=None),
-            "h": StateSpec((c.num_heads, c.head_dim, c.head_dim), dtype=torch.float32),
-            "s": StateSpec((c.num_heads, c.head_dim, c.v_head_dim), dtype=torch.float32),
+            "conv": StateSpec((c.conv_kernel - 1, self.conv_dim), dtype=None, split=self._conv_split()),
+            "h": StateSpec((c.num_heads, c.head_dim, c.head_dim), dtype=torch.float32, split=Split()),
+            "s": StateSpec((c.num_heads, c.head_dim, c.v_head_dim), dtype=torch.float32, split=Split()),
         }
 
     # -- shared pieces of the training and serving paths -------------------------------------------------------

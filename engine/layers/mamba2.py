@@ -14,6 +14,7 @@ from kvfree.engine.layers.conv import ShortConv
 from kvfree.engine.layers.norms import GatedRMSNorm, RMSNorm
 from kvfree.engine.step_batch import StepBatch
 from kvfree.engine.strict_config import PositiveInt, StrictConfig
+from kvfree.engine.tensor_parallel import ROW, ROW_BIAS, Split, TensorParallel
 from kvfree.kernels.dispatch import use_triton
 from kvfree.kernels.mamba2 import chunk_mamba2, fused_recurrent_mamba2, ssd_chunked
 from kvfree.kernels.mamba2.reference import softplus_dt
@@ -98,11 +99,35 @@ class Mamba2Mixer(Mixer):
             self.dt_bias.copy_(dt + torch.log(-torch.expm1(-dt)))
         self.conv.reset_parameters()
 
+    @classmethod
+    def shard_config(cls, cfg: Mamba2Config, tp: TensorParallel, what: str) -> Mamba2Config:
+        """A rank's block of heads and of the B/C groups they read. The groups must divide among the ranks too: the
+        gated RMSNorm's mean runs over a group's channels, so a group split across ranks would need a collective."""
+        heads, _ = tp.heads(cfg.num_heads, f"{what} num_heads")
+        groups, _ = tp.heads(cfg.n_groups, f"{what} n_groups (its gated norm's groups stay within a rank)")
+        return cfg.model_copy(update={"num_heads": heads, "n_groups": groups})
+
+    def _conv_parts(self) -> tuple[int, ...]:
+        gn = self.cfg.n_groups * self.cfg.state_size
+        return (self.d_inner, gn, gn)
+
+    def weight_splits(self) -> dict[str, Split]:
+        in_proj = Split(parts=(self.d_inner, *self._conv_parts(), self.cfg.num_heads))  # z, x, B, C, dt
+        conv = Split(parts=self._conv_parts())
+        heads = Split()
+        splits = {"in_proj.weight": in_proj, "conv.weight": conv, "dt_bias": heads, "A_log": heads, "D": heads,
+                  "norm.weight": heads, "out_proj.weight": ROW}  # fmt: skip
+        if self.cfg.use_bias:
+            splits.update({"in_proj.bias": in_proj, "out_proj.bias": ROW_BIAS})
+        if self.cfg.use_conv_bias:
+            splits["conv.bias"] = conv
+        return splits
+
     def state_specs(self, max_context: int) -> dict[str, StateSpec]:
         c = self.cfg
         return {
-            "conv": StateSpec((c.conv_kernel - 1, self.conv_dim), dtype=None),
-            "ssm": StateSpec((c.num_heads, c.head_dim, c.state_size), dtype=torch.float32),
+            "conv": StateSpec((c.conv_kernel - 1, self.conv_dim), dtype=None, split=Split(1, self._conv_parts())),
+            "ssm": StateSpec((c.num_heads, c.head_dim, c.state_size), dtype=torch.float32, split=Split()),
         }
 
     # -- shared pieces of the training and serving paths -------------------------------------------------------
