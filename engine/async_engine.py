@@ -100,6 +100,7 @@ class AsyncEngine(EngineHandle):
             # otherwise take what has arrived and go on stepping.
             for command in self._drain_commands(block=not core.has_work, timeout=0.05 if core.writing else None):
                 if command is None:
+                    core.llm.close()  # (the other tensor-parallel ranks, if any)
                     return
                 self._run_command(*command)
             if core.has_work:

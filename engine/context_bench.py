@@ -8,7 +8,12 @@ step reads them whatever they hold), then times batched decode steps over all of
 where the model allows it. It writes a JSON with the sessions, the bytes per session, the step time, tokens/s and
 the floor (bytes a step must read over the HBM bandwidth measured in the same run).
 
+With `--tensor-parallel-size N` the step runs on N GPUs, one process each, every layer's heads split among them
+(docs/design/tensor-parallel.md): each GPU holds its part of every session, the pool sized by the GPU with the least
+memory free; the figures per GPU are the tokens/s over N and the floor of one GPU's bytes.
+
     python -m kvfree.engine.context_bench --hmf-8b-gka --contexts 16384 32768 65536 131072
+    python -m kvfree.engine.context_bench --hmf-32b-gka --tensor-parallel-size 4 --contexts 16384 131072
 """
 
 from __future__ import annotations
@@ -18,6 +23,8 @@ from pathlib import Path
 from typing import Any
 
 import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
 
 from kvfree.checkpoints.hf_hmf import convert_config
 from kvfree.engine.bench import check_graph_tokens
@@ -26,8 +33,10 @@ from kvfree.engine.cuda_graphs import DecodeGraphs
 from kvfree.engine.loader import load_model
 from kvfree.engine.model import HybridLM
 from kvfree.engine.model_runner import graph_blockers
+from kvfree.engine.ranks import free_address
 from kvfree.engine.state_pool import StatePool
 from kvfree.engine.step_batch import StepBatch
+from kvfree.engine.tensor_parallel import ONE_RANK, TensorParallel
 from kvfree.kernels.benchmarking import environment, hbm_bandwidth, median_ms, write_json
 
 # hmf's GKA-primed Qwen3-8B (amazon/GKA-primed-HQwen3-8B-Instruct): Qwen3-8B's shape, every other layer GKA.
@@ -37,15 +46,25 @@ HMF_QWEN3_8B_GKA: dict[str, Any] = {
     "rms_norm_eps": 1e-6, "rope_theta": 1000000.0, "tie_word_embeddings": False, "max_position_embeddings": 131072,
     "hybrid_override_pattern": "-".join(["*", "GKA"] * 18), "gka_config": {},
 }  # fmt: skip
+# hmf's GKA-primed Qwen3-32B (amazon/GKA-primed-HQwen3-32B-Instruct): Qwen3-32B's shape, the same alternation.
+HMF_QWEN3_32B_GKA: dict[str, Any] = {
+    **HMF_QWEN3_8B_GKA, "hidden_size": 5120, "intermediate_size": 25600, "num_hidden_layers": 64,
+    "num_attention_heads": 64, "hybrid_override_pattern": "-".join(["*", "GKA"] * 32),
+}  # fmt: skip
+SHAPES = {"hmf_8b_gka": ("hmf GKA-primed Qwen3-8B shape", HMF_QWEN3_8B_GKA),
+          "hmf_32b_gka": ("hmf GKA-primed Qwen3-32B shape", HMF_QWEN3_32B_GKA)}  # fmt: skip
 
 
-def random_model(config: ModelConfig, device: torch.device, dtype: torch.dtype) -> HybridLM:
-    """Random weights built directly on `device` in `dtype` (an 8B model in fp32 on the host would be 32 GB)."""
+def random_model(
+    config: ModelConfig, device: torch.device, dtype: torch.dtype, tp: TensorParallel = ONE_RANK
+) -> HybridLM:
+    """Random weights built directly on `device` in `dtype` (an 8B model in fp32 on the host would be 32 GB); with
+    `tp`, this rank's part."""
     default = torch.get_default_dtype()
     torch.set_default_dtype(dtype)
     try:
         with torch.device(device):
-            model = HybridLM(config)
+            model = HybridLM(config, tp)
             for layer in model.layers:
                 layer.mixer.reset_parameters()
     finally:
@@ -84,17 +103,22 @@ def profile_steps(step, steps: int = 3, top: int = 12) -> list[dict[str, Any]]:
 def bench_context(model: HybridLM, context: int, steps: int, memory_fraction: float, max_sessions: int,
                   bandwidth: float | None, profile: bool = False, graphs: bool = True) -> dict[str, Any]:  # fmt: skip
     """The row of one context length: sessions that fit, bytes per session, step time, tokens/s, floor."""
-    device = model.device
+    device, tp = model.device, model.tp
     probe = StatePool(model, capacity=1, max_context=context + steps + 1)
     per_session = probe.bytes_per_session()
+    per_gpu = probe.bytes_per_session(part=True)  # what one GPU holds of a session
     per_token = probe.bytes_per_token()
     del probe
     torch.cuda.empty_cache()
     free, _ = torch.cuda.mem_get_info(device)
     # The rest is for the step's activations and the attention gather (a copy of one layer's keys and values).
-    sessions = min(max_sessions, int(free * memory_fraction / per_session))
+    sessions = min(max_sessions, int(free * memory_fraction / per_gpu))
+    if tp.size > 1:  # every rank holds the same sessions: as many as the fullest GPU takes
+        fits = torch.tensor([sessions], device=device)
+        dist.all_reduce(fits, op=dist.ReduceOp.MIN)
+        sessions = int(fits)
     row: dict[str, Any] = {"context": context, "sessions": sessions, "bytes_per_session": per_session,
-                           "bytes_per_token": per_token}  # fmt: skip
+                           "bytes_per_session_per_gpu": per_gpu, "bytes_per_token": per_token}  # fmt: skip
     if sessions < 1:
         row["error"] = "not one session fits"
         return row
@@ -121,12 +145,14 @@ def bench_context(model: HybridLM, context: int, steps: int, memory_fraction: fl
 
     row["cuda_graph"] = graph is not None
     with torch.inference_mode():
-        row["step_ms"] = median_ms(step, device)
+        # (Ranks time a fixed number of steps: each step is a collective every rank must join.)
+        row["step_ms"] = median_ms(step, device, repeats=50 if tp.size > 1 else None)
         if profile:
             row["profile"] = profile_steps(step)
     row["tokens_per_s"] = sessions / row["step_ms"] * 1e3
-    weights = sum(p.numel() * p.element_size() for p in model.parameters())
-    row["bytes_per_step"] = weights + sessions * per_session
+    row["tokens_per_s_per_gpu"] = row["tokens_per_s"] / tp.size
+    weights = sum(p.numel() * p.element_size() for p in model.parameters())  # (this GPU's part)
+    row["bytes_per_step"] = weights + sessions * per_gpu  # what one GPU reads
     if bandwidth:
         row["floor_ms"] = row["bytes_per_step"] / bandwidth * 1e3
         row["x_floor"] = row["step_ms"] / row["floor_ms"]
@@ -139,20 +165,42 @@ def main(argv: list[str] | None = None) -> int:
     src = ap.add_mutually_exclusive_group(required=True)
     src.add_argument("--checkpoint", type=Path, help="a kvfree checkpoint directory")
     src.add_argument("--hmf-8b-gka", action="store_true", help="random weights in hmf's GKA Qwen3-8B shape")
+    src.add_argument("--hmf-32b-gka", action="store_true", help="random weights in hmf's GKA Qwen3-32B shape")
     ap.add_argument("--contexts", type=int, nargs="+", default=[16384, 32768, 65536, 131072])
     ap.add_argument("--steps", type=int, default=8, help="decode steps the pool leaves room for")
     ap.add_argument("--memory-fraction", type=float, default=0.6, help="share of free GPU memory for the pool")
     ap.add_argument("--max-sessions", type=int, default=1024)
+    ap.add_argument("--tensor-parallel-size", "-tp", type=int, default=1, help="GPUs the model is split among")
     ap.add_argument("--profile", action="store_true", help="also profile a few decode steps at each context")
     ap.add_argument("--enforce-eager", action="store_true", help="time eager decode (default: a CUDA graph)")
     ap.add_argument("--out", type=Path, default=Path("docs/bench/hmf-8b-gka-context.json"))
     args = ap.parse_args(argv)
-    device, dtype = torch.device("cuda"), torch.bfloat16
-    if args.checkpoint is not None:
-        model, name = load_model(args.checkpoint, device=device, dtype=dtype), str(args.checkpoint)
+    if args.tensor_parallel_size > 1:
+        mp.start_processes(_rank_main, args=(args, free_address()), nprocs=args.tensor_parallel_size,
+                           start_method="spawn")  # fmt: skip
     else:
-        config = ModelConfig.from_dict(convert_config(HMF_QWEN3_8B_GKA, Path("hmf-qwen3-8b-gka")))
-        model, name = random_model(config, device, dtype), "hmf GKA-primed Qwen3-8B shape, random weights"
+        run(args, ONE_RANK)
+    return 0
+
+
+def _rank_main(rank: int, args: argparse.Namespace, init_method: str) -> None:
+    torch.cuda.set_device(rank)
+    tp = TensorParallel.start(rank, args.tensor_parallel_size, init_method)
+    try:
+        run(args, tp)
+    finally:
+        dist.destroy_process_group()
+
+
+def run(args: argparse.Namespace, tp: TensorParallel) -> None:
+    """The benchmark on this rank's GPU (rank 0 writes the JSON and prints the table)."""
+    device, dtype = torch.device("cuda", torch.cuda.current_device()), torch.bfloat16
+    if args.checkpoint is not None:
+        model, name = load_model(args.checkpoint, device=device, dtype=dtype, tp=tp), str(args.checkpoint)
+    else:
+        label, hf_config = SHAPES["hmf_32b_gka" if args.hmf_32b_gka else "hmf_8b_gka"]
+        config = ModelConfig.from_dict(convert_config(hf_config, Path(label)))
+        model, name = random_model(config, device, dtype, tp), f"{label}, random weights"
     bandwidth = hbm_bandwidth(device)
     # The captured decode must give the eager decode's greedy tokens (8 sessions, 16 steps).
     graph_check = None if args.enforce_eager or graph_blockers(model) else check_graph_tokens(model, 8)
@@ -162,20 +210,22 @@ def main(argv: list[str] | None = None) -> int:
                             not args.enforce_eager)  # fmt: skip
         rows.append(row)
         torch.cuda.empty_cache()  # the last context's pool
-    params = sum(p.numel() for p in model.parameters())
+    if tp.rank != 0:
+        return
+    params = sum(p.numel() for p in model.parameters()) * tp.size  # (about: norms are held whole by every rank)
     write_json(args.out, {"model": name, "parameters": params, "layers": model.config.layers,
-                          "graph_tokens_equal_eager": graph_check,
+                          "tensor_parallel_size": tp.size, "graph_tokens_equal_eager": graph_check,
                           "hbm_bytes_per_s": bandwidth, "env": environment(device), "rows": rows})  # fmt: skip
-    print(f"CUDA-graph decode gives the eager tokens: {graph_check}")
-    print(f"{'context':>8} {'sessions':>8} {'MB/session':>10} {'step ms':>8} {'tok/s':>8} {'x floor':>7}")
+    print(f"TP={tp.size}; CUDA-graph decode gives the eager tokens: {graph_check}")
+    head = ("context", "sessions", "MB/session", "step ms", "tok/s", "tok/s/GPU", "x floor")
+    print(" ".join(f"{h:>{w}}" for h, w in zip(head, (8, 8, 10, 8, 8, 9, 7), strict=True)))
     for r in rows:
         ms, tps, x = r.get("step_ms", float("nan")), r.get("tokens_per_s", 0), r.get("x_floor", 0)
-        mb = r["bytes_per_session"] / 1e6
-        print(f"{r['context']:>8} {r['sessions']:>8} {mb:>10.1f} {ms:>8.1f} {tps:>8.0f} {x:>7.1f}")
+        mb, gpu = r["bytes_per_session"] / 1e6, tps / tp.size
+        print(f"{r['context']:>8} {r['sessions']:>8} {mb:>10.1f} {ms:>8.1f} {tps:>8.0f} {gpu:>9.0f} {x:>7.1f}")
     for r in rows:
         for k in r.get("profile", [])[:8]:
             print(f"  {r['context']:>6} {k['ms_per_step']:>8.2f} ms {k['calls_per_step']:>6.0f}x {k['kernel']}")
-    return 0
 
 
 if __name__ == "__main__":

@@ -28,7 +28,7 @@ from kvfree.engine.sampling import SamplingParams
 from kvfree.engine.scheduler import QueueFull, Request, RequestOutput, Scheduler
 from kvfree.engine.session_store import SessionStore, open_store
 from kvfree.engine.sessions import Session, SessionBusy, SessionManager, SessionNotFound
-from kvfree.engine.snapshot import model_fingerprint, write_snapshot
+from kvfree.engine.snapshot import write_snapshot
 
 log = logging.getLogger("kvfree.engine")
 
@@ -66,6 +66,7 @@ class EngineConfig:
     max_context: int = 8192
     config_overrides: dict[str, Any] = field(default_factory=dict)
     enforce_eager: bool = False
+    tensor_parallel_size: int = 1
     max_waiting: int = 256
     max_batch_tokens: int = 2048
     max_prefill_tokens: int | None = None
@@ -83,11 +84,12 @@ class EngineConfig:
         llm = LLM(
             self.model, device=self.device, dtype=self.dtype, max_sessions=self.max_sessions,
             max_context=self.max_context, config_overrides=self.config_overrides, enforce_eager=self.enforce_eager,
+            tensor_parallel_size=self.tensor_parallel_size,
         )  # fmt: skip
         store = None
         if self.session_store:
             store = open_store(
-                self.session_store, model_fingerprint(llm.model), self.hmac_key,
+                self.session_store, llm.fingerprint, self.hmac_key,
                 ttl_seconds=self.session_ttl_seconds, lease_seconds=self.session_lease_seconds,
                 fsync=self.session_write == "through",  # a completed turn's file is on disk before the turn ends
             )  # fmt: skip
@@ -140,7 +142,7 @@ class EngineCore:
     ) -> None:
         self.llm = llm
         self.tokenizer = llm.tokenizer
-        self.fingerprint = model_fingerprint(llm.model)
+        self.fingerprint = llm.fingerprint
         self.sessions = SessionManager(
             llm.pool, self.fingerprint, max_host_sessions, snapshot_dir, hmac_key, store=store,
             write_through=write_through, async_writes=async_writes,

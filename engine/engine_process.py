@@ -131,6 +131,8 @@ class EngineLoop:
             while core.writing and time.monotonic() < deadline:
                 core.poll_store()
                 time.sleep(0.01)
+        finally:
+            core.llm.close()  # (the other tensor-parallel ranks, if any)
 
     def _shape(self) -> tuple[int, int, int]:
         """What a step can change that the counters report at once: waiting and running requests, used slots."""

@@ -16,11 +16,15 @@ from kvfree.engine.grammar import GrammarCompiler
 from kvfree.engine.llm_engine import LLMEngine
 from kvfree.engine.loader import load_model
 from kvfree.engine.model_runner import ModelRunner
+from kvfree.engine.ranks import RankSpec, Workers, free_address
 from kvfree.engine.sampling import SamplingParams
 from kvfree.engine.scheduler import Request, RequestOutput, Scheduler
 from kvfree.engine.sequence import Sequence, TokenLogprob
 from kvfree.engine.sessions import SessionManager
+from kvfree.engine.sharded_pool import ShardedStatePool
+from kvfree.engine.snapshot import model_fingerprint
 from kvfree.engine.state_pool import StatePool
+from kvfree.engine.tensor_parallel import ONE_RANK, TensorParallel
 from kvfree.engine.tokenizer import Tokenizer
 
 Prompt = str | list[int]
@@ -52,6 +56,9 @@ class LLM:
         config_overrides: config values to replace at load, by dotted key, e.g. `{"gka.num_iter": 10}`.
         enforce_eager: on a GPU, run without CUDA graphs (by default each decode batch size up to `max_sessions`
             replays a graph captured at start-up, and prefill steps of all-Mamba-2 models replay one per token bucket).
+        tensor_parallel_size: N > 1 splits every layer's heads among N processes, one per GPU (cuda:0 .. cuda:N-1;
+            on the CPU, N processes joined by gloo): this process is rank 0 and starts the others
+            (engine/ranks.py, docs/design/tensor-parallel.md). `close()` ends them.
     """
 
     def __init__(
@@ -65,23 +72,45 @@ class LLM:
         prefill_chunk: int = 8192,
         config_overrides: dict[str, Any] | None = None,
         enforce_eager: bool = False,
+        tensor_parallel_size: int = 1,
     ) -> None:
         path = Path(model) if model is not None else default_checkpoint_path()
         self.path = path  # the checkpoint directory
-        self.model = load_model(path, device=device, dtype=dtype, config_overrides=config_overrides)
+        if tensor_parallel_size < 1:
+            raise ValueError(f"tensor_parallel_size must be at least 1, got {tensor_parallel_size}")
+        spec = RankSpec(tensor_parallel_size, free_address(), str(path), "auto" if device is None else str(device),
+                        dtype, max_sessions, max_context, dict(config_overrides or {}), enforce_eager)  # fmt: skip
+        self.workers = Workers(spec) if tensor_parallel_size > 1 else None
+        try:
+            self.runner = build_rank(spec, self.workers.tp if self.workers else ONE_RANK, self.workers)
+        except BaseException:
+            self.close()
+            raise
+        self.model, self.pool = self.runner.model, self.runner.pool
         self.tokenizer = Tokenizer(path)
-        self.pool = StatePool(self.model, max_sessions, max_context)
-        self.runner = ModelRunner(self.model, self.pool, enforce_eager=enforce_eager)
         # Structured output's grammars, for the model's vocabulary (its llguidance tokenizer is built on first use).
         self.grammars = GrammarCompiler(self.tokenizer, self.model.config.vocab_size)
         self.prefill_chunk = prefill_chunk
         self._engine: LLMEngine | None = None
+        self._fingerprint: str | None = getattr(self.runner, "fingerprint", None)
         self._ids = itertools.count()
         self.last_sequence: Sequence | None = None
 
     @property
     def config(self):
         return self.model.config
+
+    @property
+    def fingerprint(self) -> str:
+        """The model's fingerprint (engine/snapshot.py), computed once: at start-up under tensor parallelism."""
+        if self._fingerprint is None:
+            self._fingerprint = model_fingerprint(self.model)
+        return self._fingerprint
+
+    def close(self) -> None:
+        """End the other tensor-parallel ranks (nothing to do on one); the LLM is unusable afterwards."""
+        if self.workers is not None:
+            self.workers.stop()
 
     def encode(self, prompt: Prompt) -> list[int]:
         """Text or token ids -> checked token ids."""
@@ -166,6 +195,23 @@ class LLM:
                 delta = outputs.pop(0).text
                 if delta:
                     yield delta
+
+
+def build_rank(spec: RankSpec, tp: TensorParallel, workers: Workers | None = None) -> ModelRunner:
+    """One rank's model, state pool and runner (every rank builds them in the same order: their collectives, the
+    warm-ups and CUDA-graph captures included, line up). Rank 0 passes its `workers`; its pool then moves whole
+    sessions (engine/sharded_pool.py). Under tensor parallelism the fingerprint is taken here, by every rank at once,
+    and kept on the runner."""
+    model = load_model(spec.model, device=spec.device_of(tp.rank), dtype=spec.dtype,
+                       config_overrides=spec.config_overrides, tp=tp)  # fmt: skip
+    fingerprint = model_fingerprint(model) if tp.size > 1 else None
+    if workers is not None:
+        pool: StatePool = ShardedStatePool(model, spec.max_sessions, spec.max_context, workers)
+    else:
+        pool = StatePool(model, spec.max_sessions, spec.max_context)
+    runner = ModelRunner(model, pool, enforce_eager=spec.enforce_eager, workers=workers)
+    runner.fingerprint = fingerprint
+    return runner
 
 
 def _completion(req: Request, outputs: list[RequestOutput]) -> CompletionOutput:

@@ -21,6 +21,7 @@ from kvfree.engine.cuda_graphs import DecodeGraphs, PrefillGraphs
 from kvfree.engine.grammar import fill_masks, mask_words
 from kvfree.engine.host_copy import upload, upload_tensor
 from kvfree.engine.model import HybridLM
+from kvfree.engine.ranks import Workers
 from kvfree.engine.sampler_graphs import SamplerGraphs
 from kvfree.engine.sampling import BatchFlags, SampleOutput, SamplingTable
 from kvfree.engine.scheduler import SampledTokens, ScheduledStep
@@ -74,11 +75,15 @@ class ModelRunner:
     """
 
     def __init__(
-        self, model: HybridLM, pool: StatePool, enforce_eager: bool = False, max_prefill_graph_tokens: int = 8192
-    ) -> None:
+        self, model: HybridLM, pool: StatePool, enforce_eager: bool = False, max_prefill_graph_tokens: int = 8192,
+        workers: Workers | None = None,
+    ) -> None:  # fmt: skip
         self.model = model
         self.pool = pool
         self.device = model.device
+        self.workers = workers  # rank 0 under tensor parallelism: the other ranks run each step's model part too
+        self.samples = model.tp.rank == 0  # (the other ranks never sample: rank 0 broadcasts the tokens)
+        self.fingerprint: str | None = None  # the model's, when taken at start-up (tensor parallelism)
         rows = pool.capacity + 1  # the scratch slot too: padded graph rows read and write it
         self.next_tokens = torch.zeros(rows, dtype=torch.long, device=self.device)
         self.sampling = SamplingTable(rows, model.config.vocab_size, self.device)
@@ -95,12 +100,13 @@ class ModelRunner:
                 with torch.inference_mode():
                     self.graphs = DecodeGraphs(self._decode_rows, pool.capacity, pool.scratch_slot, self.device)
                 log.info("captured CUDA graphs for decode batches of %s sessions", self.graphs.sizes)
-            self.sampler_graphs = SamplerGraphs(
-                self.sampling, self.next_tokens, model.config.vocab_size, pool.capacity, pool.scratch_slot
-            )
-            with torch.inference_mode():
-                count = self.sampler_graphs.capture_common()
-            log.info("captured %d CUDA graphs for sampling batches of %s rows", count, self.sampler_graphs.sizes)
+            if self.samples:
+                self.sampler_graphs = SamplerGraphs(
+                    self.sampling, self.next_tokens, model.config.vocab_size, pool.capacity, pool.scratch_slot
+                )
+                with torch.inference_mode():
+                    count = self.sampler_graphs.capture_common()
+                log.info("captured %d CUDA graphs for sampling batches of %s rows", count, self.sampler_graphs.sizes)
             blockers = graph_blockers(model, prefill=True)
             if blockers:
                 log.info("prefill runs eagerly (no CUDA graphs): %s", "; ".join(blockers))
@@ -131,8 +137,11 @@ class ModelRunner:
         return self.model.prefill(input_ids, self.pool.tensors, batch)
 
     def _decode_rows(self, batch: StepBatch) -> torch.Tensor:
-        """Decode one token for each slot of `batch`, its input taken from `next_tokens` -> logits `[B, V]`."""
-        input_ids = self.next_tokens.index_select(0, batch.state_indices)
+        """Decode one token for each slot of `batch`, its input taken from `next_tokens` -> logits `[B, V]`.
+
+        Under tensor parallelism rank 0's `next_tokens` (it samples) go to every rank first: a collective inside the
+        step, so captured with it, and no host round trip."""
+        input_ids = self.model.tp.broadcast_(self.next_tokens).index_select(0, batch.state_indices)
         return self.model.decode(input_ids, self.pool.tensors, batch)
 
     @torch.inference_mode()
@@ -145,7 +154,6 @@ class ModelRunner:
     def forward(self, step: ScheduledStep) -> torch.Tensor | None:
         """Queue the model part of `launch`: new rows' sampling setup, prefill, forks, decode. Returns the logits
         `[len(step.sample), V]` of the rows to sample (None when none), still being computed."""
-        self.pool.flush_resets()  # (a graph replay reads the pool's rows without going through `pool.tensors`)
         if step.admitted:
             seqs = step.admitted
             self.sampling.admit(
@@ -154,19 +162,33 @@ class ModelRunner:
                 [s.seed for s in seqs],
                 [s.prompt_token_ids for s in seqs],
             )
-        logits = []
-        if step.decode:
-            logits.append(self._decode([s.slot for s in step.decode]))
-        if step.prefill:
-            prefill_logits = self.prefill(step.prefill, step.chunks)
-            if step.forks:
-                self.pool.copy_many(step.forks)  # one launch for every fork of the step
-            if step.sample_source:
-                rows = upload(step.sample_source, torch.long, self.device)
-                logits.append(prefill_logits.index_select(0, rows))
+        decode_slots, prefill_slots = [s.slot for s in step.decode], [s.slot for s in step.prefill]
+        if self.workers is not None:
+            self.workers.send(("step", decode_slots, prefill_slots, step.chunks, step.forks))
+        decode_logits, prefill_logits = self.model_step(decode_slots, prefill_slots, step.chunks, step.forks)
+        logits = [decode_logits] if decode_logits is not None else []
+        if prefill_logits is not None and step.sample_source:
+            rows = upload(step.sample_source, torch.long, self.device)
+            logits.append(prefill_logits.index_select(0, rows))
         if not step.sample:
             return None
         return torch.cat(logits) if len(logits) > 1 else logits[0]
+
+    def model_step(
+        self, decode_slots: list[int], prefill_slots: list[int], chunks: list[list[int]], forks: list[tuple[int, int]]
+    ) -> tuple[torch.Tensor | None, torch.Tensor | None]:
+        """The model's part of a step, which every tensor-parallel rank runs: decode one token for each of
+        `decode_slots`, then feed `chunks[i]` into `prefill_slots[i]` and make the step's forks (src, dst).
+        Returns the decode logits `[len(decode_slots), V]` and the prefill's `[len(prefill_slots), V]` (None when
+        there is no such part)."""
+        self.pool.flush_resets()  # (a graph replay reads the pool's rows without going through `pool.tensors`)
+        decode_logits = self._decode(decode_slots) if decode_slots else None
+        prefill_logits = None
+        if prefill_slots:
+            prefill_logits = self.prefill(prefill_slots, chunks)
+            if forks:
+                StatePool.copy_many(self.pool, forks)  # one launch for all; this rank's rows only (each rank runs this)
+        return decode_logits, prefill_logits
 
     @torch.inference_mode()
     def sample(self, step: ScheduledStep, logits: torch.Tensor | None) -> StepHandle:
@@ -228,6 +250,8 @@ class ModelRunner:
     def capture_prefill_graphs(self, max_tokens: int) -> None:
         """Capture now every prefill graph a step of up to `max_tokens` tokens replays (a server, before serving:
         a lazy capture would stall the streams of the step that meets it). Nothing to do without prefill graphs."""
+        if self.workers is not None:
+            self.workers.send(("capture_prefill", max_tokens))
         if self.prefill_graphs is None:
             return
         start = time.perf_counter()
@@ -245,15 +269,15 @@ class ModelRunner:
         return key is not None and self.prefill_graphs.captured(key)
 
     @torch.inference_mode()
-    def prefill(self, seqs: list, chunks: list[list[int]], all_logits: bool = False) -> torch.Tensor:
-        """Feed `chunks[i]` into `seqs[i]`'s slot (one packed call). Returns logits `[B, V]` of each chunk's last
+    def prefill(self, slots: list[int], chunks: list[list[int]], all_logits: bool = False) -> torch.Tensor:
+        """Feed `chunks[i]` into slot `slots[i]` (one packed call). Returns logits `[B, V]` of each chunk's last
         token (`[T, V]` for every token with `all_logits`). Replays a prefill graph when one serves the step."""
         if self.prefill_graphs is not None and not all_logits:
-            logits = self.prefill_graphs.replay([s.slot for s in seqs], chunks)
+            logits = self.prefill_graphs.replay(slots, chunks)
             if logits is not None:  # else no bucket holds the step: eager
                 return logits
         ids = upload([t for chunk in chunks for t in chunk], torch.long, self.device)
-        batch = StepBatch.prefill([s.slot for s in seqs], [len(c) for c in chunks], self.device)
+        batch = StepBatch.prefill(slots, [len(c) for c in chunks], self.device)
         return self.model.prefill(ids, self.pool.tensors, batch, all_logits=all_logits)
 
     def _decode(self, slots: list[int]) -> torch.Tensor:

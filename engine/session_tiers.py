@@ -302,7 +302,7 @@ class SessionTiers:
     def initial_state(self) -> PackedState:
         """A new session's state (not always zeros), packed."""
         if self._initial is None:
-            self._initial = StatePool(self.pool.model, 1, self.pool.max_context).export_packed(0).wait()
+            self._initial = self.pool.export_initial()
         return self._initial
 
     def _take_slot(self, frees_host: bool) -> int:

@@ -37,10 +37,12 @@ from typing import Any
 
 import blake3
 import torch
+import torch.distributed as dist
 from safetensors.torch import load as st_load
 
 from kvfree.engine.model import HybridLM
 from kvfree.engine.packed_state import PackedState, StateEntry, byte_view
+from kvfree.engine.tensor_parallel import unshard
 
 SNAPSHOT_FORMAT = "kvfree-snapshot"
 SNAPSHOT_VERSION = "2"
@@ -76,7 +78,8 @@ def model_fingerprint(model: HybridLM) -> str:
     tails and KV caches are in the activation dtype), with a message saying so rather than "a different model".
     (An fp16 load of an fp32 checkpoint rounds twice and may differ.) Config overrides given at load time, e.g.
     solver iterations, are part of the config and so change the fingerprint. Costs one pass over the weights: compute
-    it once at start-up.
+    it once at start-up. Under tensor parallelism every rank calls it at once (it gathers each tensor whole): the
+    same fingerprint as one rank's.
     """
     # Fields left at their defaults are not hashed: a field added to a mixer's config later (with a default that
     # keeps the old function) then leaves existing checkpoints' fingerprints, and their snapshots, valid.
@@ -85,8 +88,13 @@ def model_fingerprint(model: HybridLM) -> str:
     h = hashlib.sha256(b"kvfree-model\0")
     h.update(json.dumps(config, sort_keys=True, separators=(",", ":")).encode())
     state = model.state_dict()
+    splits = model.weight_splits()
     for name in sorted(state):
         t = state[name].detach()
+        if model.tp.size > 1:  # the whole tensor, from every rank's part (every rank runs this, in step)
+            parts = [torch.empty_like(t) for _ in range(model.tp.size)]
+            dist.all_gather(parts, t.contiguous())
+            t = unshard(parts, splits.get(name))
         canonical = torch.bfloat16 if t.is_floating_point() else t.dtype
         h.update(f"\0{name}\0{canonical}\0{list(t.shape)}\0".encode())
         flat = t.reshape(-1)

@@ -18,6 +18,7 @@ ordering them against the steps is the caller's (engine/state_mover.py).
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass
 
 import torch
@@ -26,6 +27,7 @@ from kvfree.engine.host_copy import upload
 from kvfree.engine.layers import StateSpec
 from kvfree.engine.model import HybridLM, State
 from kvfree.engine.packed_state import PackedState, StateEntry, view_as
+from kvfree.engine.tensor_parallel import whole_shape
 from kvfree.kernels.rows import RowTable, copy_rows, gather_rows, scatter_rows
 
 
@@ -72,6 +74,14 @@ class StatePool:
         self.capacity = capacity
         self.max_context = max_context
         self.specs: list[dict[str, StateSpec]] = [layer.mixer.state_specs(max_context) for layer in model.layers]
+        # A whole session's specs: under tensor parallelism `specs` are this rank's part (engine/sharded_pool.py
+        # exports and imports whole sessions); the same as `specs` on one rank.
+        size = model.tp.size
+        self.whole_specs: list[dict[str, StateSpec]] = [
+            {name: dataclasses.replace(spec, shape=whole_shape(spec.shape, spec.split, size))
+             for name, spec in specs.items()}
+            for specs in self.specs
+        ]  # fmt: skip
         self.scratch_slot = capacity
         self.template_slot = capacity + 1
         # Every row starts as a new session's state (`contiguous` copies the expanded row). Per-token tensors get no
@@ -245,6 +255,11 @@ class StatePool:
         ready.record()
         return PackedState(host, tuple(entries), ready, rows_read)
 
+    def export_initial(self) -> PackedState:
+        """A new session's state (not zeros for every mixer: Lattice starts from its S0), packed and complete."""
+        self.reset(self.scratch_slot)  # (a reset slot exports the template row; the scratch slot is nobody's)
+        return self.export_packed(self.scratch_slot).wait()
+
     def export(self, slot: int) -> dict[str, torch.Tensor]:
         """The session's state as CPU tensors named `layers.{i}.{name}`; per-token caches are cut to their length."""
         return self.export_packed(slot).tensors()
@@ -277,7 +292,8 @@ class StatePool:
 
     def check_entries(self, given: dict[str, tuple[torch.dtype, tuple[int, ...]]], value) -> None:
         """The checks of `check` over names -> (dtype, shape); `value(name)` gives a `length` tensor's value."""
-        expected = {f"layers.{i}.{name}": (i, name, spec) for i, s in enumerate(self.specs) for name, spec in s.items()}
+        expected = {f"layers.{i}.{name}": (i, name, spec)
+                    for i, s in enumerate(self.whole_specs) for name, spec in s.items()}  # fmt: skip
         missing = sorted(set(expected) - set(given))
         unexpected = sorted(set(given) - set(expected))
         if missing or unexpected:
@@ -332,6 +348,13 @@ class StatePool:
             self._tensors[i][name][slot].zero_()
             self._tensors[i][name][slot, : t.shape[0]].copy_(t, non_blocking=True)
 
+    def import_part(self, slot: int, packed: PackedState) -> None:
+        """Load this rank's part of a state into `slot`, laid out as its `layout` then its per-token caches, without
+        checks: under tensor parallelism rank 0 checks the whole state before cutting it (engine/sharded_pool.py)."""
+        fixed = packed.data[: self._move_table.row_bytes].view(1, -1)
+        staged = StagedState(fixed.to(self.device, non_blocking=fixed.is_pinned()), packed)
+        StatePool.import_staged(self, slot, staged)  # (this rank's rows only, whatever a subclass does)
+
     def import_packed(self, slot: int, packed: PackedState) -> None:
         """Load a packed state into `slot`, checking it first (all or nothing)."""
         self.import_staged(slot, self.stage(packed))
@@ -351,14 +374,16 @@ class StatePool:
             n *= spec.shape[0] if per_token_entries is None else per_token_entries
         return n * (spec.dtype or self.model.dtype).itemsize
 
-    def bytes_per_session(self, context_tokens: int | None = None) -> int:
-        """State bytes of one session holding `context_tokens` of context.
+    def bytes_per_session(self, context_tokens: int | None = None, part: bool = False) -> int:
+        """State bytes of one session holding `context_tokens` of context: all of it, or with `part` this rank's
+        (under tensor parallelism each rank holds its part of every session; the same on one rank).
 
         For recurrent mixers this is the same for every context length. The `attention` baseline's KV cache grows
         by `bytes_per_token()` per token; with `context_tokens=None` it is counted at its reserved `max_context`.
         """
         entries = None if context_tokens is None else min(context_tokens, self.max_context)
-        return sum(self._spec_bytes(spec, entries) for specs in self.specs for spec in specs.values())
+        every = self.specs if part else self.whole_specs
+        return sum(self._spec_bytes(spec, entries) for specs in every for spec in specs.values())
 
     def bytes_per_token(self) -> int:
         """How much a session's state grows per token of context (0 unless the model has full attention)."""
@@ -369,5 +394,6 @@ class StatePool:
         return self.export_packed(slot).nbytes
 
     def reserved_bytes(self) -> int:
-        """Device bytes the whole pool occupies (the scratch and template rows included)."""
+        """Device bytes the whole pool occupies (the scratch and template rows included); under tensor parallelism,
+        this rank's part."""
         return sum(t.numel() * t.element_size() for state in self.tensors for t in state.values())

@@ -13,6 +13,7 @@ from __future__ import annotations
 import os
 from collections.abc import Sequence
 from dataclasses import dataclass
+from datetime import timedelta
 
 import torch
 import torch.distributed as dist
@@ -56,17 +57,19 @@ class TensorParallel:
     size: int = 1
 
     @classmethod
-    def start(cls, rank: int, size: int, init_method: str, backend: str | None = None) -> TensorParallel:
+    def start(cls, rank: int, size: int, init_method: str, backend: str | None = None,
+              timeout: timedelta | None = None) -> TensorParallel:  # fmt: skip
         """Join the group of `size` ranks at `init_method` (e.g. `file:///tmp/tp-init` or `tcp://127.0.0.1:29500`):
-        NCCL when CUDA is there, gloo otherwise (CI's CPUs). NVLink multicast stays off (`NCCL_NVLS_ENABLE=0`): on a
-        shared host it can take the GPUs out of service."""
+        NCCL when CUDA is there, gloo otherwise (CI's CPUs). NVLink multicast stays off (`NCCL_NVLS_ENABLE=0`,
+        `TORCH_SYMM_MEM_DISABLE_MULTICAST=1`): on a shared host it can take the GPUs out of service."""
         if not 0 <= rank < size:
             raise ValueError(f"rank {rank} is not one of {size} tensor-parallel ranks")
         if size == 1:
             return cls()
         os.environ.setdefault("NCCL_NVLS_ENABLE", "0")
+        os.environ.setdefault("TORCH_SYMM_MEM_DISABLE_MULTICAST", "1")
         backend = backend or ("nccl" if torch.cuda.is_available() else "gloo")
-        dist.init_process_group(backend, init_method=init_method, rank=rank, world_size=size)
+        dist.init_process_group(backend, init_method=init_method, rank=rank, world_size=size, timeout=timeout)
         return cls(rank, size)
 
     def block(self, n: int, what: str) -> slice:
@@ -151,6 +154,15 @@ def rank_shape(full: Sequence[int], split: Split | None, size: int, what: str) -
     shape = list(full)
     shape[split.axis] = rank
     return tuple(shape)
+
+
+def whole_shape(shape: Sequence[int], split: Split | None, size: int) -> tuple[int, ...]:
+    """The whole tensor's shape, from the shape one rank holds under `split` (the inverse of `rank_shape`)."""
+    if split is None or split.first_rank_only or size == 1:
+        return tuple(shape)
+    out = list(shape)
+    out[split.axis] = sum(p * size // r for p, r in split.pieces(shape[split.axis]))
+    return tuple(out)
 
 
 def shard(full: torch.Tensor, split: Split | None, tp: TensorParallel) -> torch.Tensor:

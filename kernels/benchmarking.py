@@ -48,8 +48,13 @@ def print_goals(rows: list[dict[str, Any]], device_type: str) -> None:
         print(f"target {row['what']}: {value} ({row['op']} {row['threshold']:g}): {verdict}")
 
 
-def median_ms(fn: Callable[[], object], device: torch.device, warmup_ms: float = 25, rep_ms: float = 200) -> float:
-    """Median milliseconds of one `fn()` call on `device` (warmed up first)."""
+def median_ms(fn: Callable[[], object], device: torch.device, warmup_ms: float = 25, rep_ms: float = 200,
+              repeats: int | None = None) -> float:  # fmt: skip
+    """Median milliseconds of one `fn()` call on `device` (warmed up first). `repeats`: call it that many times
+    (after 5 warm-up calls) rather than for `rep_ms`: processes that time one collective step together must each
+    make the same number of calls."""
+    if device.type == "cuda" and repeats is not None:
+        return _cuda_events_ms(fn, warmup=5, repeats=repeats)
     if device.type == "cuda":
         try:
             from triton.testing import do_bench

@@ -34,6 +34,15 @@ def add_load_args(p: argparse.ArgumentParser) -> None:
         help="on a GPU, run without CUDA graphs (default: every decode batch size replays a graph captured at "
         "start-up, and prefill steps of all-Mamba-2 models one captured per token bucket, where the mixers allow it)",
     )
+    p.add_argument(
+        "--tensor-parallel-size",
+        "-tp",
+        type=int,
+        default=1,
+        metavar="N",
+        help="split every layer's heads among N processes, one per GPU (cuda:0 .. cuda:N-1; with --device cpu, N CPU "
+        "processes): a model too big for one GPU, or more room for sessions (default: 1)",
+    )
 
 
 def cmd_generate(args: argparse.Namespace) -> int:
@@ -47,6 +56,7 @@ def cmd_generate(args: argparse.Namespace) -> int:
         max_context=args.max_context,
         config_overrides=parse_overrides(args.overrides),
         enforce_eager=args.enforce_eager,
+        tensor_parallel_size=args.tensor_parallel_size,
     )
     prompt = args.prompt
     if args.chat:
@@ -134,6 +144,7 @@ def cmd_serve(args: argparse.Namespace) -> int:
         cors_origins=args.cors_origin or [],
         config_overrides=parse_overrides(args.overrides),
         enforce_eager=args.enforce_eager,
+        tensor_parallel_size=args.tensor_parallel_size,
         engine_process=not args.engine_in_process,
     )
     return serve(settings)

@@ -243,6 +243,8 @@ def serve_args(args: argparse.Namespace, device: str, dtype: str) -> list[str]:
         out += ["--set", override]
     if args.enforce_eager:
         out.append("--enforce-eager")
+    if args.tensor_parallel_size > 1:
+        out += ["--tensor-parallel-size", str(args.tensor_parallel_size)]
     return out + args.serve_args
 
 
@@ -269,6 +271,7 @@ def run_offline(
             prefill_chunk=args.max_batch_tokens,
             config_overrides=parse_overrides(args.overrides),
             enforce_eager=args.enforce_eager,
+            tensor_parallel_size=args.tensor_parallel_size,
         )
         if llm.config.vocab_size != vocab_size:
             raise ValueError(f"the model's vocab_size {llm.config.vocab_size} is not config.json's {vocab_size}")
@@ -285,6 +288,7 @@ def run_offline(
                     f"offline, {prompts} prompts in {sessions} slots: {run['output_tokens_per_s']:,.1f} tokens/s",
                     file=sys.stderr,
                 )
+        llm.close()  # (the other tensor-parallel ranks, if any)
         del llm
         gc.collect()  # the next pool's model and states take the device memory this one held
         if torch.cuda.is_available():
@@ -462,6 +466,7 @@ def run(args: argparse.Namespace) -> int:
             "max_context": args.max_context,
             "prefill_batch_wait_ms": args.prefill_batch_wait_ms,
             "enforce_eager": args.enforce_eager,
+            "tensor_parallel_size": args.tensor_parallel_size,
             "overrides": args.overrides,
             "server_only_args": args.serve_args,
             "seed": args.seed,

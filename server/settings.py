@@ -39,6 +39,7 @@ class ServerSettings:
     cors_origins: list[str] = field(default_factory=list)  # CORS is off unless origins are given
     config_overrides: dict = field(default_factory=dict)
     enforce_eager: bool = False  # decode without CUDA graphs
+    tensor_parallel_size: int = 1  # processes (GPUs) every layer's heads are split among
     engine_process: bool = True  # the engine core in a process of its own (False: on a thread of the HTTP process)
 
     @property

@@ -112,6 +112,11 @@ def hybrid_checkpoint(path) -> str:
     with torch.no_grad():
         for name, p in model.named_parameters():
             p.copy_((1.0 if "A_log" in name else 0.0) + torch.randn(p.shape, generator=gen) / p.shape[-1] ** 0.5)
+        # Printable ASCII replies (the byte tokenizer's 32..126), so that a chat history re-encodes to the tokens a
+        # session holds: every other token's logit is 0, below the best of 95 logits made three times larger.
+        model.lm_head.weight[:32] = 0
+        model.lm_head.weight[127:] = 0
+        model.lm_head.weight[32:127] *= 3
     write_checkpoint(path, ModelConfig.from_dict(HYBRID).to_dict(), model.state_dict(), TINY_CHECKPOINT)
     return str(path)
 

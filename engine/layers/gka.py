@@ -154,6 +154,8 @@ class GKAMixer(Mixer):
         """A rank's block of the He state heads and of the q, k, v projection heads they read (a projection with
         fewer heads than ranks is held whole by the ranks that read each head). The Chebyshev solve, the adaptive
         ridge (‖H‖_F of each head) and the per-head norm need nothing from another rank."""
+        if tp.size == 1:
+            return cfg
         if cfg.kv_proj_rank is not None:
             raise ValueError(f"{what}: the low-rank k/v expansion (kv_proj_rank) reads every k and v head; it has no "
                              "tensor-parallel form yet")  # fmt: skip
