@@ -110,6 +110,8 @@ class LLM:
     def close(self) -> None:
         """End the other tensor-parallel ranks (nothing to do on one); the LLM is unusable afterwards."""
         if self.workers is not None:
+            if getattr(self, "runner", None) is not None:  # (None when start-up failed)
+                self.runner.release_graphs()
             self.workers.stop()
 
     def encode(self, prompt: Prompt) -> list[int]:

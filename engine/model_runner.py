@@ -11,6 +11,7 @@ returns waits for the one device-to-host copy of the step's sampled tokens.
 
 from __future__ import annotations
 
+import gc
 import logging
 import time
 from dataclasses import dataclass
@@ -246,6 +247,14 @@ class ModelRunner:
             done = torch.cuda.Event()
             done.record()
         return StepHandle(ids, extra, logprobs, done)
+
+    def release_graphs(self) -> None:
+        """Drop every CUDA graph, before the tensor-parallel group is torn down: a graph that captured collectives
+        holds on to the NCCL communicator, whose teardown then waits for it (the runner decodes eagerly after)."""
+        self.graphs = self.prefill_graphs = self.sampler_graphs = None
+        gc.collect()
+        if self.device.type == "cuda":
+            torch.cuda.synchronize(self.device)
 
     def capture_prefill_graphs(self, max_tokens: int) -> None:
         """Capture now every prefill graph a step of up to `max_tokens` tokens replays (a server, before serving:

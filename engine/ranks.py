@@ -1,19 +1,21 @@
 """The processes of tensor parallelism: rank 0 (the engine) starts ranks 1..N-1 and tells them what to run.
 
-Rank 0 decides everything (docs/design/tensor-parallel.md §1): it schedules, samples and owns the sessions. Every
-other rank holds its part of the model and of the state pool, and runs what rank 0 sends it, in order, over a
-gloo group on the host (the control channel): a step's slots and prompt tokens, pool resets and forks, a session's
-state out of or into a slot. The tensors of a step move between GPUs through the model's own collectives (NCCL on
-GPUs): one all-reduce per block half, the gathered logits, and the decode input tokens, which rank 0 samples and
-broadcasts (`ModelRunner`). Because every rank runs the same calls in the same order, every rank's collectives, its
-CUDA-graph captures included, line up.
+Rank 0 decides everything (docs/design/tensor-parallel.md §1): it schedules, samples and owns the sessions. Every other
+rank holds its part of the model and of the state pool, and runs what rank 0 sends it, in order, through shared memory
+(engine/command_channel.py): a step's slots and prompt tokens, pool resets and forks, a session's state out of or into a
+slot (whose bytes go over a gloo group on the host). The tensors of a step move between GPUs through the model's own
+collectives (NCCL on GPUs): one all-reduce per block half, the gathered logits, and the decode input tokens, which rank
+0 samples and broadcasts (`ModelRunner`). Because every rank runs the same calls in the same order, every rank's
+collectives, its CUDA-graph captures included, line up.
 
 A worker that fails on a command rank 0 also failed on (bad input reaches every rank alike: a full KV cache) goes on
-with the next; any other failure ends it, and rank 0's next collective fails after the group's timeout.
+with the next; any other failure ends it, and rank 0's next command fails saying so. A worker whose rank 0 is gone
+exits.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import os
 import socket
@@ -25,6 +27,7 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
+from kvfree.engine.command_channel import CommandChannel
 from kvfree.engine.packed_state import PackedState
 from kvfree.engine.tensor_parallel import TensorParallel
 
@@ -47,6 +50,7 @@ class RankSpec:
     max_context: int = 4096
     config_overrides: dict[str, Any] = field(default_factory=dict)
     enforce_eager: bool = False
+    channel_path: str = ""  # the command channel's file (set by `Workers`)
 
     def device_of(self, rank: int) -> str:
         """Rank r's device: cuda:r (counting from the device asked for), or the CPU."""
@@ -74,7 +78,8 @@ class Workers:
             raise ValueError(
                 f"tensor_parallel_size {spec.size} needs {spec.size} GPUs; this machine has {torch.cuda.device_count()}"
             )
-        self.spec = spec
+        self.channel = CommandChannel.create(readers=spec.size - 1)
+        self.spec = spec = dataclasses.replace(spec, channel_path=self.channel.path)
         context = mp.get_context("spawn")
         self.processes = [context.Process(target=worker_main, args=(rank, spec), daemon=True,
                                           name=f"kvfree-rank-{rank}") for rank in range(1, spec.size)]  # fmt: skip
@@ -90,7 +95,12 @@ class Workers:
     def send(self, command: tuple) -> None:
         """Every worker runs `command` (its name, then its arguments) next, after any deferred ones."""
         batch, self._pending = [*self._pending, command], []
-        dist.broadcast_object_list([batch], src=0, group=self.control)
+        self.channel.put(batch, self._alive, TIMEOUT.total_seconds())
+
+    def _alive(self) -> None:
+        for rank, p in enumerate(self.processes, start=1):
+            if not p.is_alive():
+                raise RuntimeError(f"tensor-parallel rank {rank} has stopped (exit code {p.exitcode}); see its log")
 
     def gather(self, data: torch.Tensor) -> list[torch.Tensor]:
         """Every rank's uint8 host buffer of `data`'s size, rank 0's (`data`) first: after a command that makes each
@@ -106,18 +116,20 @@ class Workers:
         return mine
 
     def stop(self) -> None:
-        """End the workers and leave the group (idempotent)."""
+        """End the workers and leave the group (idempotent). Every rank leaves the group at once, as they joined it
+        (NCCL's teardown waits for its peers)."""
         if not self.processes:
             return
         try:
             self.send(("stop",))
+            dist.destroy_process_group()
         finally:
             for p in self.processes:
                 p.join(timeout=30)
                 if p.is_alive():
                     p.kill()
             self.processes = []
-            dist.destroy_process_group()
+            self.channel.close(unlink=True)
 
 
 def join(rank: int, spec: RankSpec) -> tuple[TensorParallel, dist.ProcessGroup]:
@@ -135,23 +147,31 @@ def worker_main(rank: int, spec: RankSpec) -> None:
     from kvfree.engine.llm import build_rank  # (imported here: this process starts from nothing)
 
     logging.basicConfig(level=os.environ.get("KVFREE_LOG_LEVEL", "WARNING"))
+    parent = os.getppid()
+
+    def rank_zero_alive() -> None:
+        if os.getppid() != parent:  # rank 0 is gone (this process was handed to another parent)
+            raise SystemExit(f"rank {rank}: rank 0 has gone")
+
+    channel = CommandChannel(spec.channel_path, spec.size - 1)
     tp, control = join(rank, spec)
     runner = build_rank(spec, tp)
     pool = runner.pool
     try:
-        while True:
-            batch: list[Any] = [None]
-            dist.broadcast_object_list(batch, src=0, group=control)
-            for name, *args in batch[0]:
-                if name == "stop":
-                    return
-                try:
-                    run_command(runner, control, name, args)
-                except ValueError as e:  # rank 0 met the same bad input, and answers for it
-                    log.debug("rank %d: %s failed: %s", rank, name, e)
+        with torch.inference_mode():  # as rank 0's runner calls: the pool and graph buffers are inference tensors
+            while True:
+                for name, *args in channel.get(rank - 1, rank_zero_alive, timeout=float("inf")):
+                    if name == "stop":
+                        runner.release_graphs()
+                        dist.destroy_process_group()
+                        return
+                    try:
+                        run_command(runner, control, name, args)
+                    except ValueError as e:  # rank 0 met the same bad input, and answers for it
+                        log.debug("rank %d: %s failed: %s", rank, name, e)
     finally:
         del runner, pool
-        dist.destroy_process_group()
+        channel.close()
 
 
 def run_command(runner, control: dist.ProcessGroup, name: str, args: list[Any]) -> None:
