@@ -31,17 +31,21 @@ class Block(nn.Module):
         self.mlp: nn.Module | None = None
         if config.mlp is not None:
             mlp = config.mlp
-            if tp.size > 1:  # a rank's block of the intermediate channels: gate/up column-, down row-parallel
-                if mlp.kind != "swiglu":
-                    raise ValueError(f"{what} mlp: the {mlp.kind} MLP has no tensor-parallel form yet")
+            if tp.size > 1:  # a rank's block of the intermediate channels (the Koopman MLP's pairs stay whole)
                 size = tp.block(mlp.intermediate_size, f"{what} mlp intermediate_size")
+                if mlp.kind == "koopman" and (size.stop - size.start) % 2:
+                    raise ValueError(f"{what} mlp intermediate_size: {mlp.intermediate_size} gives each of {tp.size} "
+                                     "ranks an odd share, which would split a Koopman pair")  # fmt: skip
                 mlp = mlp.model_copy(update={"intermediate_size": size.stop - size.start})
             self.mlp_norm, self.mlp = build_mlp(config.hidden_size, mlp, config.norm_eps)
 
     def weight_splits(self) -> dict[str, Split]:
         """Parameter name (within the block) -> how it divides among tensor-parallel ranks (`Mixer.weight_splits`)."""
         splits = {f"mixer.{name}": split for name, split in self.mixer.weight_splits().items()}
-        if self.mlp is not None:
+        if isinstance(self.mlp, KoopmanMLP):  # lift (and gate) column-, readout row-parallel; eigenvalues by pair
+            splits.update({"mlp.lift.weight": Split(), "mlp.gate.weight": Split(), "mlp.gamma": Split(),
+                           "mlp.omega": Split(), "mlp.readout.weight": ROW})  # fmt: skip
+        elif self.mlp is not None:  # SwiGLU: gate and up column-, down row-parallel
             splits.update({"mlp.gate_proj.weight": Split(), "mlp.up_proj.weight": Split(), "mlp.down_proj.weight": ROW})
         return splits
 

@@ -194,6 +194,6 @@ def test_a_layer_whose_heads_do_not_divide_is_refused_by_name(tmp_path):
     with pytest.raises(ValueError, match=r"layers.1 \(mamba2\) n_groups"):
         HybridLM(ModelConfig.from_dict(dict(HYBRID, mamba2=dict(HYBRID["mamba2"], n_groups=1))),
                  TensorParallel(rank=1, size=2))  # fmt: skip
-    with pytest.raises(ValueError, match=r"layers.0 \(ska\): ska layers have no tensor-parallel form"):
-        HybridLM(ModelConfig.from_dict(dict(HYBRID, layers=["ska"], ska={"num_heads": 2, "rank": 8, "head_dim": 16})),
-                 TensorParallel(rank=0, size=2))  # fmt: skip
+    low_rank = dict(HYBRID["gka"], kv_proj_rank=4)
+    with pytest.raises(ValueError, match=r"layers.2 \(gka\): the low-rank k/v expansion \(kv_proj_rank\) reads every"):
+        HybridLM(ModelConfig.from_dict(dict(HYBRID, gka=low_rank)), TensorParallel(rank=0, size=2))

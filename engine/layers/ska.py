@@ -17,6 +17,7 @@ from torch import nn
 from kvfree.engine.layers.base import Mixer, StateSpec
 from kvfree.engine.step_batch import StepBatch
 from kvfree.engine.strict_config import PositiveInt, StrictConfig
+from kvfree.engine.tensor_parallel import ROW, Split, TensorParallel
 from kvfree.kernels.ska import SKAState, chunk_ska, fused_recurrent_ska, ska_chunked, ska_empty_state, uses_triton
 
 _ACC = {"float32": torch.float32, "float64": torch.float64}
@@ -86,16 +87,27 @@ class SKAMixer(Mixer):
             self.eta.fill_(self.cfg.eta_init)
             self.gamma.fill_(self.cfg.gamma_init)
 
+    @classmethod
+    def shard_config(cls, cfg: SKAConfig, tp: TensorParallel, what: str) -> SKAConfig:
+        """A rank's block of heads. Everything between the projections is per head (the statistics, the key
+        max-norm m, the whitening, the power iteration and the ridge readout), so a rank needs no other's heads;
+        eta and gamma are held whole."""
+        return cfg.model_copy(update={"num_heads": tp.heads(cfg.num_heads, f"{what} num_heads")[0]})
+
+    def weight_splits(self) -> dict[str, Split]:
+        return {"k_proj.weight": Split(), "q_proj.weight": Split(), "v_proj.weight": Split(), "o_proj.weight": ROW}
+
     def state_specs(self, max_context: int) -> dict[str, StateSpec]:
         H, r, P = self.cfg.num_heads, self.cfg.rank, self.cfg.head_dim
+        heads = Split()
         return {
-            "G": StateSpec((H, r, r), dtype=self.acc_dtype),
-            "M": StateSpec((H, r, r), dtype=self.acc_dtype),
-            "C": StateSpec((H, P, r), dtype=self.acc_dtype),
-            "z_prev": StateSpec((H, r), dtype=torch.float32),
-            "m": StateSpec((H,), dtype=torch.float32),
-            "J": StateSpec((H, P, r), dtype=torch.float32),
-            "pos": StateSpec((), dtype=torch.int64),
+            "G": StateSpec((H, r, r), dtype=self.acc_dtype, split=heads),
+            "M": StateSpec((H, r, r), dtype=self.acc_dtype, split=heads),
+            "C": StateSpec((H, P, r), dtype=self.acc_dtype, split=heads),
+            "z_prev": StateSpec((H, r), dtype=torch.float32, split=heads),
+            "m": StateSpec((H,), dtype=torch.float32, split=heads),
+            "J": StateSpec((H, P, r), dtype=torch.float32, split=heads),
+            "pos": StateSpec((), dtype=torch.int64),  # (the chunk grid's position: the same on every rank)
         }
 
     @property
