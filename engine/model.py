@@ -10,7 +10,7 @@ from kvfree.engine.layers import Mixer, build_mixer
 from kvfree.engine.layers.mlp import KoopmanMLP, build_mlp
 from kvfree.engine.layers.norms import RMSNorm
 from kvfree.engine.step_batch import StepBatch
-from kvfree.engine.tensor_parallel import ONE_RANK, ROW, Split, TensorParallel, embed
+from kvfree.engine.tensor_parallel import ONE_RANK, ROW, Split, TensorParallel, embed, lm_logits
 
 State = list[dict[str, torch.Tensor]]  # per layer: name -> pool tensor [capacity, *shape]
 
@@ -94,8 +94,8 @@ class HybridLM(nn.Module):
         super().__init__()
         self.config = config
         self.tp = tp
-        vocab = tp.block(config.vocab_size, "vocab_size (the embedding and LM head split the vocabulary)")
-        rows = vocab.stop - vocab.start
+        # A rank's block of the vocabulary: V / N rows, the last block padded with zero rows when N does not divide V.
+        rows = -(-config.vocab_size // tp.size)
         self.embed = nn.Embedding(rows, config.hidden_size)
         self.layers = nn.ModuleList([Block(config, kind, tp, f"layers.{i} ({kind})")
                                      for i, kind in enumerate(config.layers)])  # fmt: skip
@@ -104,7 +104,8 @@ class HybridLM(nn.Module):
 
     def weight_splits(self) -> dict[str, Split]:
         """Tensor name -> how the whole model's tensor divides among tensor-parallel ranks (absent: held whole)."""
-        splits = {"embed.weight": Split(), "lm_head.weight": Split()}
+        vocab = Split(length=self.config.vocab_size)
+        splits = {"embed.weight": vocab, "lm_head.weight": vocab}
         for i, layer in enumerate(self.layers):
             splits.update({f"layers.{i}.{name}": split for name, split in layer.weight_splits().items()})
         return splits
@@ -149,7 +150,9 @@ class HybridLM(nn.Module):
 
     def _lm_head(self, h: torch.Tensor) -> torch.Tensor:
         weight = self.embed.weight if self.lm_head is None else self.lm_head.weight
-        return self.tp.gather_last((h @ weight.t()).float())  # (each rank's block of the vocabulary, gathered)
+        if self.tp.size == 1:
+            return (h @ weight.t()).float()
+        return lm_logits(h, weight, self.tp, self.config.vocab_size).float()  # (each rank's block, gathered)
 
     def _embed(self, input_ids: torch.Tensor) -> torch.Tensor:
         return self.embed(input_ids) if self.tp.size == 1 else embed(input_ids, self.embed.weight, self.tp)

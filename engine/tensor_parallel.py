@@ -28,13 +28,16 @@ class Split:
     means one piece, the whole axis. replicas: per piece, how many consecutive ranks hold the same block (1: split;
     k > 1: fewer heads than ranks, each head held by k ranks, as grouped-query attention's KV heads at TP > Hkv);
     empty means 1 for every piece. first_rank_only: the tensor is whole on rank 0 and zero elsewhere (the bias of a
-    row-parallel projection, which the all-reduce would otherwise add N times).
+    row-parallel projection, which the all-reduce would otherwise add N times). length: the whole axis's length when
+    it need not divide among the ranks (the vocabulary): it is padded with zero rows up to a multiple of them, and the
+    padding is cut off again when the tensor is put back together.
     """
 
     axis: int = 0
     parts: tuple[int, ...] = ()
     replicas: tuple[int, ...] = ()
     first_rank_only: bool = False
+    length: int | None = None
 
     def pieces(self, rank_size: int) -> list[tuple[int, int]]:
         """(this rank's size, replicas) of each piece, given this rank's size of the axis."""
@@ -137,6 +140,12 @@ def rank_shape(full: Sequence[int], split: Split | None, size: int, what: str) -
     divide)."""
     if split is None or split.first_rank_only or size == 1:
         return tuple(full)
+    if split.length is not None:
+        if full[split.axis] != split.length:
+            raise ValueError(f"{what}: {full[split.axis]} rows, not {split.length}")
+        shape = list(full)
+        shape[split.axis] = -(-split.length // size)
+        return tuple(shape)
     total, rank = full[split.axis], 0
     parts = split.parts or (None,)
     replicas = split.replicas or (1,) * len(parts)
@@ -161,7 +170,7 @@ def whole_shape(shape: Sequence[int], split: Split | None, size: int) -> tuple[i
     if split is None or split.first_rank_only or size == 1:
         return tuple(shape)
     out = list(shape)
-    out[split.axis] = sum(p * size // r for p, r in split.pieces(shape[split.axis]))
+    out[split.axis] = split.length or sum(p * size // r for p, r in split.pieces(shape[split.axis]))
     return tuple(out)
 
 
@@ -178,6 +187,8 @@ def split_among(full: torch.Tensor, split: Split, size: int) -> list[torch.Tenso
     """Every rank's part of `full`, in rank order (rank parts are contiguous copies)."""
     rank_len = rank_shape(full.shape, split, size, "tensor")[split.axis]
     moved = full.movedim(split.axis, 0)
+    if split.length is not None and rank_len * size > split.length:  # zero rows up to a multiple of the ranks
+        moved = torch.cat([moved, moved.new_zeros(rank_len * size - split.length, *moved.shape[1:])])
     out: list[list[torch.Tensor]] = [[] for _ in range(size)]
     start = 0
     for part, replicas in split.pieces(rank_len):
@@ -200,7 +211,8 @@ def unshard(parts: Sequence[torch.Tensor], split: Split | None) -> torch.Tensor:
     for part, replicas in split.pieces(moved[0].shape[0]):
         pieces += [moved[rank][start : start + part] for rank in range(0, size, replicas)]
         start += part
-    return torch.cat(pieces, dim=0).movedim(0, split.axis).contiguous()
+    whole = torch.cat(pieces, dim=0)[: split.length]  # (the padding of a `length` split cut off)
+    return whole.movedim(0, split.axis).contiguous()
 
 
 def row_shard(weight: torch.Tensor, tp: TensorParallel, what: str) -> torch.Tensor:
@@ -220,7 +232,7 @@ def embed(ids: torch.Tensor, vocab_rows: torch.Tensor, tp: TensorParallel) -> to
     return tp.all_reduce(out)
 
 
-def lm_logits(h: torch.Tensor, vocab_rows: torch.Tensor, tp: TensorParallel) -> torch.Tensor:
+def lm_logits(h: torch.Tensor, vocab_rows: torch.Tensor, tp: TensorParallel, vocab: int | None = None) -> torch.Tensor:
     """A vocab-parallel LM head: h `[..., d]` -> logits `[..., V]`, each rank's block `[..., V / size]` gathered in
-    rank order (sampling needs whole rows)."""
-    return tp.gather_last(h @ vocab_rows.t())
+    rank order (sampling needs whole rows); `vocab`: the real V when the rows were padded (the padding is cut)."""
+    return tp.gather_last(h @ vocab_rows.t())[..., :vocab]
