@@ -25,6 +25,7 @@ from kvfree.engine.layers.conv import ShortConv
 from kvfree.engine.layers.norms import RMSNorm
 from kvfree.engine.step_batch import StepBatch
 from kvfree.engine.strict_config import PositiveInt, StrictConfig
+from kvfree.engine.tensor_parallel import ROW, Split, TensorParallel
 from kvfree.kernels.lattice import (
     chunk_lattice_gated,
     fused_recurrent_lattice_gated,
@@ -105,6 +106,35 @@ class LatticeMixer(Mixer):
             self.register_buffer("S0", s0)  # persistent: saved in the checkpoint with the weights
         self.reset_parameters()
 
+    @classmethod
+    def shard_config(cls, cfg: LatticeConfig, tp: TensorParallel, what: str) -> LatticeConfig:
+        """A rank's block of the heads. Everything before the out projection is per head: the shared q/k projection
+        and its two depthwise convs by channel (a head's m slots), v, the gates, the recurrence on a head's own slots
+        (S0 included) and the GELU post-gate; the per-head norm's one weight of d is held whole by every rank.
+
+        output_norm="rms" is refused: its RMS runs over all H*d channels, so a rank would need the other ranks' sums
+        of squares (a collective inside the mixer) to compute it."""
+        if tp.size == 1:
+            return cfg
+        if cfg.output_norm == "rms":
+            raise ValueError(f"{what}: output_norm 'rms' normalises over every head's output at once; it has no "
+                             "tensor-parallel form (use 'head_rms' or 'none')")  # fmt: skip
+        heads, _ = tp.heads(cfg.num_heads, f"{what} num_heads")
+        return cfg.model_copy(update={"num_heads": heads})
+
+    def weight_splits(self) -> dict[str, Split]:
+        c = self.cfg
+        heads = Split()  # axis 0 by head: a head's m (or d) rows are contiguous, so a block of rows is a block of heads
+        # step_proj holds gamma's H rows, then mu's H: each cut on its own so that a rank keeps [its gammas | its mus].
+        step = Split(parts=(c.num_heads, c.num_heads)) if c.forget_gate else heads
+        # S0 `[H, d, m]` by head: a rank's template state (reset_state copies its S0) is then its block of the whole
+        # one, and re-orthonormalising at load (a QR per head) gives the same block.
+        splits = {"qk_proj.weight": heads, "v_proj.weight": heads, "g_proj.weight": heads, "o_proj.weight": ROW,
+                  "step_proj.weight": step, "step_proj.bias": step, "S0": heads}  # fmt: skip
+        for conv in ("conv_q", "conv_k"):
+            splits.update({f"{conv}.weight": heads, f"{conv}.bias": heads})
+        return splits
+
     def reset_parameters(self) -> None:
         H = self.cfg.num_heads
         with torch.no_grad():
@@ -136,8 +166,8 @@ class LatticeMixer(Mixer):
     def state_specs(self, max_context: int) -> dict[str, StateSpec]:
         c = self.cfg
         return {
-            "S": StateSpec((c.num_heads, c.head_dim, c.slots), dtype=torch.float32),
-            "conv": StateSpec((c.conv_kernel - 1, c.num_heads * c.slots), dtype=None),
+            "S": StateSpec((c.num_heads, c.head_dim, c.slots), dtype=torch.float32, split=Split()),
+            "conv": StateSpec((c.conv_kernel - 1, c.num_heads * c.slots), dtype=None, split=Split(axis=1)),
         }
 
     def initial_state(self) -> torch.Tensor:
