@@ -214,6 +214,7 @@ def main(argv: list[str] | None = None) -> int:
     g.add_argument("--prompt-tokens", type=int, default=512, help="tokens per prompt")
     g.add_argument("--max-tokens", type=int, default=64, help="greedy tokens generated per prompt (EOS ignored)")
     g.add_argument("--max-batch-tokens", type=int, default=8192, help="tokens per engine step (LLM prefill_chunk)")
+    g.add_argument("--tensor-parallel-size", "-tp", type=int, default=1, help="GPUs the model is split among")
     args = parser.parse_args(argv)
     if args.offline:
         return offline_main(args)
@@ -298,6 +299,7 @@ def offline_main(args: argparse.Namespace) -> int:
             max_sessions=args.prompts,
             prefill_chunk=args.max_batch_tokens,
             enforce_eager=args.enforce_eager,
+            tensor_parallel_size=args.tensor_parallel_size,
         )
     # Warm-up: Triton compiles, the allocator grows, and every prefill graph a step can meet is captured, as a
     # server does at start-up (an LLM captures a bucket on its first step, which the timed runs must not meet).
@@ -309,9 +311,12 @@ def offline_main(args: argparse.Namespace) -> int:
     profile = None
     if args.profile and device.type == "cuda":
         profile = profile_steps(llm, args.prompts, args.prompt_tokens)
-    # The floor of a full decode step: every weight read once, each session's state read and written once.
+    cuda_graphs = llm.runner.graphs is not None
+    llm.close()  # (the other tensor-parallel ranks, if any)
+    # The floor of a full decode step on one GPU: every weight (of its part) read once, each session's state (its
+    # part) read and written once.
     bandwidth = hbm_bandwidth(device)
-    floor_bytes = weight_bytes(llm.model) + 2 * args.prompts * llm.pool.bytes_per_session()
+    floor_bytes = weight_bytes(llm.model) + 2 * args.prompts * llm.pool.bytes_per_session(part=True)
     floor_ms = floor_bytes / bandwidth * 1e3 if bandwidth else None
     for r in runs:
         if floor_ms is not None and r["prompts"] == args.prompts:
@@ -321,8 +326,9 @@ def offline_main(args: argparse.Namespace) -> int:
         "what": "LLM.generate end to end (prefill included), greedy, EOS ignored, random weights and prompts",
         "preset": args.preset,
         "dtype": str(dtype).removeprefix("torch."),
+        "tensor_parallel_size": args.tensor_parallel_size,
         "environment": environment(device),
-        "cuda_graphs": llm.runner.graphs is not None,
+        "cuda_graphs": cuda_graphs,
         "overlap": llm.engine.overlap,
         "max_batch_tokens": args.max_batch_tokens,
         "hbm_bytes_per_s": bandwidth,
