@@ -25,11 +25,17 @@ Serving runs the SSM through the composed Mamba-2 mixer's own `prefill` / `decod
 pool rows in place), then the memory part through one op, `chunk_bmojo` / `fused_recurrent_bmojo`
 (kernels/bmojo), which updates the other rows; training runs `Mamba2Mixer.forward` and `bmojo_chunked` from a fresh
 state.
+
+Under tensor parallelism (`FadingMemoryMixer`, shared with B'MOJO-F) a rank holds its block of the SSM's heads (as a
+`mamba2` layer splits them) and of the attention's heads. y is the SSM's row-parallel out projection, so each rank
+all-reduces its partial sum and holds y whole: the innovation score, RMSNorm(u + y) and the fading tokens' norm need
+all its channels, and the eidetic selection must be the same on every rank. The K/V states split by KV head; `t`,
+`y_buf`, the scores, the eidetic positions and the counts are held whole (identical on every rank).
 """
 
 from __future__ import annotations
 
-from typing import Literal
+from typing import TYPE_CHECKING, Literal
 
 import torch
 from pydantic import Field, model_validator
@@ -40,7 +46,11 @@ from kvfree.engine.layers.mamba2 import Mamba2Config, Mamba2Mixer
 from kvfree.engine.layers.norms import RMSNorm
 from kvfree.engine.step_batch import StepBatch
 from kvfree.engine.strict_config import PositiveInt, StrictConfig
+from kvfree.engine.tensor_parallel import ONE_RANK, ROW, ROW_BIAS, Split, TensorParallel
 from kvfree.kernels.bmojo import MemoryState, bmojo_chunked, chunk_bmojo, decode_graph_safe, fused_recurrent_bmojo
+
+if TYPE_CHECKING:
+    from kvfree.engine.layers.bmojo_f import BMojoFConfig
 
 State = dict[str, torch.Tensor]
 
@@ -107,7 +117,93 @@ class BMojoConfig(StrictConfig):
         )
 
 
-class BMojoMixer(Mixer):
+class FadingMemoryMixer(Mixer):
+    """What B'MOJO and B'MOJO-F share under tensor parallelism: a recurrent mixer `self.ssm` (the fading memory, of
+    its own kind) composed with attention whose query heads read `kv_heads` key/value heads.
+
+    A rank holds its block of the SSM as the SSM's kind splits it (its parameters under `ssm.`, its state tensors
+    under the subclass's names) and its block of the attention's heads, KV heads held whole by several ranks when
+    there are fewer than ranks (as attention's). The SSM's out projection is row-parallel, but its output y feeds
+    functions of every channel (the keys' RMSNorm and W_K, B'MOJO's innovation score): `_whole` all-reduces it, so
+    every rank holds the y of one rank. The attention's out projection is row-parallel: the block all-reduces it.
+    """
+
+    ssm: Mixer
+    cfg: BMojoConfig | BMojoFConfig
+
+    @staticmethod
+    def ssm_of(cfg: StrictConfig) -> tuple[type[Mixer], StrictConfig]:
+        """The SSM's mixer class and config, from the layer's config."""
+        raise NotImplementedError
+
+    @classmethod
+    def _with_blocks(cls, cfg: StrictConfig, heads: int, kv_heads: int, ssm: StrictConfig) -> StrictConfig:
+        """`cfg` with a rank's query heads, KV heads and SSM config."""
+        raise NotImplementedError
+
+    @classmethod
+    def shard_config(cls, cfg: StrictConfig, tp: TensorParallel, what: str) -> StrictConfig:
+        """A rank's block of the SSM (refused as its own kind refuses, e.g. Mamba-2 groups that do not divide) and
+        of the attention's query heads and the KV heads they read."""
+        if tp.size == 1:
+            return cfg
+        ssm_cls, ssm_cfg = cls.ssm_of(cfg)
+        ssm = ssm_cls.shard_config(ssm_cfg, tp, f"{what} fading-memory SSM ({ssm_cls.kind})")
+        heads, _ = tp.heads(cfg.num_heads, f"{what} num_heads")
+        kv_heads, _ = tp.heads(cfg.kv_heads, f"{what} num_kv_heads", replicate=True)
+        return cls._with_blocks(cfg, heads, kv_heads, ssm)
+
+    # The SSM is built before the ranks are known (`build_mixer` sets them on the layer afterwards); it reads them to
+    # split its tensors (GKA's replicated heads), so the layer hands them on.
+    @property
+    def tp(self) -> TensorParallel:  # type: ignore[override]
+        return self.__dict__.get("_tp", ONE_RANK)
+
+    @tp.setter
+    def tp(self, tp: TensorParallel) -> None:
+        self.__dict__["_tp"] = tp
+        self.ssm.tp = tp
+
+    @property
+    def whole_cfg(self) -> StrictConfig | None:  # type: ignore[override]
+        return self.__dict__.get("_whole_cfg")
+
+    @whole_cfg.setter
+    def whole_cfg(self, cfg: StrictConfig | None) -> None:
+        self.__dict__["_whole_cfg"] = cfg
+        self.ssm.whole_cfg = None if cfg is None else self.ssm_of(cfg)[1]
+
+    @property
+    def kv_replicas(self) -> int:
+        """How many ranks hold each KV head (1 unless there are fewer KV heads than ranks)."""
+        whole = self.whole_cfg or self.cfg
+        return self.tp.heads(whole.kv_heads, "num_kv_heads", replicate=True)[1]
+
+    @property
+    def kv_split(self) -> Split:
+        """A K/V state tensor `[n, Hkv, dh]`: by KV head."""
+        return Split(axis=1, replicas=(self.kv_replicas,))
+
+    def _attention_splits(self, paths: list[str], bias: bool) -> dict[str, Split]:
+        """The SSM's splits under `ssm.`, then each attention path's q (by head) and k, v (by KV head) projections
+        (prefix `path`), and the row-parallel out projection `o_proj`."""
+        kv = Split(replicas=(self.kv_replicas,))
+        splits = {f"ssm.{name}": split for name, split in self.ssm.weight_splits().items()}
+        tensors = ("weight", "bias") if bias else ("weight",)
+        for path in paths:
+            for t in tensors:
+                splits.update({f"{path}q_proj.{t}": Split(), f"{path}k_proj.{t}": kv, f"{path}v_proj.{t}": kv})
+        splits["o_proj.weight"] = ROW
+        if bias:
+            splits["o_proj.bias"] = ROW_BIAS
+        return splits
+
+    def _whole(self, partial: torch.Tensor) -> torch.Tensor:
+        """The SSM's output, whole on every rank, from this rank's row-parallel partial sum (summed in place)."""
+        return self.tp.all_reduce(partial)
+
+
+class BMojoMixer(FadingMemoryMixer):
     """Mamba-2 (fading memory) + innovation-selected eidetic memory + sliding window, one NoPE attention."""
 
     kind = "bmojo"
@@ -136,6 +232,19 @@ class BMojoMixer(Mixer):
         self.v_proj = nn.Linear(hidden_size, Hkv * dh, bias=cfg.use_bias)
         self.o_proj = nn.Linear(Hq * dh, hidden_size, bias=cfg.use_bias)
 
+    @staticmethod
+    def ssm_of(cfg: BMojoConfig) -> tuple[type[Mixer], StrictConfig]:
+        return Mamba2Mixer, cfg.mamba2_config()
+
+    @classmethod
+    def _with_blocks(cls, cfg: BMojoConfig, heads: int, kv_heads: int, ssm: Mamba2Config) -> BMojoConfig:
+        update = {"num_heads": heads, "num_kv_heads": kv_heads, "ssm_num_heads": ssm.num_heads,
+                  "ssm_n_groups": ssm.n_groups}  # fmt: skip
+        return cfg.model_copy(update=update)
+
+    def weight_splits(self) -> dict[str, Split]:
+        return self._attention_splits([""], self.cfg.use_bias)  # attn_norm: held whole (it normalises u + y)
+
     def reset_parameters(self) -> None:
         self.ssm.reset_parameters()
         with torch.no_grad():
@@ -145,18 +254,19 @@ class BMojoMixer(Mixer):
         c = self.cfg
         Hkv, dh = c.kv_heads, c.head_dim
         i64, f32 = torch.int64, torch.float32
+        kv = self.kv_split  # the rest (positions, counts, y and its scores) is the same on every rank: held whole
         specs = {
             "t": StateSpec((), dtype=i64),
             **self.ssm.state_specs(max_context),  # "conv" [K-1, conv_dim] (activation dtype), "ssm" [H, P, N] fp32
             "y_buf": StateSpec((self.buf_len, self.hidden_size), dtype=f32),
-            "ring_k": StateSpec((self.w, Hkv, dh), dtype=None),
-            "ring_v": StateSpec((self.w, Hkv, dh), dtype=None),
+            "ring_k": StateSpec((self.w, Hkv, dh), dtype=None, split=kv),
+            "ring_v": StateSpec((self.w, Hkv, dh), dtype=None, split=kv),
             "ring_eps": StateSpec((self.w,), dtype=f32),
-            "fad_k": StateSpec((self.m_f, Hkv, dh), dtype=None),
-            "fad_v": StateSpec((self.m_f, Hkv, dh), dtype=None),
+            "fad_k": StateSpec((self.m_f, Hkv, dh), dtype=None, split=kv),
+            "fad_v": StateSpec((self.m_f, Hkv, dh), dtype=None, split=kv),
             "fad_n": StateSpec((), dtype=i64),
-            "eid_k": StateSpec((self.m_e, Hkv, dh), dtype=None),
-            "eid_v": StateSpec((self.m_e, Hkv, dh), dtype=None),
+            "eid_k": StateSpec((self.m_e, Hkv, dh), dtype=None, split=kv),
+            "eid_v": StateSpec((self.m_e, Hkv, dh), dtype=None, split=kv),
             "eid_eps": StateSpec((self.m_e,), dtype=f32),
             "eid_pos": StateSpec((self.m_e,), dtype=i64),
             "eid_n": StateSpec((), dtype=i64),
@@ -179,8 +289,10 @@ class BMojoMixer(Mixer):
         return self._kv(self.attn_norm(y.to(self.attn_norm.weight.dtype)))
 
     def _output(self, y: torch.Tensor, o: torch.Tensor) -> torch.Tensor:
+        """W_O o (a partial sum under tensor parallelism), plus y under P2. y is whole on every rank and the block
+        all-reduces the output, so only rank 0 adds it (as a row-parallel bias)."""
         out = self.o_proj(o.flatten(-2))
-        return y + out if self.cfg.wiring == "P2" else out
+        return y + out if self.cfg.wiring == "P2" and self.tp.rank == 0 else out
 
     def _qkv(self, u: torch.Tensor, y: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """The attention's q `[..., Hq, dh]` and k, v `[..., Hkv, dh]` from the mixer input u and the SSM output y."""
@@ -195,7 +307,7 @@ class BMojoMixer(Mixer):
     # -- training: whole sequences from a new session's state ----------------------------------------------------
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         B, T, _ = x.shape
-        y = self.ssm(x)
+        y = self._whole(self.ssm(x))
         q, k, v = self._qkv(x, y)
         specs = self.state_specs(0)
         fresh = MemoryState(
@@ -212,7 +324,7 @@ class BMojoMixer(Mixer):
         return {"conv": state["conv"], "ssm": state["ssm"]}
 
     def prefill(self, x: torch.Tensor, state: State, batch: StepBatch) -> torch.Tensor:
-        y = self.ssm.prefill(x, self._ssm_state(state), batch)  # writes the conv/ssm rows
+        y = self._whole(self.ssm.prefill(x, self._ssm_state(state), batch))  # writes the conv/ssm rows
         q, k, v = self._qkv(x, y)
         o = chunk_bmojo(
             q, k, v, y, *self._memory(state), batch.state_indices, batch.cu_seqlens, self._fading_kv,
@@ -221,7 +333,7 @@ class BMojoMixer(Mixer):
         return self._output(y, o)
 
     def decode(self, x: torch.Tensor, state: State, batch: StepBatch) -> torch.Tensor:
-        y = self.ssm.decode(x, self._ssm_state(state), batch)  # writes the conv/ssm rows
+        y = self._whole(self.ssm.decode(x, self._ssm_state(state), batch))  # writes the conv/ssm rows
         q, k, v = self._qkv(x, y)
         o = fused_recurrent_bmojo(
             q, k, v, y, *self._memory(state), batch.state_indices, self._fading_kv, self.cfg.predictor_taps

@@ -9,6 +9,10 @@ a different layer (docs/design/bmojo.md).
 
 This is the PyTorch reference: serving runs the attention session by session (a host loop; the recurrent layer runs
 its own kernels), so decode is not captured in CUDA graphs.
+
+Under tensor parallelism (bmojo.FadingMemoryMixer) a rank holds its block of the recurrent layer (split as its own
+kind splits it) and of the attention's heads; the recurrent layer's output is all-reduced, since every fading key and
+value reads all its channels. The rings split by KV head; `length` is held whole.
 """
 
 from __future__ import annotations
@@ -18,11 +22,13 @@ from pydantic import Field, model_validator
 from torch import nn
 
 from kvfree.engine.layers.base import Mixer, StateSpec
+from kvfree.engine.layers.bmojo import FadingMemoryMixer
 from kvfree.engine.layers.gka import GKAConfig, GKAMixer
 from kvfree.engine.layers.mamba2 import Mamba2Config, Mamba2Mixer
 from kvfree.engine.layers.norms import RMSNorm
 from kvfree.engine.step_batch import StepBatch
 from kvfree.engine.strict_config import PositiveInt, StrictConfig
+from kvfree.engine.tensor_parallel import Split
 from kvfree.kernels.attention import apply_rope
 
 
@@ -47,6 +53,11 @@ class BMojoFConfig(StrictConfig):
             raise ValueError(f"num_kv_heads: {self.num_kv_heads} must divide num_heads ({self.num_heads})")
         return self
 
+    @property
+    def kv_heads(self) -> int:
+        """The KV heads, under the name B'MOJO's config gives them (read by `FadingMemoryMixer`)."""
+        return self.num_kv_heads
+
 
 class _QKV(nn.Module):
     """One path's projections and q/k norms."""
@@ -60,7 +71,7 @@ class _QKV(nn.Module):
         self.k_norm = RMSNorm(c.head_dim, c.qk_norm_eps)
 
 
-class BMojoFMixer(Mixer):
+class BMojoFMixer(FadingMemoryMixer):
     """Session state: the fading layer's own state (names prefixed `ssm_`), the last W in-context keys and values
     `k_ctx`, `v_ctx` `[W, Hkv, D]` and the last 2W fading keys and values `k_fade`, `v_fade` `[2W, Hkv, D]` (rings:
     position p at p % size, keys rotated), and `length` (tokens seen)."""
@@ -72,13 +83,27 @@ class BMojoFMixer(Mixer):
     def __init__(self, hidden_size: int, cfg: BMojoFConfig) -> None:
         super().__init__()
         self.cfg = cfg
-        if cfg.fading_gka is not None:
-            self.ssm: Mixer = GKAMixer(hidden_size, cfg.fading_gka)
-        else:
-            self.ssm = Mamba2Mixer(hidden_size, cfg.fading_mamba2)
+        ssm_cls, ssm_cfg = self.ssm_of(cfg)
+        self.ssm = ssm_cls(hidden_size, ssm_cfg)
         self.attn = _QKV(hidden_size, cfg)
         self.attn_fading = None if cfg.tie_attn_weights else _QKV(hidden_size, cfg)
         self.o_proj = nn.Linear(cfg.num_heads * cfg.head_dim, hidden_size, bias=False)
+
+    @staticmethod
+    def ssm_of(cfg: BMojoFConfig) -> tuple[type[Mixer], StrictConfig]:
+        if cfg.fading_gka is not None:
+            return GKAMixer, cfg.fading_gka
+        return Mamba2Mixer, cfg.fading_mamba2
+
+    @classmethod
+    def _with_blocks(cls, cfg: BMojoFConfig, heads: int, kv_heads: int, ssm: StrictConfig) -> BMojoFConfig:
+        field = "fading_gka" if cfg.fading_gka is not None else "fading_mamba2"
+        return cfg.model_copy(update={"num_heads": heads, "num_kv_heads": kv_heads, field: ssm})
+
+    def weight_splits(self) -> dict[str, Split]:
+        # The q/k norms (one weight of head_dim, shared by the heads) are held whole.
+        paths = ["attn."] if self.attn_fading is None else ["attn.", "attn_fading."]
+        return self._attention_splits(paths, bias=False)
 
     def reset_parameters(self) -> None:
         self.ssm.reset_parameters()
@@ -90,8 +115,8 @@ class BMojoFMixer(Mixer):
         c = self.cfg
         specs = {f"ssm_{name}": spec for name, spec in self.ssm.state_specs(max_context).items()}
         ctx, fade = (
-            StateSpec((c.window, c.num_kv_heads, c.head_dim), None),
-            StateSpec((2 * c.window, c.num_kv_heads, c.head_dim), None),
+            StateSpec((c.window, c.num_kv_heads, c.head_dim), None, split=self.kv_split),
+            StateSpec((2 * c.window, c.num_kv_heads, c.head_dim), None, split=self.kv_split),
         )
         return specs | {"k_ctx": ctx, "v_ctx": ctx, "k_fade": fade, "v_fade": fade,
                         "length": StateSpec((), dtype=torch.int64)}  # fmt: skip
@@ -154,7 +179,7 @@ class BMojoFMixer(Mixer):
         return torch.einsum("hts,shd->thd", p, vv).flatten(-2).to(x.dtype)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        fading = self.ssm(x)
+        fading = self._whole(self.ssm(x))
         out = torch.stack([self._session(x[b], fading[b], 0, None) for b in range(x.shape[0])])
         return self.o_proj(out.to(self.o_proj.weight.dtype))
 
@@ -171,11 +196,11 @@ class BMojoFMixer(Mixer):
         return self.o_proj(torch.cat(out).to(self.o_proj.weight.dtype))
 
     def prefill(self, x: torch.Tensor, state: dict[str, torch.Tensor], batch: StepBatch) -> torch.Tensor:
-        fading = self.ssm.prefill(x, self._ssm_state(state), batch)
+        fading = self._whole(self.ssm.prefill(x, self._ssm_state(state), batch))
         cu = batch.cu_seqlens_cpu if batch.cu_seqlens_cpu is not None else batch.cu_seqlens.cpu()
         cu = [int(c) for c in cu]
         return self._serve(x, fading, state, batch, [b - a for a, b in zip(cu[:-1], cu[1:], strict=True)])
 
     def decode(self, x: torch.Tensor, state: dict[str, torch.Tensor], batch: StepBatch) -> torch.Tensor:
-        fading = self.ssm.decode(x, self._ssm_state(state), batch)
+        fading = self._whole(self.ssm.decode(x, self._ssm_state(state), batch))
         return self._serve(x, fading, state, batch, [1] * x.shape[0])
