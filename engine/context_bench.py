@@ -78,9 +78,12 @@ def fill(pool: StatePool, context: int, gen: torch.Generator) -> None:
     """Every session's state as after `context` tokens: lengths set, entries random (never zeros)."""
     for state in pool.tensors:
         for name, t in state.items():
-            if t.is_floating_point():
+            if name.endswith("_scale"):  # an fp8 cache's scales: positive
+                t.fill_(1.0)
+            elif t.is_floating_point():
+                dtype = torch.float32 if t.element_size() == 1 else t.dtype  # (no randn in fp8: drawn, then cast)
                 for row in range(t.shape[0]):  # row by row: a whole pool's fp32 randn would not fit beside it
-                    t[row].copy_(torch.randn(t[row].shape, generator=gen, device=t.device, dtype=t.dtype) * 0.1)
+                    t[row].copy_(torch.randn(t[row].shape, generator=gen, device=t.device, dtype=dtype) * 0.1)
             elif name == "length":
                 t.fill_(context)
 
@@ -171,6 +174,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--memory-fraction", type=float, default=0.6, help="share of free GPU memory for the pool")
     ap.add_argument("--max-sessions", type=int, default=1024)
     ap.add_argument("--tensor-parallel-size", "-tp", type=int, default=1, help="GPUs the model is split among")
+    ap.add_argument("--kv-cache-dtype", choices=["auto", "fp8"], default="auto", help="the attention KV cache's dtype")
     ap.add_argument("--profile", action="store_true", help="also profile a few decode steps at each context")
     ap.add_argument("--enforce-eager", action="store_true", help="time eager decode (default: a CUDA graph)")
     ap.add_argument("--out", type=Path, default=Path("docs/bench/hmf-8b-gka-context.json"))
@@ -201,6 +205,7 @@ def run(args: argparse.Namespace, tp: TensorParallel) -> None:
         label, hf_config = SHAPES["hmf_32b_gka" if args.hmf_32b_gka else "hmf_8b_gka"]
         config = ModelConfig.from_dict(convert_config(hf_config, Path(label)))
         model, name = random_model(config, device, dtype, tp), f"{label}, random weights"
+    model.set_kv_cache_dtype(args.kv_cache_dtype)
     bandwidth = hbm_bandwidth(device)
     # The captured decode must give the eager decode's greedy tokens (8 sessions, 16 steps).
     graph_check = None if args.enforce_eager or graph_blockers(model) else check_graph_tokens(model, 8)
@@ -214,9 +219,10 @@ def run(args: argparse.Namespace, tp: TensorParallel) -> None:
         return
     params = sum(p.numel() for p in model.parameters()) * tp.size  # (about: norms are held whole by every rank)
     write_json(args.out, {"model": name, "parameters": params, "layers": model.config.layers,
-                          "tensor_parallel_size": tp.size, "graph_tokens_equal_eager": graph_check,
+                          "tensor_parallel_size": tp.size, "kv_cache_dtype": args.kv_cache_dtype,
+                          "graph_tokens_equal_eager": graph_check,
                           "hbm_bytes_per_s": bandwidth, "env": environment(device), "rows": rows})  # fmt: skip
-    print(f"TP={tp.size}; CUDA-graph decode gives the eager tokens: {graph_check}")
+    print(f"TP={tp.size}, KV cache {args.kv_cache_dtype}; CUDA-graph decode gives the eager tokens: {graph_check}")
     head = ("context", "sessions", "MB/session", "step ms", "tok/s", "tok/s/GPU", "x floor")
     print(" ".join(f"{h:>{w}}" for h, w in zip(head, (8, 8, 10, 8, 8, 9, 7), strict=True)))
     for r in rows:

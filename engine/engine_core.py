@@ -67,6 +67,7 @@ class EngineConfig:
     config_overrides: dict[str, Any] = field(default_factory=dict)
     enforce_eager: bool = False
     tensor_parallel_size: int = 1
+    kv_cache_dtype: str = "auto"
     max_waiting: int = 256
     max_batch_tokens: int = 2048
     max_prefill_tokens: int | None = None
@@ -84,7 +85,7 @@ class EngineConfig:
         llm = LLM(
             self.model, device=self.device, dtype=self.dtype, max_sessions=self.max_sessions,
             max_context=self.max_context, config_overrides=self.config_overrides, enforce_eager=self.enforce_eager,
-            tensor_parallel_size=self.tensor_parallel_size,
+            tensor_parallel_size=self.tensor_parallel_size, kv_cache_dtype=self.kv_cache_dtype,
         )  # fmt: skip
         store = None
         if self.session_store:

@@ -15,6 +15,7 @@ from kvfree.checkpoints import default_checkpoint_path
 from kvfree.engine.grammar import GrammarCompiler
 from kvfree.engine.llm_engine import LLMEngine
 from kvfree.engine.loader import load_model
+from kvfree.engine.model import KV_CACHE_DTYPES
 from kvfree.engine.model_runner import ModelRunner
 from kvfree.engine.ranks import RankSpec, Workers, free_address
 from kvfree.engine.sampling import SamplingParams
@@ -59,6 +60,8 @@ class LLM:
         tensor_parallel_size: N > 1 splits every layer's heads among N processes, one per GPU (cuda:0 .. cuda:N-1;
             on the CPU, N processes joined by gloo): this process is rank 0 and starts the others
             (engine/ranks.py, docs/design/tensor-parallel.md). `close()` ends them.
+        kv_cache_dtype: "auto" (the activation dtype) or "fp8": attention layers keep their KV cache in e4m3 with a
+            scale per session and KV head, half a bf16 cache's bytes (engine/layers/attention.py).
     """
 
     def __init__(
@@ -73,13 +76,17 @@ class LLM:
         config_overrides: dict[str, Any] | None = None,
         enforce_eager: bool = False,
         tensor_parallel_size: int = 1,
+        kv_cache_dtype: str = "auto",
     ) -> None:
         path = Path(model) if model is not None else default_checkpoint_path()
         self.path = path  # the checkpoint directory
         if tensor_parallel_size < 1:
             raise ValueError(f"tensor_parallel_size must be at least 1, got {tensor_parallel_size}")
+        if kv_cache_dtype not in KV_CACHE_DTYPES:
+            raise ValueError(f"kv_cache_dtype {kv_cache_dtype!r}: use one of {sorted(KV_CACHE_DTYPES)}")
         spec = RankSpec(tensor_parallel_size, free_address(), str(path), "auto" if device is None else str(device),
-                        dtype, max_sessions, max_context, dict(config_overrides or {}), enforce_eager)  # fmt: skip
+                        dtype, max_sessions, max_context, dict(config_overrides or {}), enforce_eager,
+                        kv_cache_dtype)  # fmt: skip
         self.workers = Workers(spec) if tensor_parallel_size > 1 else None
         try:
             self.runner = build_rank(spec, self.workers.tp if self.workers else ONE_RANK, self.workers)
@@ -206,6 +213,7 @@ def build_rank(spec: RankSpec, tp: TensorParallel, workers: Workers | None = Non
     and kept on the runner."""
     model = load_model(spec.model, device=spec.device_of(tp.rank), dtype=spec.dtype,
                        config_overrides=spec.config_overrides, tp=tp)  # fmt: skip
+    model.set_kv_cache_dtype(spec.kv_cache_dtype)
     fingerprint = model_fingerprint(model) if tp.size > 1 else None
     if workers is not None:
         pool: StatePool = ShardedStatePool(model, spec.max_sessions, spec.max_context, workers)

@@ -80,7 +80,11 @@ def load_model(
         raise CheckpointError(
             f"{path}: missing tensor {missing[0]!r}" + (f" (and {len(missing) - 1} more)" if len(missing) > 1 else "")
         )
-    unexpected = [k for k in raw.tensors if k not in expected]
+    # Calibrated fp8 KV-cache scales (`layers.{i}.mixer.k_scale` / `v_scale`, `[Hkv]`, as vLLM's fp8 checkpoints
+    # ship them) are optional: they start each session's scales (engine/layers/attention.py).
+    buffers = dict(model.named_buffers())
+    scales = {k: t for k, t in raw.tensors.items() if k.endswith(("mixer.k_scale", "mixer.v_scale")) and k in buffers}
+    unexpected = [k for k in raw.tensors if k not in expected and k not in scales]
     if unexpected:
         raise CheckpointError(f"{path}: unexpected tensor {unexpected[0]!r} (not part of this config's model)")
     for name, want in expected.items():
@@ -99,6 +103,16 @@ def load_model(
         if not torch.isfinite(got).all():
             raise CheckpointError(f"{path}: tensor {name!r} holds NaN or Inf values")
     model.load_state_dict({name: shard(raw.tensors[name], splits.get(name), tp) for name in expected})
+    for name, scale in scales.items():
+        try:
+            fits = scale.dim() == 1 and rank_shape(scale.shape, splits.get(name), tp.size, name) == buffers[name].shape
+        except ValueError:
+            fits = False
+        if not fits:
+            raise CheckpointError(f"{path}: tensor {name!r} has shape {tuple(scale.shape)}: one scale per KV head")
+        if not torch.isfinite(scale).all() or not (scale > 0).all():
+            raise CheckpointError(f"{path}: tensor {name!r} holds a scale that is not a finite positive number")
+        buffers[name].copy_(shard(scale.float(), splits.get(name), tp))
     for layer in model.layers:
         layer.mixer.on_load()
     model.checkpoint_path = path  # type: ignore[attr-defined]

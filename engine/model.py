@@ -7,12 +7,15 @@ from torch import nn
 
 from kvfree.engine.config import ModelConfig
 from kvfree.engine.layers import Mixer, build_mixer
+from kvfree.engine.layers.attention import AttentionMixer
 from kvfree.engine.layers.mlp import KoopmanMLP, build_mlp
 from kvfree.engine.layers.norms import RMSNorm
 from kvfree.engine.step_batch import StepBatch
 from kvfree.engine.tensor_parallel import ONE_RANK, ROW, Split, TensorParallel, embed, lm_logits
 
 State = list[dict[str, torch.Tensor]]  # per layer: name -> pool tensor [capacity, *shape]
+# `--kv-cache-dtype`: the attention layers' KV cache dtype (None: the activation dtype).
+KV_CACHE_DTYPES: dict[str, torch.dtype | None] = {"auto": None, "fp8": torch.float8_e4m3fn}
 
 
 class Block(nn.Module):
@@ -101,6 +104,15 @@ class HybridLM(nn.Module):
                                      for i, kind in enumerate(config.layers)])  # fmt: skip
         self.norm = RMSNorm(config.hidden_size, config.norm_eps)
         self.lm_head = None if config.tie_word_embeddings else nn.Linear(config.hidden_size, rows, False)
+
+    def set_kv_cache_dtype(self, kv_cache_dtype: str) -> None:
+        """"auto" (the activation dtype) or "fp8" (e4m3, with a scale per session and KV head) for every attention
+        layer's KV cache; call before a state pool is made (it reads the layers' state specs)."""
+        if kv_cache_dtype not in KV_CACHE_DTYPES:
+            raise ValueError(f"kv_cache_dtype {kv_cache_dtype!r}: use one of {sorted(KV_CACHE_DTYPES)}")
+        for layer in self.layers:
+            if isinstance(layer.mixer, AttentionMixer):
+                layer.mixer.kv_cache_dtype = KV_CACHE_DTYPES[kv_cache_dtype]
 
     def weight_splits(self) -> dict[str, Split]:
         """Tensor name -> how the whole model's tensor divides among tensor-parallel ranks (absent: held whole)."""

@@ -50,6 +50,7 @@ class RankSpec:
     max_context: int = 4096
     config_overrides: dict[str, Any] = field(default_factory=dict)
     enforce_eager: bool = False
+    kv_cache_dtype: str = "auto"
     channel_path: str = ""  # the command channel's file (set by `Workers`)
 
     def device_of(self, rank: int) -> str:

@@ -245,6 +245,8 @@ def serve_args(args: argparse.Namespace, device: str, dtype: str) -> list[str]:
         out.append("--enforce-eager")
     if args.tensor_parallel_size > 1:
         out += ["--tensor-parallel-size", str(args.tensor_parallel_size)]
+    if args.kv_cache_dtype != "auto":
+        out += ["--kv-cache-dtype", args.kv_cache_dtype]
     return out + args.serve_args
 
 
@@ -272,6 +274,7 @@ def run_offline(
             config_overrides=parse_overrides(args.overrides),
             enforce_eager=args.enforce_eager,
             tensor_parallel_size=args.tensor_parallel_size,
+            kv_cache_dtype=args.kv_cache_dtype,
         )
         if llm.config.vocab_size != vocab_size:
             raise ValueError(f"the model's vocab_size {llm.config.vocab_size} is not config.json's {vocab_size}")
@@ -467,6 +470,7 @@ def run(args: argparse.Namespace) -> int:
             "prefill_batch_wait_ms": args.prefill_batch_wait_ms,
             "enforce_eager": args.enforce_eager,
             "tensor_parallel_size": args.tensor_parallel_size,
+            "kv_cache_dtype": args.kv_cache_dtype,
             "overrides": args.overrides,
             "server_only_args": args.serve_args,
             "seed": args.seed,

@@ -33,6 +33,7 @@ def engine_config(settings: ServerSettings) -> EngineConfig:
         model=settings.model, device=settings.device, dtype=settings.dtype, max_sessions=settings.max_sessions,
         max_context=settings.max_context, config_overrides=settings.config_overrides,
         enforce_eager=settings.enforce_eager, tensor_parallel_size=settings.tensor_parallel_size,
+        kv_cache_dtype=settings.kv_cache_dtype,
         max_waiting=settings.max_waiting,
         max_batch_tokens=settings.max_batch_tokens, max_prefill_tokens=settings.max_prefill_tokens,
         prefill_batch_wait=settings.prefill_batch_wait_ms / 1e3, max_host_sessions=settings.max_host_sessions,

@@ -40,6 +40,7 @@ class ServerSettings:
     config_overrides: dict = field(default_factory=dict)
     enforce_eager: bool = False  # decode without CUDA graphs
     tensor_parallel_size: int = 1  # processes (GPUs) every layer's heads are split among
+    kv_cache_dtype: str = "auto"  # "fp8": attention KV caches in e4m3 with per-session, per-KV-head scales
     engine_process: bool = True  # the engine core in a process of its own (False: on a thread of the HTTP process)
 
     @property

@@ -123,7 +123,7 @@ def hybrid_checkpoint(path, config: dict | None = None) -> str:
     return str(path)
 
 
-def run_hybrid(path: str, tp: TensorParallel) -> dict[str, torch.Tensor]:
+def run_hybrid(path: str, tp: TensorParallel, kv_cache_dtype: str = "auto") -> dict[str, torch.Tensor]:
     """Prefill PROMPTS into two sessions (one packed step), then 4 greedy decode steps: every step's logits, and
     the sessions' states put back whole (`unshard` of every rank's rows)."""
     from kvfree.engine.loader import load_model
@@ -132,6 +132,7 @@ def run_hybrid(path: str, tp: TensorParallel) -> dict[str, torch.Tensor]:
     from kvfree.engine.tensor_parallel import unshard
 
     model = load_model(path, device="cpu", dtype="float32", tp=tp)
+    model.set_kv_cache_dtype(kv_cache_dtype)
     pool = StatePool(model, 4, max_context=32)
     slots = [pool.alloc(), pool.alloc()]
     ids = torch.tensor([t for p in PROMPTS for t in p])
@@ -141,33 +142,39 @@ def run_hybrid(path: str, tp: TensorParallel) -> dict[str, torch.Tensor]:
     out = {f"logits.{i}": x for i, x in enumerate(logits)}
     for i, (specs, state) in enumerate(zip(pool.specs, pool.tensors, strict=True)):
         for name, spec in specs.items():
-            rows = state[name][slots]
-            parts = [torch.empty_like(rows) for _ in range(tp.size)]
+            rows = state[name][slots].contiguous()
+            raw = rows.view(torch.uint8) if rows.dtype == torch.float8_e4m3fn else rows  # (gloo has no fp8)
+            parts = [torch.empty_like(raw) for _ in range(tp.size)]
             if tp.size > 1:
-                dist.all_gather(parts, rows.contiguous())
+                dist.all_gather(parts, raw)
             else:
-                parts = [rows]
+                parts = [raw]
+            parts = [part.view(rows.dtype) for part in parts]
             split = None if spec.split is None else dataclasses.replace(spec.split, axis=spec.split.axis + 1)
-            out[f"state.{i}.{name}"] = unshard(parts, split)
+            whole = unshard(parts, split)
+            # (fp8 compared by value: assert_close has no fp8 arithmetic)
+            out[f"state.{i}.{name}"] = whole.float() if whole.dtype == torch.float8_e4m3fn else whole
     return out
 
 
-def _hybrid_rank(rank: int, size: int, init: str, path: str, out: str) -> None:
+def _hybrid_rank(rank: int, size: int, init: str, path: str, out: str, kv_cache_dtype: str) -> None:
     tp = TensorParallel.start(rank, size, init, backend="gloo")
     try:
-        torch.save(run_hybrid(path, tp), f"{out}.{rank}")
+        torch.save(run_hybrid(path, tp, kv_cache_dtype), f"{out}.{rank}")
     finally:
         dist.destroy_process_group()
 
 
-def assert_two_ranks_match_one(tmp_path, config: dict | None = None, rtol: float = 2e-4, atol: float = 2e-5) -> None:
+def assert_two_ranks_match_one(
+    tmp_path, config: dict | None = None, rtol: float = 2e-4, atol: float = 2e-5, kv_cache_dtype: str = "auto"
+) -> None:
     """A random checkpoint of `config` run at TP=2 (two gloo processes) and at TP=1 (`run_hybrid`): the same logits
     on both ranks, and every state tensor put back together from the ranks' parts equal to the one-rank state."""
     path = hybrid_checkpoint(tmp_path / "ckpt", config)
     out = str(tmp_path / "result")
-    mp.start_processes(_hybrid_rank, args=(2, f"file://{tmp_path / 'init'}", path, out), nprocs=2,
+    mp.start_processes(_hybrid_rank, args=(2, f"file://{tmp_path / 'init'}", path, out, kv_cache_dtype), nprocs=2,
                        start_method="spawn")  # fmt: skip
-    want = run_hybrid(path, TensorParallel())
+    want = run_hybrid(path, TensorParallel(), kv_cache_dtype)
     for rank in range(2):
         got = torch.load(f"{out}.{rank}")
         assert got.keys() == want.keys()

@@ -16,7 +16,7 @@ from kvfree.engine.step_batch import StepBatch
 from kvfree.engine.strict_config import PositiveInt, StrictConfig
 from kvfree.engine.tensor_parallel import ROW, ROW_BIAS, Split, TensorParallel
 from kvfree.kernels.attention import KVCacheFull, apply_rope, attend, chunk_attention, fused_recurrent_attention
-from kvfree.kernels.attention.reference import decode_graph_safe
+from kvfree.kernels.attention.reference import FP8, decode_graph_safe
 
 
 class AttentionConfig(StrictConfig):
@@ -73,6 +73,12 @@ class AttentionMixer(Mixer):
         self.q_norm = RMSNorm(D, cfg.qk_norm_eps) if cfg.qk_norm else None
         self.k_norm = RMSNorm(D, cfg.qk_norm_eps) if cfg.qk_norm else None
         self.window = cfg.window
+        # The KV cache's dtype: None keeps the activation dtype; float8_e4m3fn (`--kv-cache-dtype fp8`) halves a
+        # bf16 cache, each session keeping a scale per KV head for k and for v (`k_scale`, `v_scale` state), which
+        # start from these (1.0 unless the checkpoint ships calibrated ones, as vLLM's fp8 checkpoints do).
+        self.kv_cache_dtype: torch.dtype | None = None
+        self.register_buffer("k_scale", torch.ones(cfg.num_kv_heads), persistent=False)
+        self.register_buffer("v_scale", torch.ones(cfg.num_kv_heads), persistent=False)
 
     @classmethod
     def shard_config(cls, cfg: AttentionConfig, tp: TensorParallel, what: str) -> AttentionConfig:
@@ -90,7 +96,8 @@ class AttentionMixer(Mixer):
 
     def weight_splits(self) -> dict[str, Split]:
         kv = Split(replicas=(self.kv_replicas,))
-        splits = {"q_proj.weight": Split(), "k_proj.weight": kv, "v_proj.weight": kv, "o_proj.weight": ROW}
+        splits = {"q_proj.weight": Split(), "k_proj.weight": kv, "v_proj.weight": kv, "o_proj.weight": ROW,
+                  "k_scale": kv, "v_scale": kv}  # fmt: skip
         if self.cfg.use_bias:
             splits.update({"q_proj.bias": Split(), "k_proj.bias": kv, "v_proj.bias": kv, "o_proj.bias": ROW_BIAS})
         return splits
@@ -98,11 +105,25 @@ class AttentionMixer(Mixer):
     def state_specs(self, max_context: int) -> dict[str, StateSpec]:
         c = self.cfg
         split = Split(axis=1, replicas=(self.kv_replicas,))  # by KV head
+        dtype = self.kv_cache_dtype
         if self.window is None:
-            kv = StateSpec((max_context, c.num_kv_heads, c.head_dim), dtype=None, per_token=True, split=split)
+            kv = StateSpec((max_context, c.num_kv_heads, c.head_dim), dtype=dtype, per_token=True, split=split)
         else:
-            kv = StateSpec((self.window, c.num_kv_heads, c.head_dim), dtype=None, split=split)
-        return {"k": kv, "v": kv, "length": StateSpec((), dtype=torch.int64)}
+            kv = StateSpec((self.window, c.num_kv_heads, c.head_dim), dtype=dtype, split=split)
+        specs = {"k": kv, "v": kv, "length": StateSpec((), dtype=torch.int64)}
+        if dtype == FP8:
+            scale = StateSpec((c.num_kv_heads,), dtype=torch.float32, split=Split(replicas=(self.kv_replicas,)))
+            specs.update({"k_scale": scale, "v_scale": scale})
+        return specs
+
+    def reset_state(self, state: dict[str, torch.Tensor], slots: torch.Tensor) -> None:
+        super().reset_state(state, slots)
+        if "k_scale" in state:  # a new session's scales: the layer's
+            state["k_scale"][slots] = self.k_scale.to(state["k_scale"])  # (the buffer may be bf16)
+            state["v_scale"][slots] = self.v_scale.to(state["v_scale"])
+
+    def _scales(self, state: dict[str, torch.Tensor]) -> dict[str, torch.Tensor | None]:
+        return {"k_scale": state.get("k_scale"), "v_scale": state.get("v_scale")}
 
     def _qkv(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         c = self.cfg
@@ -131,7 +152,7 @@ class AttentionMixer(Mixer):
         with _context_limit():
             o = chunk_attention(
                 q, k, v, state["k"], state["v"], state["length"], batch.state_indices, batch.cu_seqlens,
-                **self._op_params(), cu_seqlens_cpu=batch.cu_seqlens_cpu,
+                **self._op_params(), cu_seqlens_cpu=batch.cu_seqlens_cpu, **self._scales(state),
             )  # fmt: skip
         return self.o_proj(o.flatten(-2))
 
@@ -139,8 +160,9 @@ class AttentionMixer(Mixer):
         q, k, v = self._qkv(x)
         with _context_limit():
             o = fused_recurrent_attention(
-                q, k, v, state["k"], state["v"], state["length"], batch.state_indices, **self._op_params()
-            )
+                q, k, v, state["k"], state["v"], state["length"], batch.state_indices, **self._op_params(),
+                **self._scales(state),
+            )  # fmt: skip
         return self.o_proj(o.flatten(-2))
 
 

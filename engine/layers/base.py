@@ -27,6 +27,7 @@ from torch import nn
 from kvfree.engine.step_batch import StepBatch
 from kvfree.engine.strict_config import StrictConfig
 from kvfree.engine.tensor_parallel import ONE_RANK, Split, TensorParallel
+from kvfree.kernels.rows.reference import zero_rows
 
 
 @dataclass(frozen=True)
@@ -90,7 +91,7 @@ class Mixer(nn.Module):
     def reset_state(self, state: dict[str, torch.Tensor], slots: torch.Tensor) -> None:
         """Give `slots` the state of a new session (zeros unless the mixer overrides it)."""
         for tensor in state.values():
-            tensor.index_fill_(0, slots, 0)
+            zero_rows(tensor, slots)
 
     def prefill(self, x: torch.Tensor, state: dict[str, torch.Tensor], batch: StepBatch) -> torch.Tensor:
         """x: `[T, D]` packed tokens of `batch`'s sessions -> `[T, D]`; updates their state rows in place."""

@@ -28,12 +28,12 @@ _INTERPRET = os.environ.get("TRITON_INTERPRET", "0") in ("1", "true", "True")
 
 @triton.jit
 def _decode_attention_kernel(
-    q, k_cache, v_cache, used, slots, o_part, m_part, l_part,
+    q, k_cache, v_cache, used, slots, o_part, m_part, l_part, k_scale, v_scale,
     stride_qb, stride_qh, stride_kc_s, stride_kc_t, stride_kc_h, stride_vc_s, stride_vc_t, stride_vc_h,
-    stride_ob, stride_oh, stride_os, stride_mb, stride_mh,
+    stride_ob, stride_oh, stride_os, stride_mb, stride_mh, stride_sc,
     scale, split_len,
     G: tl.constexpr, BLOCK_G: tl.constexpr, D: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_N: tl.constexpr,
-    PREC: tl.constexpr, INTERP: tl.constexpr,
+    PREC: tl.constexpr, INTERP: tl.constexpr, FP8: tl.constexpr,
 ):  # fmt: skip
     i_b, i_kh, i_s = tl.program_id(0), tl.program_id(1), tl.program_id(2)
     slot = tl.load(slots + i_b).to(tl.int64)
@@ -46,6 +46,8 @@ def _decode_attention_kernel(
     heads = i_kh * G + rows
     qv = tl.load(q + i_b * stride_qb + heads[:, None] * stride_qh + cols[None, :], mask=m_g[:, None] & m_d[None, :])
     qv = qv.to(tl.float32) * scale
+    if FP8:  # an fp8 cache holds k / k_scale and v / v_scale (per session and KV head): q . k = k_scale (q . k_8)
+        qv = qv * tl.load(k_scale + slot * stride_sc + i_kh)
     m_i = tl.full([BLOCK_G], float("-inf"), tl.float32)
     l_i = tl.zeros([BLOCK_G], tl.float32)
     acc = tl.zeros([BLOCK_G, BLOCK_D], tl.float32)
@@ -59,6 +61,8 @@ def _decode_attention_kernel(
         kb = tl.load(k_base + t[:, None] * stride_kc_t + cols[None, :], mask=kv_mask, other=0.0)
         if INTERP:  # the interpreter's bf16 dots are wrong (triton 3.6): give it fp32 operands
             kb = kb.to(tl.float32)
+        elif FP8:  # e4m3 widens exactly to the query's dtype, in registers
+            kb = kb.to(q.dtype.element_ty)
         s = tl.dot(qv.to(kb.dtype), tl.trans(kb), input_precision=PREC)  # [BLOCK_G, BLOCK_N], fp32 accumulation
         s = tl.where(m_t[None, :], s, float("-inf"))
         m_new = tl.maximum(m_i, tl.max(s, axis=1))
@@ -67,10 +71,14 @@ def _decode_attention_kernel(
         vb = tl.load(v_base + t[:, None] * stride_vc_t + cols[None, :], mask=kv_mask, other=0.0)
         if INTERP:
             vb = vb.to(tl.float32)
+        elif FP8:
+            vb = vb.to(q.dtype.element_ty)
         acc = acc * alpha[:, None] + tl.dot(p.to(vb.dtype), vb, input_precision=PREC)
         l_i = l_i * alpha + tl.sum(p, axis=1)
         m_i = m_new
         t0 += BLOCK_N
+    if FP8:  # sum_t p_t v_t = v_scale sum_t p_t v8_t
+        acc = acc * tl.load(v_scale + slot * stride_sc + i_kh)
     out = o_part + i_b * stride_ob + heads[:, None] * stride_oh + i_s * stride_os + cols[None, :]
     tl.store(out, acc, mask=m_g[:, None] & m_d[None, :])
     tl.store(m_part + i_b * stride_mb + heads * stride_mh + i_s, m_i, mask=m_g)
@@ -85,12 +93,13 @@ def _multiprocessors(device: torch.device) -> int:
 
 def decode_attention(
     q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, used: torch.Tensor, slots: torch.Tensor,
-    max_used: int,
+    max_used: int, k_scale: torch.Tensor | None = None, v_scale: torch.Tensor | None = None,
 ) -> torch.Tensor:  # fmt: skip
     """Softmax attention of one query per session over its first `used` cache entries, read in place.
 
     Args:
-        q: `[B, Hq, D]` rotated queries.  k_cache, v_cache: `[S, C, Hkv, D]` pools (Hkv divides Hq).
+        q: `[B, Hq, D]` rotated queries.  k_cache, v_cache: `[S, C, Hkv, D]` pools (Hkv divides Hq), in q's dtype
+            or float8_e4m3fn (then with `k_scale`, `v_scale`: `[S, Hkv]` fp32 pools, the cache holding k / k_scale).
         used: `[B]` int, entries of each session's row to attend (1..C).  slots: `[B]` int, each session's pool row.
         max_used: an upper bound of `used` (host int: it sizes the key splits).
 
@@ -110,15 +119,19 @@ def decode_attention(
     m_part = torch.empty(B, Hq, splits, device=q.device, dtype=torch.float32)
     l_part = torch.empty_like(m_part)
     q = q.contiguous()
+    fp8 = k_scale is not None
+    if fp8 and (v_scale is None or k_scale.stride() != v_scale.stride() or k_scale.stride(1) != 1):
+        raise ValueError("an fp8 cache needs k_scale and v_scale pools [S, Hkv], contiguous along Hkv")
     launch_kernel(_decode_attention_kernel, (B, Hkv, splits),
-        q, k_cache, v_cache, used, slots, o_part, m_part, l_part,
+        q, k_cache, v_cache, used, slots, o_part, m_part, l_part, k_scale if fp8 else q, v_scale if fp8 else q,
         q.stride(0), q.stride(1), k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
         v_cache.stride(0), v_cache.stride(1), v_cache.stride(2),
         o_part.stride(0), o_part.stride(1), o_part.stride(2), m_part.stride(0), m_part.stride(1),
-        D**-0.5, split_len,
+        k_scale.stride(0) if fp8 else 0, D**-0.5, split_len,
         G=G, BLOCK_G=max(16, common.next_power_of_2(G)), D=D, BLOCK_D=max(16, common.next_power_of_2(D)),
         # fp32 caches: IEEE fp32 dots, not tf32. The interpreter is always told "ieee" (it mishandles "tf32").
-        BLOCK_N=BLOCK_N, PREC="ieee" if k_cache.dtype == torch.float32 or _INTERPRET else "tf32", INTERP=_INTERPRET,
+        BLOCK_N=BLOCK_N, PREC="ieee" if q.dtype == torch.float32 or _INTERPRET else "tf32", INTERP=_INTERPRET,
+        FP8=fp8,
     )  # fmt: skip
     # Merge the splits: a split with no keys has m = -inf and l = 0, and weighs nothing.
     m = m_part.amax(-1, keepdim=True)

@@ -22,6 +22,26 @@ class KVCacheFull(ValueError):
     """A session's context would not fit in its full KV cache; raised before any state is touched."""
 
 
+# -- an fp8 (e4m3) cache: each session's KV heads hold k / k_scale and v / v_scale, scales kept with the session ------
+FP8 = torch.float8_e4m3fn
+FP8_MAX = 448.0  # e4m3's largest finite value: larger values saturate rather than become NaN
+
+
+def quantize(x: torch.Tensor, cache_dtype: torch.dtype, scale: torch.Tensor | None) -> torch.Tensor:
+    """x `[..., Hkv, D]` as the cache stores it: cast to `cache_dtype`, or, for an fp8 cache, divided by `scale`
+    `[..., Hkv]` (broadcast over D) and saturated to e4m3's range first."""
+    if scale is None:
+        return x.to(cache_dtype)
+    return (x.float() / scale[..., None]).clamp(-FP8_MAX, FP8_MAX).to(cache_dtype)
+
+
+def dequantize(x: torch.Tensor, dtype: torch.dtype, scale: torch.Tensor | None) -> torch.Tensor:
+    """Cache entries `[..., Hkv, D]` back in `dtype`: times `scale` `[..., Hkv]` for an fp8 cache."""
+    if scale is None:
+        return x.to(dtype)
+    return (x.float() * scale[..., None]).to(dtype)
+
+
 def apply_rope(x: torch.Tensor, positions: torch.Tensor, theta: float) -> torch.Tensor:
     """Rotate `x` by its absolute positions (the "rotate half" layout of Llama / HF).
 
@@ -122,6 +142,8 @@ def _attend_chunk(
     t_max: int,
     p_max: int,
     window: int | None,
+    k_scale: torch.Tensor | None = None,
+    v_scale: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Causal attention of G sessions' new tokens over [their cached past | themselves], right-padded to one call.
 
@@ -140,8 +162,11 @@ def _attend_chunk(
     # its slot left there (resets do not clear a full cache, StatePool). The mask gives them no weight, but a weight
     # of 0 times a NaN or inf is NaN, so they are zeroed in the gathered copies.
     stale = (past_pos >= past[:, None])[..., None, None]  # [G, Pmax, 1, 1]
-    keys = torch.cat([k_cache[rows[:, None], entries].masked_fill_(stale, 0).to(k.dtype), k[tok]], 1)
-    values = torch.cat([v_cache[rows[:, None], entries].masked_fill_(stale, 0).to(v.dtype), v[tok]], 1)
+    ks = None if k_scale is None else k_scale[rows][:, None]  # [G, 1, Hkv]: each session's own scales
+    vs = None if v_scale is None else v_scale[rows][:, None]
+    past_k = dequantize(k_cache[rows[:, None], entries], k.dtype, ks).masked_fill_(stale, 0)
+    past_v = dequantize(v_cache[rows[:, None], entries], v.dtype, vs).masked_fill_(stale, 0)
+    keys, values = torch.cat([past_k, k[tok]], 1), torch.cat([past_v, v[tok]], 1)
     q_pos = past[:, None] + j[None, :]  # [G, Tmax]
     # Past padding gets a position no query reaches. New-token padding sits after every real query of its session,
     # so causality masks it, and a padding query still sees itself: no row of the mask is empty.
@@ -166,6 +191,8 @@ def chunk_attention(
     window: int | None = None,
     *,
     cu_seqlens_cpu: torch.Tensor | list[int] | None = None,
+    k_scale: torch.Tensor | None = None,
+    v_scale: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Causal prefill of packed variable-length sequences, each continuing its session's KV cache in the pool.
 
@@ -185,6 +212,8 @@ def chunk_attention(
         rope_theta: RoPE base.
         window: None for full causal attention, else the sliding window (the cache's ring size).
         cu_seqlens_cpu: a host copy of cu_seqlens (tensor or list); copied from the device (a sync) when None.
+        k_scale, v_scale: `[S, Hkv]` fp32 pools, for an fp8 (e4m3) cache: session s's cache holds k / k_scale[s] and
+            v / v_scale[s] per KV head (`quantize`); the new tokens attend to each other unquantized.
 
     Rows not named in `state_indices` are left untouched. Raises `KVCacheFull` (nothing written) when a full cache
     cannot hold n + T positions.
@@ -212,8 +241,9 @@ def chunk_attention(
         rows, starts, g_past, g_first, g_lens = meta if len(group) == len(lens_h) else meta[:, group].unbind()
         t_max = max(lens_h[i] for i in group)
         o = _attend_chunk(
-            q, k, v, k_cache, v_cache, rows, starts, g_past, g_first, t_max, max(visible[i] for i in group), window
-        )
+            q, k, v, k_cache, v_cache, rows, starts, g_past, g_first, t_max, max(visible[i] for i in group), window,
+            k_scale, v_scale,
+        )  # fmt: skip
         j = torch.arange(t_max, device=dev)[None, :]
         real = j < g_lens[:, None]
         if len(groups) == 1:  # every session in one call, in packed order: the real rows are the packed tokens
@@ -226,8 +256,8 @@ def chunk_attention(
     if max(lens_h) > k_cache.shape[1]:
         keep = offset >= lens[seq] - k_cache.shape[1]
         rows, entries, k, v = rows[keep], entries[keep], k[keep], v[keep]
-    k_cache.index_put_((rows, entries), k.to(k_cache.dtype))
-    v_cache.index_put_((rows, entries), v.to(v_cache.dtype))
+    k_cache.index_put_((rows, entries), quantize(k, k_cache.dtype, None if k_scale is None else k_scale[rows]))
+    v_cache.index_put_((rows, entries), quantize(v, v_cache.dtype, None if v_scale is None else v_scale[rows]))
     length.index_copy_(0, idx, past + lens)
     return out
 
@@ -242,6 +272,9 @@ def fused_recurrent_attention(
     state_indices: torch.Tensor,
     rope_theta: float = 10000.0,
     window: int | None = None,
+    *,
+    k_scale: torch.Tensor | None = None,
+    v_scale: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """One decode token per session: rotate at position n = `length`, append to the cache, attend over it.
 
@@ -252,6 +285,8 @@ def fused_recurrent_attention(
         length: `[S]` int64 pool of tokens seen; rows `state_indices` grow by one.
         state_indices: `[B]` int32, the pool row of each session (distinct).
         rope_theta: RoPE base.  window: None for full attention, else the sliding window (the ring size).
+        k_scale, v_scale: `[S, Hkv]` fp32 pools for an fp8 cache (see `chunk_attention`); the token attends to its
+            own key and value as stored, quantized.
 
     Rows not named in `state_indices` are left untouched. The PyTorch path raises `KVCacheFull` (nothing written)
     when a full cache is already full, reading the longest length on the host (it sizes the keys gathered: a
@@ -273,12 +308,14 @@ def fused_recurrent_attention(
     _check_capacity(k_cache, longest + 1, window)  # on the Triton path only the ring size can fail
     q, k = _rotate(q, k, n, rope_theta)  # the token axis is the batch axis here: one position per session
     entry = n.clamp(max=C - 1) if triton_path and window is None else _entries(n, window)
-    k_cache.index_put_((idx, entry), k.to(k_cache.dtype))
-    v_cache.index_put_((idx, entry), v.to(v_cache.dtype))
+    ks = None if k_scale is None else k_scale.index_select(0, idx)  # [B, Hkv]: each session's own scales
+    vs = None if v_scale is None else v_scale.index_select(0, idx)
+    k_cache.index_put_((idx, entry), quantize(k, k_cache.dtype, ks))
+    v_cache.index_put_((idx, entry), quantize(v, v_cache.dtype, vs))
     if triton_path:
         from kvfree.kernels.attention.decode import decode_attention
 
-        out = decode_attention(q, k_cache, v_cache, (n + 1).clamp(max=C), idx, C)
+        out = decode_attention(q, k_cache, v_cache, (n + 1).clamp(max=C), idx, C, k_scale, v_scale)
     else:
         # Only the first min(n+1, C) entries hold this session's keys; for a ring that is all of them once it has
         # wrapped, and RoPE already encodes the positions, so entry order does not matter.
@@ -287,7 +324,8 @@ def fused_recurrent_attention(
         # Entries past a session's own length hold what an earlier session of its slot left (resets do not clear a
         # full cache): zeroed in the gathered copies, since a softmax weight of 0 times a NaN or inf is NaN.
         stale = ~mask[..., None, None]
-        keys, values = k_cache[idx, :used].masked_fill_(stale, 0), v_cache[idx, :used].masked_fill_(stale, 0)
+        keys = dequantize(k_cache[idx, :used], k.dtype, None if ks is None else ks[:, None]).masked_fill_(stale, 0)
+        values = dequantize(v_cache[idx, :used], v.dtype, None if vs is None else vs[:, None]).masked_fill_(stale, 0)
         out = _attend_one(q, keys, values, mask)
     length.index_copy_(0, idx, n + 1)
     return out

@@ -12,9 +12,16 @@ def copy_rows(table: RowTable, src: torch.Tensor, dst: torch.Tensor) -> None:
     src, dst = src.to(torch.int64), dst.to(torch.int64)
     for t, zero in zip(table.tensors, table.zero_fill, strict=True):
         if zero:
-            t.index_fill_(0, dst, 0)  # zero bits, in every dtype
+            zero_rows(t, dst)
         else:
             t.index_copy_(0, dst, t.index_select(0, src))
+
+
+def zero_rows(t: torch.Tensor, rows: torch.Tensor) -> None:
+    """`t[rows] = 0` (zero bits, in every dtype: fp8 has no `index_fill_` on the CPU, so 1-byte floats are filled
+    through their bytes)."""
+    target = t.view(torch.uint8) if t.is_floating_point() and t.element_size() == 1 else t
+    target.index_fill_(0, rows.to(torch.int64), 0)
 
 
 def gather_rows(table: RowTable, rows: torch.Tensor, flat: torch.Tensor) -> None:
