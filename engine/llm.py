@@ -99,7 +99,7 @@ class LLM:
         self.grammars = GrammarCompiler(self.tokenizer, self.model.config.vocab_size)
         self.prefill_chunk = prefill_chunk
         self._engine: LLMEngine | None = None
-        self._fingerprint: str | None = getattr(self.runner, "fingerprint", None)
+        self._fingerprint: str | None = self.runner.fingerprint  # (taken at start-up under tensor parallelism)
         self._ids = itertools.count()
         self.last_sequence: Sequence | None = None
 

@@ -86,7 +86,7 @@ class Workers:
                                           name=f"kvfree-rank-{rank}") for rank in range(1, spec.size)]  # fmt: skip
         for p in self.processes:
             p.start()
-        self.tp, self.control = join(0, spec)
+        self.tp, self.host_group = join(0, spec)
         self._pending: list[tuple] = []  # commands that may wait for the next one (pool resets)
 
     def defer(self, command: tuple) -> None:
@@ -104,16 +104,16 @@ class Workers:
                 raise RuntimeError(f"tensor-parallel rank {rank} has stopped (exit code {p.exitcode}); see its log")
 
     def gather(self, data: torch.Tensor) -> list[torch.Tensor]:
-        """Every rank's uint8 host buffer of `data`'s size, rank 0's (`data`) first: after a command that makes each
-        worker `give` one."""
+        """Every rank's uint8 host buffer of `data`'s size, rank 0's (`data`) first (after an "export" command, which
+        has each worker gather its part of a slot)."""
         parts = [data] + [torch.empty_like(data) for _ in range(self.tp.size - 1)]
-        dist.gather(data, parts, dst=0, group=self.control)
+        dist.gather(data, parts, dst=0, group=self.host_group)
         return parts
 
     def scatter(self, parts: list[torch.Tensor]) -> torch.Tensor:
         """Hand each worker its uint8 host buffer (equal sizes, rank order; rank 0's first, kept)."""
         mine = torch.empty_like(parts[0])
-        dist.scatter(mine, parts, src=0, group=self.control)
+        dist.scatter(mine, parts, src=0, group=self.host_group)
         return mine
 
     def stop(self) -> None:
@@ -134,13 +134,14 @@ class Workers:
 
 
 def join(rank: int, spec: RankSpec) -> tuple[TensorParallel, dist.ProcessGroup]:
-    """Join the ranks' group (NCCL on GPUs, gloo on CPUs) and its gloo control channel; the GPU is rank r's."""
+    """Join the ranks' group (NCCL on GPUs, gloo on CPUs) and a gloo group on the host, which carries session bytes
+    (exports and imports); the GPU is rank r's."""
     device = spec.device_of(rank)
     if device.startswith("cuda"):
         torch.cuda.set_device(torch.device(device))
     tp = TensorParallel.start(rank, spec.size, spec.init_method, timeout=TIMEOUT)
-    control = dist.new_group(backend="gloo", timeout=TIMEOUT) if dist.get_backend() != "gloo" else dist.group.WORLD
-    return tp, control
+    host_group = dist.new_group(backend="gloo", timeout=TIMEOUT) if dist.get_backend() != "gloo" else dist.group.WORLD
+    return tp, host_group
 
 
 def worker_main(rank: int, spec: RankSpec) -> None:
@@ -155,7 +156,7 @@ def worker_main(rank: int, spec: RankSpec) -> None:
             raise SystemExit(f"rank {rank}: rank 0 has gone")
 
     channel = CommandChannel(spec.channel_path, spec.size - 1)
-    tp, control = join(rank, spec)
+    tp, host_group = join(rank, spec)
     runner = build_rank(spec, tp)
     pool = runner.pool
     try:
@@ -167,7 +168,7 @@ def worker_main(rank: int, spec: RankSpec) -> None:
                         dist.destroy_process_group()
                         return
                     try:
-                        run_command(runner, control, name, args)
+                        run_command(runner, host_group, name, args)
                     except ValueError as e:  # rank 0 met the same bad input, and answers for it
                         log.debug("rank %d: %s failed: %s", rank, name, e)
     finally:
@@ -175,7 +176,7 @@ def worker_main(rank: int, spec: RankSpec) -> None:
         channel.close()
 
 
-def run_command(runner, control: dist.ProcessGroup, name: str, args: list[Any]) -> None:
+def run_command(runner, host_group: dist.ProcessGroup, name: str, args: list[Any]) -> None:
     """A worker's part of one command of rank 0's (`Workers.send`)."""
     pool = runner.pool
     if name == "step":
@@ -188,15 +189,11 @@ def run_command(runner, control: dist.ProcessGroup, name: str, args: list[Any]) 
         runner.capture_prefill_graphs(*args)
     elif name == "export":
         data = pool.export_packed(*args).wait().data
-        dist.gather(data, None, dst=0, group=control)
+        dist.gather(data, None, dst=0, group=host_group)
     elif name == "import":
         slot, entries, nbytes = args
         data = torch.empty(nbytes, dtype=torch.uint8)
-        dist.scatter(data, None, src=0, group=control)
+        dist.scatter(data, None, src=0, group=host_group)
         pool.import_part(slot, PackedState(data, entries))
-    elif name == "fingerprint":
-        from kvfree.engine.snapshot import model_fingerprint
-
-        model_fingerprint(runner.model)
     else:
         raise RuntimeError(f"unknown command {name!r} from rank 0")

@@ -7,7 +7,7 @@ export gathers each rank's packed part to rank 0 and puts every tensor back toge
 snapshot, the host tier and the store hold the bytes a one-rank pool would (a session saved at TP=2 restores at
 TP=1 or 4); an import cuts a whole state into the ranks' parts and hands each its own.
 
-Moves are synchronous here (the gather and scatter run on the host's control channel): the PackedStates this pool
+Moves are synchronous here (the gather and scatter run on a gloo group on the host): the PackedStates this pool
 returns are complete, their events already passed.
 """
 

@@ -6,6 +6,8 @@ depend on the ranks)."""
 from __future__ import annotations
 
 import math
+import subprocess
+import sys
 from typing import Any
 
 import pytest
@@ -16,7 +18,7 @@ from kvfree.engine.config import ModelConfig
 from kvfree.engine.llm import LLM
 from kvfree.engine.model import HybridLM
 from kvfree.engine.sampling import SamplingParams
-from tests.paths import TINY_CHECKPOINT
+from tests.paths import ROOT, TINY_CHECKPOINT
 from tests.server_fixtures import ProcServer
 from tests.test_tensor_parallel import PROMPTS, hybrid_checkpoint
 
@@ -152,9 +154,11 @@ def test_a_two_rank_server_serves_and_its_snapshots_continue_exactly_at_one_rank
         assert there.usage.prompt_tokens_details.cached_tokens == cached
 
 
-def test_a_model_whose_heads_do_not_divide_is_refused_at_start_with_the_layers_name(checkpoint, tmp_path):
-    """Three ranks for four heads: the server does not start, and says which layer and which count."""
-    server = ProcServer(checkpoint, ["--tensor-parallel-size", "3"], tmp_path / "tp3.log")
-    with pytest.raises(RuntimeError, match="did not become ready"):
-        server.start(timeout=60)
-    assert "does not divide among 3 tensor-parallel ranks" in server.log()
+def test_a_model_whose_heads_do_not_divide_is_refused_at_start_with_the_layers_name(checkpoint):
+    """Three ranks for four heads: `kvfree serve` does not start, exits with an error, and says which layer and
+    which count."""
+    cmd = [sys.executable, "-m", "kvfree", "serve", checkpoint, "--device", "cpu", "--port", "0",
+           "--tensor-parallel-size", "3"]  # fmt: skip
+    done = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=120)
+    assert done.returncode != 0
+    assert "does not divide among 3 tensor-parallel ranks" in done.stdout + done.stderr
