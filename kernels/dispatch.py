@@ -3,13 +3,19 @@
 `KVFREE_KERNELS` chooses: `reference` (always the PyTorch reference), `triton` (always Triton; on the CPU only under
 the Triton interpreter, `TRITON_INTERPRET=1`), or `auto` (the default: Triton on CUDA devices when it imports).
 Triton is imported lazily, so kvfree imports and runs where it is not installed.
+
+An op is written once: its PyTorch reference is the spec (signature, docstring, shapes), and `op` makes the public
+function from it, naming the Triton implementation beside it and the inputs that kernel takes.
 """
 
 from __future__ import annotations
 
 import functools
+import importlib
 import os
+from collections.abc import Callable
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 
@@ -61,6 +67,53 @@ def use_triton(device: torch.device) -> bool:
             "before triton is imported (or use KVFREE_KERNELS=auto/reference)"
         )
     return True
+
+
+class Op:
+    """An op: its PyTorch `reference` (the spec: the public signature and docstring are the reference's), and the
+    Triton implementation that runs in its place where `use_triton` says so for the device of the op's first argument
+    and `takes(*args, **kwargs)` accepts the inputs (a dtype or shape the kernel has no form for runs the reference).
+
+    `triton` names the implementation, `"module:function"` relative to `kvfree.kernels` (imported on the first call
+    that runs it: Triton may be absent). Both are looked up in their modules on every call (two attribute reads), so
+    that a test may replace either; `device_check` (default `use_triton`) may be replaced to force one op's kernel on.
+    `op.runs_triton(*args, **kwargs)` says which one a call would run: what a mixer asks to know whether its step can
+    be captured in a CUDA graph (the references may read the host).
+    """
+
+    def __init__(self, reference: Callable[..., Any], triton: str, takes: Callable[..., bool] | None = None) -> None:
+        functools.update_wrapper(self, reference)
+        self._reference_module = importlib.import_module(reference.__module__)
+        self._triton_module_name, self._name = triton.split(":")
+        self._reference_name = reference.__name__
+        self._takes = takes
+        self._triton_module: Any = None
+        self.device_check: Callable[[torch.device], bool] = use_triton
+
+    @property
+    def reference(self) -> Callable[..., Any]:
+        """The PyTorch reference."""
+        return getattr(self._reference_module, self._reference_name)
+
+    @property
+    def triton(self) -> Callable[..., Any]:
+        """The Triton implementation (its module imported on first use)."""
+        if self._triton_module is None:
+            self._triton_module = importlib.import_module(f"kvfree.kernels.{self._triton_module_name}")
+        return getattr(self._triton_module, self._name)
+
+    def runs_triton(self, *args: Any, **kwargs: Any) -> bool:
+        """Whether a call with these arguments runs the Triton implementation."""
+        return self.device_check(args[0].device) and (self._takes is None or self._takes(*args, **kwargs))
+
+    def __call__(self, *args: Any, **kwargs: Any) -> Any:
+        impl = self.triton if self.runs_triton(*args, **kwargs) else self.reference
+        return impl(*args, **kwargs)
+
+
+def op(reference: Callable[..., Any], triton: str, takes: Callable[..., bool] | None = None) -> Op:
+    """The public op made from its `reference` (see `Op`)."""
+    return Op(reference, triton, takes)
 
 
 def host_cu_seqlens(

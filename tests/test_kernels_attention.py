@@ -1,6 +1,6 @@
-"""The decode attention kernel (kernels/attention/decode.py): Triton (under the interpreter on the CPU) against the
-float64 reference, on pool rows addressed by slot: sessions of different lengths (splits partly and wholly empty),
-grouped-query heads, a full cache and a wrapped ring, rows of other slots untouched; and the op end to end
+"""The decode attention kernel (kernels/attention/fused_recurrent.py): Triton (under the interpreter on the CPU) against
+the float64 reference, on pool rows addressed by slot: sessions of different lengths (splits partly and wholly
+empty), grouped-query heads, a full cache and a wrapped ring, rows of other slots untouched; and the op end to end
 (`fused_recurrent_attention` with `KVFREE_KERNELS=triton` against `reference`)."""
 
 from __future__ import annotations
@@ -16,7 +16,7 @@ if not torch.cuda.is_available():  # must precede the first import of a module t
 pytest.importorskip("triton")
 
 from kvfree.kernels.attention import fused_recurrent_attention  # noqa: E402
-from kvfree.kernels.attention.decode import decode_attention  # noqa: E402
+from kvfree.kernels.attention.fused_recurrent import decode_attention  # noqa: E402
 from kvfree.kernels.attention.reference import FP8, _attend_one, dequantize, quantize  # noqa: E402
 from tests.kernel_checks import DEVICE, rel, seed  # noqa: E402
 

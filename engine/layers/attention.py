@@ -15,8 +15,15 @@ from kvfree.engine.layers.norms import RMSNorm
 from kvfree.engine.step_batch import StepBatch
 from kvfree.engine.strict_config import PositiveInt, StrictConfig
 from kvfree.engine.tensor_parallel import ROW, ROW_BIAS, Split, TensorParallel
-from kvfree.kernels.attention import KVCacheFull, apply_rope, attend, chunk_attention, fused_recurrent_attention
-from kvfree.kernels.attention.reference import FP8, decode_graph_safe
+from kvfree.kernels.attention import (
+    FP8,
+    KVCacheFull,
+    apply_rope,
+    attend,
+    chunk_attention,
+    decode_graph_safe,
+    fused_recurrent_attention,
+)
 
 
 class AttentionConfig(StrictConfig):

@@ -2,17 +2,29 @@
 
 `chunk_attention` (packed variable-length prefill) and `fused_recurrent_attention` (one decode token per session)
 read and write each session's KV cache and length in place in a pool, addressed by slot; `window` turns the cache
-into a ring and the attention into a sliding window. `apply_rope` and `attend` are the plain math. Decode attends
-with a Triton kernel on a GPU (decode.py: the cache rows read in place, flash-decoding splits; the PyTorch reference
-beside it in reference.py); the rest of both ops, and prefill, run their PyTorch references on every device.
+into a ring and the attention into a sliding window. `apply_rope` and `attend` are the plain math. Each op is its
+PyTorch reference (reference.py, the spec); decode runs its Triton implementation on a GPU (fused_recurrent.py: the
+cache rows read in place, flash-decoding splits, no read on the host), dispatched by `kvfree.kernels.dispatch.op`.
+Prefill runs its reference on every device.
 """
 
-from kvfree.kernels.attention.reference import (
-    KVCacheFull,
-    apply_rope,
-    attend,
-    chunk_attention,
-    fused_recurrent_attention,
-)
+import torch
 
-__all__ = ["KVCacheFull", "apply_rope", "attend", "chunk_attention", "fused_recurrent_attention"]
+from kvfree.kernels.attention import reference
+from kvfree.kernels.attention.reference import FP8, KVCacheFull, apply_rope, attend, chunk_attention
+from kvfree.kernels.dispatch import op
+
+__all__ = [
+    "FP8", "KVCacheFull", "apply_rope", "attend", "chunk_attention", "decode_graph_safe", "fused_recurrent_attention",
+]  # fmt: skip
+
+fused_recurrent_attention = op(
+    reference.fused_recurrent_attention, "attention.fused_recurrent:fused_recurrent_attention",
+    takes=lambda q, *args, **kwargs: q.dtype != torch.float64,  # (fp64 runs are the reference's: the oracle)
+)  # fmt: skip
+
+
+def decode_graph_safe(device: torch.device, dtype: torch.dtype) -> bool:
+    """Whether `fused_recurrent_attention` on `dtype` activations on `device` runs without a host sync (its Triton
+    implementation), so that a decode step may be captured in a CUDA graph."""
+    return fused_recurrent_attention.runs_triton(torch.empty(0, device=device, dtype=dtype))

@@ -15,7 +15,7 @@ import torch
 import torch.nn.functional as F
 
 from kvfree.kernels.common import state_math
-from kvfree.kernels.dispatch import host_cu_seqlens, use_triton, varlen_positions
+from kvfree.kernels.dispatch import host_cu_seqlens, varlen_positions
 
 
 class KVCacheFull(ValueError):
@@ -288,53 +288,49 @@ def fused_recurrent_attention(
         k_scale, v_scale: `[S, Hkv]` fp32 pools for an fp8 cache (see `chunk_attention`); the token attends to its
             own key and value as stored, quantized.
 
-    Rows not named in `state_indices` are left untouched. The PyTorch path raises `KVCacheFull` (nothing written)
-    when a full cache is already full, reading the longest length on the host (it sizes the keys gathered: a
-    device sync); the Triton path (a GPU) reads nothing on the host and does not check capacity (see the comment
-    in the body), so that decode can be captured in a CUDA graph.
+    Rows not named in `state_indices` are left untouched. The reference raises `KVCacheFull` (nothing written) when
+    a full cache is already full, reading the longest length on the host (it sizes the keys gathered: a device
+    sync). The Triton implementation (fused_recurrent.py) reads nothing on the host and does not check capacity, so
+    that decode can be captured in a CUDA graph: the engine bounds every session's context (prompt plus max_tokens
+    within max_context), and a session past it keeps overwriting its last entry rather than write out of bounds.
 
     Returns:
         `[B, Hq, D]` in q's dtype.
     """
     idx = state_indices.to(torch.int64)
     n = length.index_select(0, idx)  # [B] tokens seen before this one
-    C = k_cache.shape[1]
-    # The Triton kernel sizes its key splits by the capacity C, so nothing is read on the host and a full cache is not
-    # checked: the engine bounds every session's context (prompt plus max_tokens within max_context,
-    # server/generation.py and engine/llm.py); a session past it keeps overwriting its last entry rather than write
-    # out of bounds. (The padded rows of a CUDA graph decode the scratch slot, whose length only grows.)
-    triton_path = decode_graph_safe(q.device, q.dtype)
-    longest = C - 1 if triton_path else int(n.max())
-    _check_capacity(k_cache, longest + 1, window)  # on the Triton path only the ring size can fail
-    q, k = _rotate(q, k, n, rope_theta)  # the token axis is the batch axis here: one position per session
-    entry = n.clamp(max=C - 1) if triton_path and window is None else _entries(n, window)
-    ks = None if k_scale is None else k_scale.index_select(0, idx)  # [B, Hkv]: each session's own scales
-    vs = None if v_scale is None else v_scale.index_select(0, idx)
-    k_cache.index_put_((idx, entry), quantize(k, k_cache.dtype, ks))
-    v_cache.index_put_((idx, entry), quantize(v, v_cache.dtype, vs))
-    if triton_path:
-        from kvfree.kernels.attention.decode import decode_attention
-
-        out = decode_attention(q, k_cache, v_cache, (n + 1).clamp(max=C), idx, C, k_scale, v_scale)
-    else:
-        # Only the first min(n+1, C) entries hold this session's keys; for a ring that is all of them once it has
-        # wrapped, and RoPE already encodes the positions, so entry order does not matter.
-        used = min(longest + 1, C)
-        mask = torch.arange(used, device=q.device)[None, :] < (n + 1)[:, None]
-        # Entries past a session's own length hold what an earlier session of its slot left (resets do not clear a
-        # full cache): zeroed in the gathered copies, since a softmax weight of 0 times a NaN or inf is NaN.
-        stale = ~mask[..., None, None]
-        keys = dequantize(k_cache[idx, :used], k.dtype, None if ks is None else ks[:, None]).masked_fill_(stale, 0)
-        values = dequantize(v_cache[idx, :used], v.dtype, None if vs is None else vs[:, None]).masked_fill_(stale, 0)
-        out = _attend_one(q, keys, values, mask)
+    longest = int(n.max())
+    _check_capacity(k_cache, longest + 1, window)
+    q = append_token(q, k, v, k_cache, v_cache, idx, n, _entries(n, window), rope_theta, k_scale, v_scale)
+    # Only the first min(n+1, C) entries hold this session's keys; for a ring that is all of them once it has
+    # wrapped, and RoPE already encodes the positions, so entry order does not matter.
+    used = min(longest + 1, k_cache.shape[1])
+    mask = torch.arange(used, device=q.device)[None, :] < (n + 1)[:, None]
+    # Entries past a session's own length hold what an earlier session of its slot left (resets do not clear a
+    # full cache): zeroed in the gathered copies, since a softmax weight of 0 times a NaN or inf is NaN.
+    stale = ~mask[..., None, None]
+    ks = None if k_scale is None else k_scale.index_select(0, idx)[:, None]  # [B, 1, Hkv]: each session's scales
+    vs = None if v_scale is None else v_scale.index_select(0, idx)[:, None]
+    keys = dequantize(k_cache[idx, :used], k.dtype, ks).masked_fill_(stale, 0)
+    values = dequantize(v_cache[idx, :used], v.dtype, vs).masked_fill_(stale, 0)
+    out = _attend_one(q, keys, values, mask)
     length.index_copy_(0, idx, n + 1)
     return out
 
 
-def decode_graph_safe(device: torch.device, dtype: torch.dtype) -> bool:
-    """Whether `fused_recurrent_attention` on `dtype` activations on `device` runs without a host sync (the Triton
-    decode kernel), so that a decode step may be captured in a CUDA graph."""
-    return dtype != torch.float64 and use_triton(device)
+def append_token(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
+    idx: torch.Tensor, n: torch.Tensor, entry: torch.Tensor, rope_theta: float,
+    k_scale: torch.Tensor | None, v_scale: torch.Tensor | None,
+) -> torch.Tensor:  # fmt: skip
+    """The decode token's part both implementations share: q and k rotated at positions `n` `[B]`, the key and value
+    written (quantized for an fp8 cache) at `entry` `[B]` of rows `idx` `[B]` int64. Returns the rotated q."""
+    q, k = _rotate(q, k, n, rope_theta)  # the token axis is the batch axis here: one position per session
+    ks = None if k_scale is None else k_scale.index_select(0, idx)  # [B, Hkv]
+    vs = None if v_scale is None else v_scale.index_select(0, idx)
+    k_cache.index_put_((idx, entry), quantize(k, k_cache.dtype, ks))
+    v_cache.index_put_((idx, entry), quantize(v, v_cache.dtype, vs))
+    return q
 
 
 def _attend_one(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:

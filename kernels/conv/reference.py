@@ -60,9 +60,29 @@ def chunk_causal_conv1d(
     cu_seqlens_cpu: torch.Tensor | list[int] | tuple[int, ...] | None = None,
     device_chunks: DeviceChunks | None = None,
 ) -> torch.Tensor:
-    """The PyTorch reference of `kvfree.kernels.conv.chunk_causal_conv1d` (same arguments and result; see its
-    docstring): one batched `causal_conv1d` per group of similar lengths, planned on the host, so `device_chunks` is
-    not used (without `cu_seqlens_cpu` the boundaries are copied from the device).
+    """Causal depthwise conv1d over packed variable-length sequences, each continuing from its pool row's tail.
+
+    Args:
+        x: `[T, C]` bf16/fp16/fp32, the tokens of N sequences concatenated.
+        state: `[S, K-1, C]` pool of tails (x's dtype or fp32); rows `state_indices` are read, then overwritten with
+            each sequence's last `K-1` inputs (for a sequence shorter than `K-1`: the old tail shifted, then its
+            tokens). Other rows are left untouched.
+        state_indices: `[N]` int32, the pool row of each sequence (padding names a scratch row, never -1).
+        cu_seqlens: `[N+1]` int32, sequence boundaries in x (device), from 0 to T.
+        weight: `[C, K]`; `weight[:, -1]` multiplies the current token.  bias: `[C]` or None.
+        activation: None or "silu".
+        cu_seqlens_cpu: a host copy of cu_seqlens (tensor, list or tuple); copied from the device (a sync) when None
+            and `device_chunks` is not given.
+        device_chunks: for a step captured in a CUDA graph, `DeviceChunks(cu_seqlens, T)`
+            (`kvfree.kernels.dispatch`): the Triton kernel then takes its block metadata from the device, sized by a
+            bound, and never reads `cu_seqlens` on the host. Sequences may be empty (a padded step's sentinels): they
+            output nothing and leave their pool rows untouched. The reference (and a width-1 filter) ignores it.
+
+    Returns:
+        y: `[T, C]` in x's dtype.
+
+    The reference runs one batched `causal_conv1d` per group of similar lengths, planned on the host: it does not use
+    `device_chunks` (without `cu_seqlens_cpu` the boundaries are copied from the device).
     """
     _activate(x[:0], activation)
     cu = host_cu_seqlens(cu_seqlens, cu_seqlens_cpu, x.shape[0])
@@ -90,7 +110,18 @@ def fused_recurrent_causal_conv1d(
     bias: torch.Tensor | None = None,
     activation: str | None = "silu",
 ) -> torch.Tensor:
-    """The PyTorch reference of `kvfree.kernels.conv.fused_recurrent_causal_conv1d` (same arguments and result)."""
+    """One decode token per session: causal depthwise conv1d continuing from, and updating, its pool row's tail.
+
+    Args:
+        x: `[B, C]` bf16/fp16/fp32, one token per session.
+        state: `[S, K-1, C]` pool of tails (x's dtype or fp32); rows `state_indices` are shifted by one token in place.
+        state_indices: `[B]` int32, the pool row of each session.
+        weight: `[C, K]`; `weight[:, -1]` multiplies the current token.  bias: `[C]` or None.
+        activation: None or "silu".
+
+    Returns:
+        y: `[B, C]` in x's dtype.
+    """
     _activate(x[:0], activation)
     idx = state_indices.to(torch.int64)
     window = torch.cat([state.index_select(0, idx), x[:, None].to(state.dtype)], dim=1)  # [B, K, C]

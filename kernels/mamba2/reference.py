@@ -159,7 +159,29 @@ def chunk_mamba2(
     cu_seqlens_cpu: torch.Tensor | list[int] | tuple[int, ...] | None = None,
     device_chunks: DeviceChunks | None = None,
 ) -> torch.Tensor:
-    """The PyTorch reference of `kvfree.kernels.mamba2.chunk_mamba2` (same arguments and result; see its docstring).
+    """Chunked SSD prefill over packed variable-length sequences, states in place in a pool.
+
+    Args:
+        x: `[T, H, P]` bf16/fp16/fp32, the tokens of N sequences concatenated.
+        dt: `[T, H]` raw step sizes; the op applies `softplus(dt + dt_bias)`, then clamps to `dt_limit`.
+        B, C: `[T, G, N]` with G dividing H; head h uses group `h // (H // G)`.
+        state: `[S, H, P, N]` fp32 pool; rows `state_indices` hold the initial states and receive the final ones.
+            Other rows are left untouched.
+        state_indices: `[N]` int32, the pool row of each sequence (padding names a scratch row, never -1).
+        cu_seqlens: `[N+1]` int32, sequence boundaries in x (device), from 0 to T.
+        A: `[H]` fp32, negative (`-exp(A_log)`).  D: `[H]` skip.  dt_bias: `[H]`.
+        dt_limit: `(lo, hi)` or None.
+        chunk_size: tokens per chunk; chunks never cross a sequence boundary. The result does not depend on it
+            beyond rounding.
+        cu_seqlens_cpu: a host copy of cu_seqlens (tensor, list or tuple); copied from the device (a sync) when None
+            and `device_chunks` is not given.
+        device_chunks: for a step captured in a CUDA graph, `DeviceChunks(cu_seqlens, T)`
+            (`kvfree.kernels.dispatch`): the Triton kernels then take their chunk metadata from the device, sized by
+            the bound `T // L + N` chunks, and never read `cu_seqlens` on the host. Sequences may be empty (a padded
+            step's sentinels): they output nothing and leave their pool rows untouched. The reference ignores it.
+
+    Returns:
+        y: `[T, H, P]` in x's dtype, the SSD output plus `D * x`.
 
     Gathers the pool rows, runs `ssd_chunked` once per group of similar lengths (right-padding with post-softplus
     dt = 0 and x = 0 leaves a state unchanged) and writes the final states back. The groups are planned on the host,
@@ -193,7 +215,18 @@ def fused_recurrent_mamba2(
     dt_bias: torch.Tensor,
     dt_limit: tuple[float, float] | None = None,
 ) -> torch.Tensor:
-    """The PyTorch reference of `kvfree.kernels.mamba2.fused_recurrent_mamba2` (same arguments and result)."""
+    """One SSD decode step per session, its state updated in place in the pool.
+
+    Args:
+        x: `[Bs, H, P]` bf16/fp16/fp32.  dt: `[Bs, H]` raw (softplus of `dt + dt_bias`, clamped to `dt_limit`).
+        B, C: `[Bs, G, N]`, G dividing H.
+        state: `[S, H, P, N]` fp32 pool; rows `state_indices` become `exp(dt*A) * state + dt * x ⊗ B`.
+        state_indices: `[Bs]` int32, the pool row of each session.
+        A: `[H]` fp32 negative.  D: `[H]`.  dt_bias: `[H]`.  dt_limit: `(lo, hi)` or None.
+
+    Returns:
+        y: `[Bs, H, P]` in x's dtype, `new_state · C + D * x`.
+    """
     acc = _acc_dtype(x, dt, B, C, state)
     idx = state_indices.to(torch.int64)
     y, new = ssd_step(x, softplus_dt(dt, dt_bias, dt_limit, acc), A, B, C, D, state.index_select(0, idx))

@@ -1,5 +1,8 @@
 """Triton decode attention: one query token per session against its KV cache rows in the pool, read in place.
 
+`fused_recurrent_attention` is the op's Triton implementation (its spec is the reference's, reference.py): the
+token rotated and appended as the reference does, then `decode_attention`, with no read on the host.
+
 The PyTorch reference (`reference._attend_one`) gathers every session's keys and values into a new tensor and copies
 them to fp32 before the scores: several passes over the cache per step. This kernel reads each session's cache rows
 where they lie in the pool (`[S, C, Hkv, D]`, addressed by slot) once: one program per (session, KV head, split of
@@ -22,6 +25,7 @@ import triton.language as tl
 
 from .. import common
 from ..launcher import launch_kernel
+from .reference import _check_capacity, _entries, append_token
 
 _INTERPRET = os.environ.get("TRITON_INTERPRET", "0") in ("1", "true", "True")
 
@@ -138,3 +142,30 @@ def decode_attention(
     w = torch.exp(m_part - m).nan_to_num(0.0)
     out = (o_part * w[..., None]).sum(2) / (l_part * w).sum(-1, keepdim=True)
     return out.to(q.dtype)
+
+
+def fused_recurrent_attention(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    length: torch.Tensor,
+    state_indices: torch.Tensor,
+    rope_theta: float = 10000.0,
+    window: int | None = None,
+    *,
+    k_scale: torch.Tensor | None = None,
+    v_scale: torch.Tensor | None = None,
+) -> torch.Tensor:
+    """Triton `kvfree.kernels.attention.fused_recurrent_attention` (same arguments and result; see its docstring).
+    The key splits are sized by the capacity C, so nothing is read on the host and a full cache is not checked."""
+    idx = state_indices.to(torch.int64)
+    n = length.index_select(0, idx)
+    C = k_cache.shape[1]
+    _check_capacity(k_cache, C, window)  # only a ring of the wrong size can fail here
+    entry = n.clamp(max=C - 1) if window is None else _entries(n, window)
+    q = append_token(q, k, v, k_cache, v_cache, idx, n, entry, rope_theta, k_scale, v_scale)
+    out = decode_attention(q, k_cache, v_cache, (n + 1).clamp(max=C), idx, C, k_scale, v_scale)
+    length.index_copy_(0, idx, n + 1)
+    return out
