@@ -18,7 +18,7 @@ from kvfree.engine.layers.base import Mixer, StateSpec
 from kvfree.engine.step_batch import StepBatch
 from kvfree.engine.strict_config import PositiveInt, StrictConfig
 from kvfree.engine.tensor_parallel import ROW, Split, TensorParallel
-from kvfree.kernels.ska import SKAState, chunk_ska, fused_recurrent_ska, ska_chunked, ska_empty_state, uses_triton
+from kvfree.kernels.ska import SKAState, chunk_ska, decode_graph_safe, fused_recurrent_ska, ska_chunked, ska_empty_state
 
 _ACC = {"float32": torch.float32, "float64": torch.float64}
 
@@ -114,7 +114,7 @@ class SKAMixer(Mixer):
     def graph_blocker(self) -> str:  # type: ignore[override]
         """Empty where decode runs the Triton kernels (the chunk-boundary rebuild and its Cholesky retries are
         decided on the device); the PyTorch reference branches on the host (`enter.any()`, the retry check)."""
-        if uses_triton(None, self.acc_dtype, self.k_proj.weight.device):
+        if decode_graph_safe(self.k_proj.weight.device, torch.float32, self.acc_dtype):  # (z is projected in fp32)
             return ""
         return "decode runs the PyTorch reference (KVFREE_KERNELS, or no CUDA): its chunk-boundary rebuild syncs"
 
