@@ -1,8 +1,8 @@
 """CommandChannel: rank 0's commands to the other tensor-parallel ranks, through shared memory on one host.
 
 Every engine step sends the workers one small message (the step's slots and prompt tokens). Through gloo's
-`broadcast_object_list` that cost 0.5 ms per worker per step on an H100 host (two TCP sends to each worker, one after
-another): at TP=4 a small model's decode step went from 0.6 ms to 2.2 ms. Here rank 0 pickles the message once into a
+`broadcast_object_list` (two TCP sends to each worker, one after another), a small model's step on an H100 host
+took 0.60 / 1.10 / 2.18 ms at TP=1 / 2 / 4 (BENCHMARKS.md). Here rank 0 pickles the message once into a
 memory-mapped file that every rank maps; the readers poll its sequence number. One message is in the channel at a
 time: rank 0 writes the next only after every reader has taken the last (they take it as soon as they are idle,
 which a worker is between steps).

@@ -15,7 +15,7 @@ from kvfree.checkpoints import default_checkpoint_path
 from kvfree.engine.grammar import GrammarCompiler
 from kvfree.engine.llm_engine import LLMEngine
 from kvfree.engine.loader import load_model
-from kvfree.engine.model import KV_CACHE_DTYPES
+from kvfree.engine.model import kv_cache_torch_dtype
 from kvfree.engine.model_runner import ModelRunner
 from kvfree.engine.ranks import RankSpec, Workers, free_address
 from kvfree.engine.sampling import SamplingParams
@@ -82,9 +82,9 @@ class LLM:
         self.path = path  # the checkpoint directory
         if tensor_parallel_size < 1:
             raise ValueError(f"tensor_parallel_size must be at least 1, got {tensor_parallel_size}")
-        if kv_cache_dtype not in KV_CACHE_DTYPES:
-            raise ValueError(f"kv_cache_dtype {kv_cache_dtype!r}: use one of {sorted(KV_CACHE_DTYPES)}")
-        spec = RankSpec(tensor_parallel_size, free_address(), str(path), "auto" if device is None else str(device),
+        kv_cache_torch_dtype(kv_cache_dtype)  # (refused now, before other ranks are started)
+        address = free_address() if tensor_parallel_size > 1 else ""  # (one rank: no group to meet at)
+        spec = RankSpec(tensor_parallel_size, address, str(path), "auto" if device is None else str(device),
                         dtype, max_sessions, max_context, dict(config_overrides or {}), enforce_eager,
                         kv_cache_dtype)  # fmt: skip
         self.workers = Workers(spec) if tensor_parallel_size > 1 else None

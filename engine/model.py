@@ -18,6 +18,13 @@ State = list[dict[str, torch.Tensor]]  # per layer: name -> pool tensor [capacit
 KV_CACHE_DTYPES: dict[str, torch.dtype | None] = {"auto": None, "fp8": torch.float8_e4m3fn}
 
 
+def kv_cache_torch_dtype(name: str) -> torch.dtype | None:
+    """The dtype of `--kv-cache-dtype name` (None: the activation dtype); ValueError naming the choices."""
+    if name not in KV_CACHE_DTYPES:
+        raise ValueError(f"kv_cache_dtype {name!r}: use one of {sorted(KV_CACHE_DTYPES)}")
+    return KV_CACHE_DTYPES[name]
+
+
 class Block(nn.Module):
     """x = x + mixer(norm(x)); then, if the model has MLPs, x = x + mlp(mlp_norm(x)).
 
@@ -106,13 +113,12 @@ class HybridLM(nn.Module):
         self.lm_head = None if config.tie_word_embeddings else nn.Linear(config.hidden_size, rows, False)
 
     def set_kv_cache_dtype(self, kv_cache_dtype: str) -> None:
-        """"auto" (the activation dtype) or "fp8" (e4m3, with a scale per session and KV head) for every attention
-        layer's KV cache; call before a state pool is made (it reads the layers' state specs)."""
-        if kv_cache_dtype not in KV_CACHE_DTYPES:
-            raise ValueError(f"kv_cache_dtype {kv_cache_dtype!r}: use one of {sorted(KV_CACHE_DTYPES)}")
+        """Every attention layer's KV cache dtype: "auto" (the activation dtype) or "fp8" (e4m3, with a scale per
+        session and KV head); call before a state pool is made (it reads the layers' state specs)."""
+        dtype = kv_cache_torch_dtype(kv_cache_dtype)
         for layer in self.layers:
             if isinstance(layer.mixer, AttentionMixer):
-                layer.mixer.kv_cache_dtype = KV_CACHE_DTYPES[kv_cache_dtype]
+                layer.mixer.kv_cache_dtype = dtype
 
     def weight_splits(self) -> dict[str, Split]:
         """Tensor name -> how the whole model's tensor divides among tensor-parallel ranks (absent: held whole)."""

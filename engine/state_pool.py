@@ -296,9 +296,9 @@ class StatePool:
                     for i, s in enumerate(self.whole_specs) for name, spec in s.items()}  # fmt: skip
         missing = sorted(set(expected) - set(given))
         unexpected = sorted(set(given) - set(expected))
-        fp8 = [key.endswith(".k_scale") for key in (*missing, *unexpected)]  # (only an fp8 KV cache has scales)
-        if any(fp8):
-            here, there = ("fp8", "auto") if any(k.endswith(".k_scale") for k in missing) else ("auto", "fp8")
+        scales_missing = any(key.endswith(".k_scale") for key in missing)  # (only an fp8 KV cache has scales)
+        if scales_missing or any(key.endswith(".k_scale") for key in unexpected):
+            here, there = ("fp8", "auto") if scales_missing else ("auto", "fp8")
             raise SnapshotMismatchError(
                 f"this state's KV cache was kept with --kv-cache-dtype {there}, this server keeps it with "
                 f"--kv-cache-dtype {here}: restore it into a server of the same setting (converting would change the "

@@ -120,21 +120,6 @@ class TensorParallel:
 ONE_RANK = TensorParallel()  # no tensor parallelism: every collective is the identity
 
 
-def column_shard(weight: torch.Tensor, tp: TensorParallel, what: str,
-                 parts: Sequence[int] | None = None) -> torch.Tensor:  # fmt: skip
-    """A projection into heads, `weight` `[out, in]` -> this rank's rows `[out / size, in]`.
-
-    `parts`: the sizes of projections fused along `out` (SwiGLU's gate and up, Mamba-2's z, x, B, C, dt): each is
-    split on its own, so a rank keeps its block of every part, in order. Default: one part.
-    """
-    parts = list(parts) if parts is not None else [weight.shape[0]]
-    if sum(parts) != weight.shape[0]:
-        raise ValueError(f"{what}: parts {parts} do not add up to its {weight.shape[0]} rows")
-    for i, n in enumerate(parts):
-        tp.block(n, f"{what} (part {i})" if len(parts) > 1 else what)  # refuses a part that does not divide
-    return shard(weight, Split(parts=tuple(n // tp.size for n in parts)), tp)
-
-
 def rank_shape(full: Sequence[int], split: Split | None, size: int, what: str) -> tuple[int, ...]:
     """The shape one rank holds of a tensor of shape `full` under `split` (refused, naming `what`, when it does not
     divide)."""
@@ -213,13 +198,6 @@ def unshard(parts: Sequence[torch.Tensor], split: Split | None) -> torch.Tensor:
         start += part
     whole = torch.cat(pieces, dim=0)[: split.length]  # (the padding of a `length` split cut off)
     return whole.movedim(0, split.axis).contiguous()
-
-
-def row_shard(weight: torch.Tensor, tp: TensorParallel, what: str) -> torch.Tensor:
-    """A projection out of heads, `weight` `[out, in]` -> this rank's columns `[out, in / size]`; its products are
-    partial sums for `TensorParallel.all_reduce`."""
-    tp.block(weight.shape[1], what)
-    return shard(weight, ROW, tp)
 
 
 def embed(ids: torch.Tensor, vocab_rows: torch.Tensor, tp: TensorParallel) -> torch.Tensor:

@@ -4,7 +4,7 @@
 the Triton interpreter, `TRITON_INTERPRET=1`), or `auto` (the default: Triton on CUDA devices when it imports).
 Triton is imported lazily, so kvfree imports and runs where it is not installed.
 
-An op is written once: its PyTorch reference is the spec (signature, docstring, shapes), and `op` makes the public
+An op is written once: its PyTorch reference is the spec (signature, docstring, shapes), and `Op` makes the public
 function from it, naming the Triton implementation beside it and the inputs that kernel takes.
 """
 
@@ -109,11 +109,6 @@ class Op:
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
         impl = self.triton if self.runs_triton(*args, **kwargs) else self.reference
         return impl(*args, **kwargs)
-
-
-def op(reference: Callable[..., Any], triton: str, takes: Callable[..., bool] | None = None) -> Op:
-    """The public op made from its `reference` (see `Op`)."""
-    return Op(reference, triton, takes)
 
 
 def host_cu_seqlens(

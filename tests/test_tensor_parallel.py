@@ -12,7 +12,18 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 import torch.nn.functional as F
 
-from kvfree.engine.tensor_parallel import TensorParallel, column_shard, embed, lm_logits, row_shard
+from kvfree.engine.tensor_parallel import (
+    ROW,
+    Split,
+    TensorParallel,
+    embed,
+    lm_logits,
+    rank_shape,
+    shard,
+    split_among,
+    unshard,
+    whole_shape,
+)  # fmt: skip
 from tests.paths import TINY_CHECKPOINT
 
 HIDDEN, INTER, VOCAB = 16, 32, 10
@@ -38,8 +49,8 @@ def _rank(rank: int, size: int, init: str, out: str) -> None:
     tp = TensorParallel.start(rank, size, init, backend="gloo")
     try:
         w = _weights()
-        gate_up = column_shard(w["gate_up"], tp, "mlp.gate_up", parts=[INTER, INTER])
-        down = row_shard(w["down"], tp, "mlp.down")
+        gate_up = shard(w["gate_up"], Split(parts=(INTER // 2, INTER // 2)), tp)  # gate and up, each split
+        down = shard(w["down"], ROW, tp)
         vocab = w["embedding"][tp.block(VOCAB, "embedding")]
         result = {
             "mlp": tp.all_reduce(_mlp(w["x"], gate_up, down)),
@@ -72,19 +83,37 @@ def test_one_rank_is_the_identity_and_a_split_that_does_not_divide_is_refused():
     x = torch.randn(3, 4)
     assert one.all_reduce(x) is x and one.gather_last(x) is x and one.block(7, "any") == slice(0, 7)
     w = _weights()
-    assert torch.equal(column_shard(w["gate_up"], one, "mlp"), w["gate_up"])
+    assert shard(w["gate_up"], Split(), one) is w["gate_up"]
     torch.testing.assert_close(embed(w["ids"], w["embedding"], one), w["embedding"][w["ids"]])
     two = TensorParallel(rank=1, size=2)
     assert two.block(8, "heads") == slice(4, 8)
     with pytest.raises(ValueError, match=r"layers.3.mixer heads: 5 does not divide among 2"):
         two.block(5, "layers.3.mixer heads")
-    with pytest.raises(ValueError, match=r"mlp.gate_up \(part 1\): 3 does not divide"):
-        column_shard(torch.zeros(7, 2), two, "mlp.gate_up", parts=[4, 3])
-    with pytest.raises(ValueError, match="do not add up"):
-        column_shard(torch.zeros(7, 2), two, "mlp.gate_up", parts=[4, 4])
+    with pytest.raises(ValueError, match=r"mlp.gate_up: 7 does not split into pieces \[2, 1\] on 2 ranks"):
+        rank_shape((7, 2), Split(parts=(2, 1)), 2, "mlp.gate_up")
+    with pytest.raises(ValueError, match=r"layers.3 heads: 5 does not divide among 2"):
+        rank_shape((5, 3), Split(), 2, "layers.3 heads")
     with pytest.raises(ValueError, match="rank 2 is not one of 2"):
         TensorParallel.start(2, 2, "unused")
-# appended to tests/test_tensor_parallel.py
+
+
+@pytest.mark.parametrize(
+    ("shape", "split"),
+    [
+        ((6, 8, 3), Split(axis=1, parts=(1, 1))),  # two fused pieces along axis 1, 4 rows each
+        ((9, 5), Split(parts=(1, 2), replicas=(4, 1))),  # one row held by all 4 ranks, then 8 rows split
+        ((9, 3), Split(length=9)),  # a vocabulary of 9 rows: padded to 12, 3 rows a rank
+    ],
+)
+def test_a_split_puts_back_together_exactly_what_it_cut(shape, split):
+    """Every rank's part (`split_among`) has the shape `rank_shape` gives, and `unshard` of the parts, in rank order,
+    is the whole tensor again, its padding cut; `whole_shape` inverts `rank_shape`."""
+    x = torch.randn(shape, generator=torch.Generator().manual_seed(1))
+    parts = split_among(x, split, 4)
+    assert {tuple(p.shape) for p in parts} == {rank_shape(shape, split, 4, "x")}
+    assert whole_shape(parts[0].shape, split, 4) == shape
+    assert torch.equal(unshard(parts, split), x)
+    assert not torch.equal(parts[0], parts[-1])  # (the ranks hold different blocks)
 
 
 # -- a whole hybrid at TP=2 ------------------------------------------------------------------------------------------

@@ -4,7 +4,7 @@
 read and write each session's KV cache and length in place in a pool, addressed by slot; `window` turns the cache
 into a ring and the attention into a sliding window. `apply_rope` and `attend` are the plain math. Each op is its
 PyTorch reference (reference.py, the spec); decode runs its Triton implementation on a GPU (fused_recurrent.py: the
-cache rows read in place, flash-decoding splits, no read on the host), dispatched by `kvfree.kernels.dispatch.op`.
+cache rows read in place, flash-decoding splits, no read on the host), dispatched by `kvfree.kernels.dispatch.Op`.
 Prefill runs its reference on every device.
 """
 
@@ -12,19 +12,24 @@ import torch
 
 from kvfree.kernels.attention import reference
 from kvfree.kernels.attention.reference import FP8, KVCacheFull, apply_rope, attend, chunk_attention
-from kvfree.kernels.dispatch import op
+from kvfree.kernels.dispatch import Op, use_triton
 
 __all__ = [
     "FP8", "KVCacheFull", "apply_rope", "attend", "chunk_attention", "decode_graph_safe", "fused_recurrent_attention",
 ]  # fmt: skip
 
-fused_recurrent_attention = op(
+def _kernel_dtype(dtype: torch.dtype) -> bool:
+    """fp64 runs are the reference's (the oracle); the kernel takes every other activation dtype."""
+    return dtype != torch.float64
+
+
+fused_recurrent_attention = Op(
     reference.fused_recurrent_attention, "attention.fused_recurrent:fused_recurrent_attention",
-    takes=lambda q, *args, **kwargs: q.dtype != torch.float64,  # (fp64 runs are the reference's: the oracle)
+    takes=lambda q, *args, **kwargs: _kernel_dtype(q.dtype),
 )  # fmt: skip
 
 
 def decode_graph_safe(device: torch.device, dtype: torch.dtype) -> bool:
     """Whether `fused_recurrent_attention` on `dtype` activations on `device` runs without a host sync (its Triton
     implementation), so that a decode step may be captured in a CUDA graph."""
-    return fused_recurrent_attention.runs_triton(torch.empty(0, device=device, dtype=dtype))
+    return use_triton(device) and _kernel_dtype(dtype)

@@ -3,7 +3,7 @@ and the serving ops over the memory state in a pool. The fading-memory SSM itsel
 
 `chunk_bmojo` (packed variable-length prefill) and `fused_recurrent_bmojo` (one decode token per session) read and
 write the `MemoryState` tensors in place in pool rows addressed by slot; each is its PyTorch reference (reference.py,
-the spec) dispatched to the Triton kernels beside it (`chunk.py`, `fused_recurrent.py`) by `kvfree.kernels.dispatch.op`
+the spec) dispatched to the Triton kernels beside it (`chunk.py`, `fused_recurrent.py`) by `kvfree.kernels.dispatch.Op`
 (`KVFREE_KERNELS`). Float64 inputs or K/V pools always take the reference: the kernels compute in fp32. The Triton
 decode has no host sync (graph-capturable); the reference decode finds chunk boundaries with `nonzero()`.
 `bmojo_chunked` is the differentiable math on a batch of sequences with explicit states (the training forward).
@@ -15,7 +15,7 @@ from typing import Any
 
 import torch
 
-from ..dispatch import op, use_triton
+from ..dispatch import Op, use_triton
 from . import reference
 from .reference import (
     FadingKV,
@@ -53,6 +53,6 @@ def _below_fp64(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, y: torch.Tens
     return q.dtype != torch.float64 and ring_k.dtype != torch.float64
 
 
-chunk_bmojo = op(reference.chunk_bmojo, "bmojo.chunk:chunk_bmojo", takes=_below_fp64)
-fused_recurrent_bmojo = op(reference.fused_recurrent_bmojo, "bmojo.fused_recurrent:fused_recurrent_bmojo",
+chunk_bmojo = Op(reference.chunk_bmojo, "bmojo.chunk:chunk_bmojo", takes=_below_fp64)
+fused_recurrent_bmojo = Op(reference.fused_recurrent_bmojo, "bmojo.fused_recurrent:fused_recurrent_bmojo",
                            takes=_below_fp64)  # fmt: skip

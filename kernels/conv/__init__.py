@@ -2,7 +2,7 @@
 
 `chunk_causal_conv1d` (packed variable-length prefill) and `fused_recurrent_causal_conv1d` (one decode token) read
 and write the tails in place in a pool, addressed by slot; each is its PyTorch reference (reference.py, the spec)
-dispatched to the Triton kernel beside it (`kvfree.kernels.dispatch.op`, set by `KVFREE_KERNELS`). `causal_conv1d` is
+dispatched to the Triton kernel beside it (`kvfree.kernels.dispatch.Op`, set by `KVFREE_KERNELS`). `causal_conv1d` is
 the plain math.
 """
 
@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import torch
 
-from ..dispatch import op
+from ..dispatch import Op
 from . import reference
 from .reference import causal_conv1d
 
@@ -22,11 +22,11 @@ def _has_tail(weight: torch.Tensor) -> bool:
     return weight.shape[1] >= 2
 
 
-chunk_causal_conv1d = op(
+chunk_causal_conv1d = Op(
     reference.chunk_causal_conv1d, "conv.chunk:chunk_causal_conv1d",
     takes=lambda x, state, state_indices, cu_seqlens, weight, *a, **k: _has_tail(weight),
 )  # fmt: skip
-fused_recurrent_causal_conv1d = op(
+fused_recurrent_causal_conv1d = Op(
     reference.fused_recurrent_causal_conv1d, "conv.fused_recurrent:fused_recurrent_causal_conv1d",
     takes=lambda x, state, state_indices, weight, *a, **k: _has_tail(weight),
 )  # fmt: skip

@@ -2,7 +2,7 @@
 
 `chunk_gka` (packed variable-length prefill) and `fused_recurrent_gka` (one decode step) read and write the
 per-session states H and S in place in their pools, addressed by slot; each is its PyTorch reference (reference.py,
-the spec) dispatched to the Triton kernel beside it (`kvfree.kernels.dispatch.op`, set by `KVFREE_KERNELS`). Float64
+the spec) dispatched to the Triton kernel beside it (`kvfree.kernels.dispatch.Op`, set by `KVFREE_KERNELS`). Float64
 inputs or pools always take the reference: the kernels compute in fp32. `gka_chunked` and `gka_step` are the plain
 math on batches of equal-length sequences.
 """
@@ -13,7 +13,7 @@ from typing import Any
 
 import torch
 
-from ..dispatch import op
+from ..dispatch import Op
 from . import reference
 from .reference import chebyshev_solve, gka_chunked, gka_step, omega_schedule
 
@@ -26,5 +26,5 @@ def _fp32(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor, al
     return q.dtype != torch.float64 and h.dtype == torch.float32
 
 
-chunk_gka = op(reference.chunk_gka, "gka.chunk:chunk_gka", takes=_fp32)
-fused_recurrent_gka = op(reference.fused_recurrent_gka, "gka.fused_recurrent:fused_recurrent_gka", takes=_fp32)
+chunk_gka = Op(reference.chunk_gka, "gka.chunk:chunk_gka", takes=_fp32)
+fused_recurrent_gka = Op(reference.fused_recurrent_gka, "gka.fused_recurrent:fused_recurrent_gka", takes=_fp32)

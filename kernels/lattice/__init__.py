@@ -6,7 +6,7 @@ write the per-session states in place in a pool, addressed by slot; `chunk_latti
 and `fused_recurrent_lattice_gated` are what the layer serves with: the convs, the q/k norm and the gates folded into
 the recurrence, from the layer's projections (one kernel launch per layer). Each serving op is its PyTorch reference
 (reference.py, the spec) dispatched to the Triton kernel beside it (one program per sequence and head walking its tokens
-with the state on chip) by `kvfree.kernels.dispatch.op` (`KVFREE_KERNELS`); float64 inputs or pools always take the
+with the state on chip) by `kvfree.kernels.dispatch.Op` (`KVFREE_KERNELS`); float64 inputs or pools always take the
 reference, since the kernel computes in fp32. The convs dispatch inside `kvfree.kernels.conv`. `lattice_recurrent` and
 `lattice_step` are the plain math on batches of equal-length sequences; `lattice_forward` is the training path,
 differentiable: the Triton forward and backward (`backward.py`) or `lattice_recurrent`.
@@ -16,7 +16,7 @@ from __future__ import annotations
 
 import torch
 
-from kvfree.kernels.dispatch import op, use_triton
+from kvfree.kernels.dispatch import Op, use_triton
 from kvfree.kernels.lattice import reference
 from kvfree.kernels.lattice.reference import (
     VARIANTS,
@@ -53,13 +53,13 @@ def _fp32(x: torch.Tensor, state: torch.Tensor) -> bool:
     return x.dtype != torch.float64 and state.dtype == torch.float32
 
 
-chunk_lattice = op(reference.chunk_lattice, "lattice.chunk:chunk_lattice",
+chunk_lattice = Op(reference.chunk_lattice, "lattice.chunk:chunk_lattice",
                    takes=lambda q, k, v, gamma, mu, state, *a, **kw: _fp32(q, state))  # fmt: skip
-fused_recurrent_lattice = op(reference.fused_recurrent_lattice, "lattice.fused_recurrent:fused_recurrent_lattice",
+fused_recurrent_lattice = Op(reference.fused_recurrent_lattice, "lattice.fused_recurrent:fused_recurrent_lattice",
                              takes=lambda q, k, v, gamma, mu, state, *a, **kw: _fp32(q, state))  # fmt: skip
-chunk_lattice_gated = op(reference.chunk_lattice_gated, "lattice.chunk:chunk_lattice_gated",
+chunk_lattice_gated = Op(reference.chunk_lattice_gated, "lattice.chunk:chunk_lattice_gated",
                          takes=lambda p, v, step, conv_state, state, *a, **kw: _fp32(v, state))  # fmt: skip
-fused_recurrent_lattice_gated = op(
+fused_recurrent_lattice_gated = Op(
     reference.fused_recurrent_lattice_gated, "lattice.fused_recurrent:fused_recurrent_lattice_gated",
     takes=lambda p, v, step, conv_state, state, *a, **kw: _fp32(v, state),
 )  # fmt: skip

@@ -2,7 +2,7 @@
 
 `chunk_ska` (packed variable-length prefill, mode C or P) and `fused_recurrent_ska` (one decode step) read and write the
 per-session states in place in a pool, addressed by slot; each is its PyTorch reference (reference.py, the spec)
-dispatched to the Triton kernels beside it (`kvfree.kernels.dispatch.op`, set by `KVFREE_KERNELS`). The kernels cover
+dispatched to the Triton kernels beside it (`kvfree.kernels.dispatch.Op`, set by `KVFREE_KERNELS`). The kernels cover
 both modes, both key-norm rules and fp32 or fp64 accumulators; float64 inputs always take the reference (the kernels
 read keys, queries and values as fp32, the reference's precision for them). `ska_chunked`, `ska_prefix` and `ska_step`
 are the plain math on batches of sessions.
@@ -15,7 +15,7 @@ from typing import Any
 
 import torch
 
-from ..dispatch import op, use_triton
+from ..dispatch import Op, use_triton
 from . import reference
 from .reference import (
     MODES,
@@ -72,5 +72,5 @@ def _kernels_take(z: torch.Tensor, q: torch.Tensor, v: torch.Tensor, state: SKAS
 # The Triton path reads no session position to the host (chunk_ska) and has no host sync (fused_recurrent_ska:
 # graph-capturable); the reference groups sessions by their chunk grid on the host and branches there at chunk
 # boundaries and in its Cholesky retries.
-chunk_ska = op(reference.chunk_ska, "ska.chunk:chunk_ska", takes=_kernels_take)
-fused_recurrent_ska = op(reference.fused_recurrent_ska, "ska.fused_recurrent:fused_recurrent_ska", takes=_kernels_take)
+chunk_ska = Op(reference.chunk_ska, "ska.chunk:chunk_ska", takes=_kernels_take)
+fused_recurrent_ska = Op(reference.fused_recurrent_ska, "ska.fused_recurrent:fused_recurrent_ska", takes=_kernels_take)
