@@ -21,7 +21,7 @@ $PY -m pytest -q -p no:cacheprovider tests/test_kernels_mamba2.py tests/test_ker
 [ "${PIPESTATUS[0]}" -eq 0 ] || status=1
 $PY -m kvfree.kernels.bench --out "$OUT_DIR" 2>&1 | tee "$OUT_DIR/kernels.log" | tail -40
 [ "${PIPESTATUS[0]}" -eq 0 ] || status=1
-$PY -m kvfree.kernels.norm.check_device --out "$OUT_DIR" 2>&1 | tee "$OUT_DIR/norm.log" | tail -20
+$PY -m kvfree.kernels.bench.norm --out "$OUT_DIR" 2>&1 | tee "$OUT_DIR/norm.log" | tail -20
 [ "${PIPESTATUS[0]}" -eq 0 ] || status=1
 for op in gka lattice ska bmojo; do
     $PY -m kvfree.kernels.bench --op $op --out "$OUT_DIR" 2>&1 | tee "$OUT_DIR/$op.log" | grep -v "^\[" | tail -30

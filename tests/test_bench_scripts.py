@@ -19,11 +19,11 @@ pytest.importorskip("triton")
     ("module", "out_file"),
     [
         ("kvfree.kernels.bench", "kernels.json"),
-        ("kvfree.kernels.norm.check_device", "norm.json"),
-        ("kvfree.kernels.gka.check_device", "gka.json"),
-        ("kvfree.kernels.bmojo.check_device", "bmojo.json"),
-        ("kvfree.kernels.lattice.check_device", "lattice.json"),
-        ("kvfree.kernels.ska.check_device", "ska.json"),
+        ("kvfree.kernels.bench.norm", "norm.json"),
+        ("kvfree.kernels.bench.gka", "gka.json"),
+        ("kvfree.kernels.bench.bmojo", "bmojo.json"),
+        ("kvfree.kernels.bench.lattice", "lattice.json"),
+        ("kvfree.kernels.bench.ska", "ska.json"),
     ],
 )
 def test_kernel_bench_script_smoke(tmp_path, module, out_file):

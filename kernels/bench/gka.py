@@ -1,7 +1,7 @@
 """Check and time the Gated KalmaNet Triton kernels on a CUDA GPU, in one run (about 3 minutes on an H100).
 
-    python -m kvfree.kernels.gka.check_device --out DIR      (--smoke: tiny sizes on the CPU, TRITON_INTERPRET=1)
-    python -m kvfree.kernels.bench --op gka --out DIR         (the same)
+    python -m kvfree.kernels.bench.gka --out DIR       (--smoke: tiny sizes on the CPU, TRITON_INTERPRET=1)
+    python -m kvfree.kernels.bench --op gka --out DIR  (the same)
 
 (a) Correctness at real sizes (He=16, D=Dv=128, 30 Chebyshev steps, a = 0.02, fp32 pools of 512 rows, random slots,
     every third session fresh) against the float64 reference, every buffer the kernels allocate poisoned with NaN
@@ -30,7 +30,7 @@ from pathlib import Path
 import torch
 import torch.nn.functional as F
 
-from ..benchmarking import (
+from kvfree.kernels.benchmarking import (
     RunLog,
     environment,
     graph_per_call_ms,
@@ -42,7 +42,7 @@ from ..benchmarking import (
     sync,
     untouched_equal,
 )
-from ..common import poisoned_outputs
+from kvfree.kernels.common import poisoned_outputs
 
 f64 = torch.float64
 RIDGE, ITERS = 0.02, 30
@@ -117,7 +117,7 @@ def check_row(o: torch.Tensor, o_ref: torch.Tensor, h: tuple, s: tuple, idx: tor
 
 
 def check_correctness(dev: torch.device, res: dict) -> None:
-    from . import chunk, fused_recurrent, reference
+    from kvfree.kernels.gka import chunk, fused_recurrent, reference
 
     He, D, Dv = SZ["HDV"]
     scale = D**-0.5
@@ -174,7 +174,7 @@ def check_correctness(dev: torch.device, res: dict) -> None:
 
 
 def time_decode(dev: torch.device, res: dict) -> None:
-    from . import fused_recurrent, reference
+    from kvfree.kernels.gka import fused_recurrent, reference
 
     He, D, Dv = SZ["HDV"]
     scale = D**-0.5
@@ -204,7 +204,7 @@ def time_decode(dev: torch.device, res: dict) -> None:
 
 
 def time_prefill(dev: torch.device, res: dict) -> None:
-    from . import chunk, reference
+    from kvfree.kernels.gka import chunk, reference
 
     He, D, Dv = SZ["HDV"]
     scale = D**-0.5
@@ -257,7 +257,7 @@ def profile_kernels(dev: torch.device, res: dict) -> None:
     (torch profiler, a few calls after warm-up): which launch the time goes to."""
     from torch.profiler import ProfilerActivity, profile
 
-    from . import chunk, fused_recurrent
+    from kvfree.kernels.gka import chunk, fused_recurrent
 
     He, D, Dv = SZ["HDV"]
     gen = torch.Generator(device=dev).manual_seed(5)
@@ -362,7 +362,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--smoke", action="store_true", help="tiny sizes on the CPU under the Triton interpreter")
     a = ap.parse_args(argv)
     global SZ
-    dev = script_device(a.smoke, "kvfree.kernels.gka.check_device")
+    dev = script_device(a.smoke, "kvfree.kernels.bench.gka")
     if dev is None:
         return 2
     if a.smoke:

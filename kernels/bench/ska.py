@@ -1,6 +1,7 @@
 """Check and time the SKA Triton kernels on a CUDA GPU, in one run (meant to stay within ~4 minutes on an H100).
 
-    python -m kvfree.kernels.ska.check_device --out DIR      (--smoke: tiny sizes on the CPU, TRITON_INTERPRET=1)
+    python -m kvfree.kernels.bench.ska --out DIR       (--smoke: tiny sizes on the CPU, TRITON_INTERPRET=1)
+    python -m kvfree.kernels.bench --op ska --out DIR  (the same)
 
 Sizes: echo-180m's SKA layer (H=12, r=48, P=64, chunk 64, K=2 power order, 6 power iterations, eps 1e-3), pools
 of 512 rows at random slots, rows at assorted positions (new, mid-chunk, exactly at a chunk boundary).
@@ -35,7 +36,7 @@ from pathlib import Path
 
 import torch
 
-from ..benchmarking import (
+from kvfree.kernels.benchmarking import (
     RunLog,
     environment,
     hbm_bandwidth,
@@ -46,7 +47,7 @@ from ..benchmarking import (
     sync,
     untouched_equal,
 )
-from ..common import poisoned_outputs
+from kvfree.kernels.common import poisoned_outputs
 
 f64 = torch.float64
 f32 = torch.float32
@@ -98,7 +99,7 @@ def ska_inputs(n: int, dev: torch.device, gen: torch.Generator, dtype=f32, aniso
 
 
 def empty_pool(dev: torch.device, acc: torch.dtype, rows: int | None = None):
-    from .reference import ska_empty_state
+    from kvfree.kernels.ska.reference import ska_empty_state
 
     H, r, P = SZ["HrP"]
     return ska_empty_state(rows or SZ["pool"], H, r, P, acc, dev)
@@ -107,7 +108,7 @@ def empty_pool(dev: torch.device, acc: torch.dtype, rows: int | None = None):
 def filled_pool(dev: torch.device, gen: torch.Generator, acc: torch.dtype, n: int):
     """A pool whose n random rows (returned, int32) consumed assorted numbers of tokens (some exactly at a chunk
     boundary, every fourth none), filled through the reference; the other rows hold random junk that must survive."""
-    from . import reference
+    from kvfree.kernels.ska import reference
 
     S = SZ["chunk"]
     pool = empty_pool(dev, acc)
@@ -151,7 +152,7 @@ def compare(pool, want, before, idx, y, y_ref, tol) -> dict:
 
 
 def check_correctness(dev: torch.device, res: dict) -> None:
-    from . import chunk, fused_recurrent, reference
+    from kvfree.kernels.ska import chunk, fused_recurrent, reference
 
     gen = torch.Generator(device=dev).manual_seed(1)
     kw = op_kw(dev)
@@ -217,7 +218,7 @@ def state_bytes(B: int, acc: torch.dtype) -> int:
 def step_us(dev: torch.device, args: tuple, kw: dict, positions: torch.Tensor, fn=None) -> float:
     """Median us of one decode step `fn(*args, **kw)` (default: the Triton op) with the sessions at `positions`,
     reset before each call."""
-    from .fused_recurrent import fused_recurrent_ska
+    from kvfree.kernels.ska.fused_recurrent import fused_recurrent_ska
 
     pool, idx = args[3], args[4]
     start = pool.pos.clone()
@@ -233,7 +234,7 @@ def step_us(dev: torch.device, args: tuple, kw: dict, positions: torch.Tensor, f
 def mean_of_steps_us(dev: torch.device, args: tuple, kw: dict, gen: torch.Generator) -> float:
     """Mean us per step of chunk_size decode steps replayed from one CUDA graph, the sessions at random positions:
     each crosses one chunk boundary, so its rebuild is in the mean."""
-    from .fused_recurrent import fused_recurrent_ska
+    from kvfree.kernels.ska.fused_recurrent import fused_recurrent_ska
 
     pool, idx = args[3], args[4]
     S = kw["chunk_size"]
@@ -253,7 +254,7 @@ def mean_of_steps_us(dev: torch.device, args: tuple, kw: dict, gen: torch.Genera
 
 
 def time_decode(dev: torch.device, res: dict) -> None:
-    from . import fused_recurrent, reference
+    from kvfree.kernels.ska import fused_recurrent, reference
 
     gen = torch.Generator(device=dev).manual_seed(2)
     kw = op_kw(dev)
@@ -292,7 +293,7 @@ def time_decode(dev: torch.device, res: dict) -> None:
 
 
 def time_prefill(dev: torch.device, res: dict) -> None:
-    from . import chunk, reference
+    from kvfree.kernels.ska import chunk, reference
 
     gen = torch.Generator(device=dev).manual_seed(3)
     kw = op_kw(dev)
@@ -330,7 +331,7 @@ def time_prefill(dev: torch.device, res: dict) -> None:
 
 def drift(dev: torch.device, res: dict) -> None:
     """fp32 vs fp64 accumulators after drift_T tokens, prefilled at once and decoded token by token."""
-    from . import chunk, fused_recurrent, reference
+    from kvfree.kernels.ska import chunk, fused_recurrent, reference
 
     T, S = SZ["drift_T"], SZ["chunk"]
     kw = op_kw(dev)
@@ -403,7 +404,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--skip-drift", action="store_true")
     a = ap.parse_args(argv)
     global SZ
-    dev = script_device(a.smoke, "kvfree.kernels.ska.check_device")
+    dev = script_device(a.smoke, "kvfree.kernels.bench.ska")
     if dev is None:
         return 2
     if a.smoke:

@@ -1,6 +1,7 @@
 """Check and time the B'MOJO Triton kernels on a CUDA GPU, in one run (a few minutes on an H100).
 
-    python -m kvfree.kernels.bmojo.check_device --out DIR      (--smoke: tiny sizes on the CPU, TRITON_INTERPRET=1)
+    python -m kvfree.kernels.bench.bmojo --out DIR       (--smoke: tiny sizes on the CPU, TRITON_INTERPRET=1)
+    python -m kvfree.kernels.bench --op bmojo --out DIR  (the same)
 
 Shapes: bmojo-1.4b's memory part of one layer (Hq = Hkv = 16, dh = 128, w = 512, m_f = 1, m_e = 64, d = 2048,
 k = 4; bf16 K/V) in a pool of 512 rows holding random consistent memory states (random positions, a third of them
@@ -33,8 +34,8 @@ from pathlib import Path
 
 import torch
 
-from .. import common
-from ..benchmarking import (
+from kvfree.kernels import common
+from kvfree.kernels.benchmarking import (
     RunLog,
     environment,
     graph_per_call_ms,
@@ -46,7 +47,7 @@ from ..benchmarking import (
     sync,
     untouched_equal,
 )
-from ..common import poisoned_outputs
+from kvfree.kernels.common import poisoned_outputs
 
 f64 = torch.float64
 FIELDS = ("t", "y_buf", "ring_k", "ring_v", "ring_eps", "fad_k", "fad_v", "fad_n", "eid_k", "eid_v", "eid_eps",
@@ -175,7 +176,7 @@ def check_rows(o: torch.Tensor, o_ref: torch.Tensor, p: dict, ref: dict, before:
 
 
 def check_correctness(dev: torch.device, res: dict) -> None:
-    from . import chunk, fused_recurrent, reference
+    from kvfree.kernels.bmojo import chunk, fused_recurrent, reference
 
     s = SZ["shape"]
     gen = torch.Generator(device=dev).manual_seed(1)
@@ -260,7 +261,7 @@ def state_bytes(B: int) -> int:
 
 
 def time_decode(dev: torch.device, res: dict) -> None:
-    from . import fused_recurrent, reference
+    from kvfree.kernels.bmojo import fused_recurrent, reference
 
     s = SZ["shape"]
     gen = torch.Generator(device=dev).manual_seed(2)
@@ -292,7 +293,7 @@ def time_decode(dev: torch.device, res: dict) -> None:
 
 
 def time_prefill(dev: torch.device, res: dict) -> None:
-    from . import chunk, reference
+    from kvfree.kernels.bmojo import chunk, reference
 
     s = SZ["shape"]
     gen = torch.Generator(device=dev).manual_seed(3)
@@ -338,7 +339,7 @@ def profile_kernels(dev: torch.device, res: dict) -> None:
     profiler, a few calls after warm-up): which launch the time goes to."""
     from torch.profiler import ProfilerActivity, profile
 
-    from . import chunk, fused_recurrent
+    from kvfree.kernels.bmojo import chunk, fused_recurrent
 
     s = SZ["shape"]
     gen = torch.Generator(device=dev).manual_seed(5)
@@ -407,7 +408,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--smoke", action="store_true", help="tiny sizes on the CPU under the Triton interpreter")
     a = ap.parse_args(argv)
     global SZ
-    dev = script_device(a.smoke, "kvfree.kernels.bmojo.check_device")
+    dev = script_device(a.smoke, "kvfree.kernels.bench.bmojo")
     if dev is None:
         return 2
     if a.smoke:

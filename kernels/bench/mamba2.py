@@ -1,15 +1,8 @@
-"""`python -m kvfree.kernels.bench`: check and time the Triton ops on a CUDA GPU, in one run (2-3 minutes, H100).
+"""Check and time the Mamba-2 (SSD) and short causal conv Triton ops on a CUDA GPU, in one run (2-3 min, H100).
 
-    python -m kvfree.kernels.bench [--out docs/bench]        # writes docs/bench/kernels.json
-    python -m kvfree.kernels.bench --smoke                  # the script itself, tiny sizes, CPU interpreter
-    python -m kvfree.kernels.bench --op gka [--out DIR]     # Gated KalmaNet instead (kvfree.kernels.gka.check_device)
-    python -m kvfree.kernels.bench --op lattice [--out DIR] # Lattice (kvfree.kernels.lattice.check_device)
-    python -m kvfree.kernels.bench --op ska [--out DIR]     # SKA (kvfree.kernels.ska.check_device)
-    python -m kvfree.kernels.bench --op bmojo [--out DIR]   # B'MOJO's memory (kvfree.kernels.bmojo.check_device)
-
-The ops with Triton kernels: Mamba-2 (SSD) and the short causal conv (below); Gated KalmaNet (`--op gka`: its
-checks, timings against fla's MesaNet kernels and a profile, in DIR/gka.json); Lattice, SKA and B'MOJO (`--op
-lattice|ska|bmojo`: checks at the papers' sizes, decode against the state floor, prefill, in DIR/<op>.json).
+    python -m kvfree.kernels.bench [--out docs/bench]   # writes docs/bench/kernels.json (the default --op, mamba2)
+    python -m kvfree.kernels.bench --smoke              # the script itself, tiny sizes, CPU interpreter
+    python -m kvfree.kernels.bench.mamba2 [--out DIR]   # the same as the first
 
 (a) Correctness at real sizes against the float64 reference: H=16 P=128 N=128 (G=1 and G=H) and the mamba2-370m
     layer (H=32 P=64 N=128 G=1, conv width 2304); bf16 inputs (and one fp32 case), fp32 states in a 512-row pool at
@@ -26,7 +19,6 @@ Writes DIR/kernels.json and prints a short table last; exits 1 when a check fail
 from __future__ import annotations
 
 import argparse
-import importlib
 import itertools
 import json
 import sys
@@ -36,7 +28,7 @@ from pathlib import Path
 import torch
 import torch.nn.functional as F
 
-from .benchmarking import (
+from kvfree.kernels.benchmarking import (
     RunLog,
     environment,
     hbm_bandwidth,
@@ -47,11 +39,9 @@ from .benchmarking import (
     sync,
     untouched_equal,
 )
-from .common import poisoned_outputs
+from kvfree.kernels.common import poisoned_outputs
 
 f64 = torch.float64
-# Ops whose check script lives beside their kernels (kvfree.kernels.<op>.check_device), run by `--op <op>`.
-OTHER_OPS = ("gka", "lattice", "ska", "bmojo")
 POOL = 512
 # The sizes; --smoke swaps in tiny ones to run the script itself on the CPU under TRITON_INTERPRET=1.
 REAL = {
@@ -415,24 +405,14 @@ def table(res: dict) -> str:
     return "\n".join(lines)
 
 
-def main() -> int:
-    if "--op" in sys.argv:  # another op's script, with the remaining arguments
-        at = sys.argv.index("--op")
-        op = sys.argv[at + 1] if at + 1 < len(sys.argv) else ""
-        if op in OTHER_OPS:
-            script = importlib.import_module(f"kvfree.kernels.{op}.check_device")
-            return script.main(sys.argv[1:at] + sys.argv[at + 2 :])
-        if op != "mamba2":
-            print(f"--op {op!r}: expected mamba2 (the default) or one of {', '.join(OTHER_OPS)}", file=sys.stderr)
-            return 2
-        del sys.argv[at : at + 2]
+def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--out", default="docs/bench", help="folder for kernels.json")
     ap.add_argument("--budget-s", type=float, default=140.0,
                     help="seconds after which the optional parts (chunk-size sweep, fla anchors) are skipped")
     ap.add_argument("--skip-fla", action="store_true")
     ap.add_argument("--smoke", action="store_true", help="tiny sizes on the CPU under the Triton interpreter")
-    a = ap.parse_args()
+    a = ap.parse_args(argv)
     global SZ
     dev = script_device(a.smoke, "kvfree.kernels.bench")
     if dev is None:

@@ -1,6 +1,6 @@
 """Check and time the Triton RMS norms on a CUDA GPU, in one run (well under a minute on an H100).
 
-    python -m kvfree.kernels.norm.check_device --out DIR      (--smoke: tiny sizes on the CPU, TRITON_INTERPRET=1)
+    python -m kvfree.kernels.bench.norm --out DIR       (--smoke: tiny sizes on the CPU, TRITON_INTERPRET=1)
 
 (a) Correctness at the mamba2-370m sizes against the float64 reference, outputs poisoned with NaN first: `rms_norm`
     and `add_rms_norm` (residual None, given, given in place) at [1, 1024], [256, 1024], [8192, 1024] with bf16 x and
@@ -25,7 +25,7 @@ from pathlib import Path
 
 import torch
 
-from ..benchmarking import (
+from kvfree.kernels.benchmarking import (
     RunLog,
     environment,
     graph_per_call_ms,
@@ -36,7 +36,7 @@ from ..benchmarking import (
     script_device,
     sync,
 )
-from ..common import poisoned_outputs
+from kvfree.kernels.common import poisoned_outputs
 
 f64 = torch.float64
 REAL = {"rows": (1, 256, 8192), "D": 1024, "D_inner": 2048, "groups": (2048, 256), "proj": 4384, "copy_mib": 512}
@@ -75,8 +75,8 @@ def inputs(N: int, dev: torch.device, gen: torch.Generator, dtype: torch.dtype =
 
 # ---------------------------------------------------------------------------------------------------------------------
 def check_correctness(dev: torch.device, res: dict) -> None:
-    from . import fused
-    from . import reference as ref
+    from kvfree.kernels.norm import fused
+    from kvfree.kernels.norm import reference as ref
 
     with poisoned_outputs():  # an element a kernel does not write shows as NaN
         _check_all(dev, res, fused, ref)
@@ -159,8 +159,8 @@ def time_all(dev: torch.device, res: dict, hbm: float) -> None:
 
 
 def _time_rows(N: int, d: dict, dev: torch.device, res: dict, hbm: float, sweep: bool) -> None:
-    from . import fused
-    from . import reference as ref
+    from kvfree.kernels.norm import fused
+    from kvfree.kernels.norm import reference as ref
 
     D, Di = SZ["D"], SZ["D_inner"]
     x, r0, w, xi, gate, wi = d["x"], d["res"], d["w"], d["xi"], d["gate"], d["wi"]
@@ -228,7 +228,7 @@ def main() -> int:
     ap.add_argument("--smoke", action="store_true", help="tiny sizes on the CPU under the Triton interpreter")
     a = ap.parse_args()
     global SZ
-    dev = script_device(a.smoke, "kvfree.kernels.norm.check_device")
+    dev = script_device(a.smoke, "kvfree.kernels.bench.norm")
     if dev is None:
         return 2
     if a.smoke:

@@ -1,7 +1,7 @@
 """Check and time the Lattice Triton kernel on a CUDA GPU, in one run (about 2 minutes on an H100).
 
-    python -m kvfree.kernels.lattice.check_device --out DIR    (--smoke: tiny sizes on the CPU, TRITON_INTERPRET=1)
-    python -m kvfree.kernels.bench --op lattice --out DIR      (the same)
+    python -m kvfree.kernels.bench.lattice --out DIR       (--smoke: tiny sizes on the CPU, TRITON_INTERPRET=1)
+    python -m kvfree.kernels.bench --op lattice --out DIR  (the same)
 
 (a) Correctness at lattice-110m's sizes (H=12, d=m=64, fp32 pool of 512 rows, random slots holding orthonormal
     states) against the float64 reference, every buffer the kernel allocates poisoned with NaN first: the decode
@@ -28,7 +28,7 @@ from pathlib import Path
 import torch
 import torch.nn.functional as F
 
-from ..benchmarking import (
+from kvfree.kernels.benchmarking import (
     RunLog,
     environment,
     graph_per_call_ms,
@@ -40,7 +40,7 @@ from ..benchmarking import (
     sync,
     untouched_equal,
 )
-from ..common import poisoned_outputs
+from kvfree.kernels.common import poisoned_outputs
 
 f64 = torch.float64
 REAL = {
@@ -93,7 +93,7 @@ def as64(inp: list) -> list:
 
 
 def check_correctness(dev: torch.device, res: dict) -> None:
-    from . import chunk, fused_recurrent, reference
+    from kvfree.kernels.lattice import chunk, fused_recurrent, reference
 
     gen = torch.Generator(device=dev).manual_seed(1)
     tol = {torch.float32: 1e-4, torch.bfloat16: 1e-2}
@@ -141,7 +141,7 @@ def check_correctness(dev: torch.device, res: dict) -> None:
 
 
 def time_op(dev: torch.device, res: dict) -> None:
-    from . import chunk, fused_recurrent, reference
+    from kvfree.kernels.lattice import chunk, fused_recurrent, reference
 
     H, d, m = SZ["Hdm"]
     gen = torch.Generator(device=dev).manual_seed(2)
@@ -219,7 +219,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--smoke", action="store_true", help="tiny sizes on the CPU under the Triton interpreter")
     a = ap.parse_args(argv)
     global SZ
-    dev = script_device(a.smoke, "kvfree.kernels.lattice.check_device")
+    dev = script_device(a.smoke, "kvfree.kernels.bench.lattice")
     if dev is None:
         return 2
     if a.smoke:
