@@ -13,11 +13,11 @@ kvfree mixers:
 | `GKA` | `gka` (Gated KalmaNet, `gka_config`) | `gka` with q/k/v head counts and low-rank k/v expansion |
 | `M2` | `mamba` (Mamba-2 primed from attention, `mamba2_config`) | `mamba2` with B/C norms, x and B expanded |
 | `BMF` | `bmojo_f` (`bmojo_attn` + `gka` or `mamba`, `bmojo_config`) | `bmojo_f` (engine/layers/bmojo_f.py) |
+| `GDN` | `gdn` (Gated DeltaNet, `gdn_config`) | `gdn` with q/k/v head counts and low-rank k/v expansion |
 
-hmf's Gated DeltaNet (`GDN`) is refused with an error naming
-the layer, as are its training-stage layers (`GKA*`, `*DA`, ...: the attention-plus-recurrent pairs of layer-wise
-distillation) and any unknown symbol or sub-config key. docs/design/hmf.md records how hmf's GKA maps onto kvfree's
-(and where hmf's code, the paper and kvfree's gka.md differ).
+hmf's training-stage layers (`GKA*`, `*DA`, ...: the attention-plus-recurrent pairs of layer-wise distillation) are
+refused with an error naming the layer, as is any unknown symbol or sub-config key. docs/design/hmf.md records how
+hmf's GKA and GDN map onto kvfree's (and where hmf's code, the paper and kvfree's gka.md differ).
 
 Usage::
 
@@ -51,8 +51,8 @@ LAYER_KINDS: dict[str, tuple[str, str]] = {
     "GKA": ("gka", "gka"),
     "M2": ("mamba2", "mamba"),
     "BMF": ("bmojo_f", "bmojo_f"),
+    "GDN": ("gdn", "gdn"),
 }
-_NOT_YET = {"GDN": "Gated DeltaNet"}
 _TRAINING_ONLY = ("*DA", "M2*", "BMF*", "GDN*", "GKA*", "SWA*", "GDN>GKA")
 # hmf's `HybridGKAConfig` fields and their defaults (hmf's layers/hybrid_dataclasses.py).
 GKA_DEFAULTS: dict[str, Any] = {
@@ -60,6 +60,11 @@ GKA_DEFAULTS: dict[str, Any] = {
     "solver_type": "chebyshev", "bp_lambda": True, "num_iter": 30, "ridge_strength": 0.02, "use_gate": True,
     "conv_size": 4, "norm_eps": 1e-6, "use_forgetting_gate_kk": True, "use_beta_gate": True, "chunk_size": 64,
     "kv_proj_rank": None, "kv_learnable_residual": False,
+}  # fmt: skip
+# hmf's `HybridGatedDeltaNetConfig` fields and their defaults.
+GDN_DEFAULTS: dict[str, Any] = {
+    "use_gate": True, "use_short_conv": True, "allow_neg_eigval": False, "conv_size": 4, "conv_bias": False,
+    "norm_eps": 1e-5, "kv_proj_rank": None, "kv_learnable_residual": False,
 }  # fmt: skip
 _GKA_FLAGS = ("use_alpha_connection", "use_v_conv", "use_forgetting_gate", "gla_rescale", "bp_lambda", "use_gate",
               "use_forgetting_gate_kk", "use_beta_gate", "kv_learnable_residual")  # fmt: skip
@@ -81,11 +86,6 @@ def layer_symbols(hf: dict[str, Any], n: int, where: Path) -> list[str]:
     for i, sym in enumerate(symbols):
         if sym in LAYER_KINDS:
             continue
-        if sym in _NOT_YET:
-            raise CheckpointError(
-                f"{where}: layer {i} is {sym!r} (hmf's {_NOT_YET[sym]}), which kvfree cannot serve yet; "
-                f"supported: {sorted(LAYER_KINDS)}"
-            )
         if sym in _TRAINING_ONLY:
             raise CheckpointError(
                 f"{where}: layer {i} is {sym!r}, a training-stage layer of hmf's layer-wise distillation; convert "
@@ -143,6 +143,40 @@ def gka_config(hf: dict[str, Any], attention: dict[str, Any], where: Path) -> di
                 "use_forgetting_gate"):  # fmt: skip
         out[key] = c[key]
     # hmf applies the low-rank expansion only where some head count is expanded; elsewhere its weights go unused.
+    if c["kv_proj_rank"] is not None and Hkv < out["num_heads"]:
+        out["kv_proj_rank"] = hf_common.positive_int(c, "kv_proj_rank", where)
+        out["kv_learnable_residual"] = c["kv_learnable_residual"]
+    return out
+
+
+def gdn_config(hf: dict[str, Any], attention: dict[str, Any], where: Path) -> dict[str, Any]:
+    """Our `gdn` sub-config from hmf's `gdn_config` and the attention shape the GDN layers were primed from (hmf's
+    `_construct_from_transformer`): query heads = attention heads, key and value heads = KV heads."""
+    raw = hf.get("gdn_config") or {}
+    if not isinstance(raw, dict):
+        raise CheckpointError(f"{where}: gdn_config must be an object, got {raw!r}")
+    raw = dict(raw)
+    Hq, Hkv = attention["num_heads"], attention["num_kv_heads"]
+    _check_derived(raw, {"hidden_size": hf.get("hidden_size"), "head_dim": attention["head_dim"], "num_q_heads": Hq,
+                         "num_k_heads": Hkv, "num_v_heads": Hkv}, "gdn_config", where)  # fmt: skip
+    unknown = sorted(set(raw) - set(GDN_DEFAULTS))
+    if unknown:
+        raise CheckpointError(f"{where}: unknown gdn_config key {unknown[0]!r} (known: {sorted(GDN_DEFAULTS)})")
+    c = GDN_DEFAULTS | raw
+    for key in ("use_gate", "use_short_conv", "allow_neg_eigval", "conv_bias", "kv_learnable_residual"):
+        hf_common.flag(c, key, where)
+    if not c["use_short_conv"]:
+        raise CheckpointError(f"{where}: gdn_config.use_short_conv = false (q, k, v without their short convs) is "
+                              "not supported")  # fmt: skip
+    if c["conv_bias"]:
+        raise CheckpointError(f"{where}: gdn_config.conv_bias = true (biased short convs) is not supported")
+    out = {
+        "num_heads": max(Hq, Hkv), "head_dim": attention["head_dim"], "num_q_heads": Hq, "num_k_heads": Hkv,
+        "num_v_heads": Hkv, "conv_kernel": hf_common.positive_int(c, "conv_size", where),
+        "norm_eps": float(hf_common.positive_number(c, "norm_eps", where)), "use_gate": c["use_gate"],
+        "allow_neg_eigval": c["allow_neg_eigval"],
+    }  # fmt: skip
+    # As for GKA: the low-rank expansion runs only where some head count is expanded.
     if c["kv_proj_rank"] is not None and Hkv < out["num_heads"]:
         out["kv_proj_rank"] = hf_common.positive_int(c, "kv_proj_rank", where)
         out["kv_learnable_residual"] = c["kv_learnable_residual"]
@@ -225,27 +259,34 @@ def convert_config(hf: dict[str, Any], src: Path) -> dict[str, Any]:
         config["mamba2"] = mamba2_config(hf, attention, where)
     if "BMF" in symbols:
         config["bmojo_f"] = bmojo_f_config(hf, attention, where)
+    if "GDN" in symbols:
+        config["gdn"] = gdn_config(hf, attention, where)
     config["notes"] = {"converted_from": SOURCE_NAME, "source": str(src), "pattern": "-".join(symbols)}
     return config
 
 
-def _gka_tensors(
-    hf_tensors: dict[str, torch.Tensor], config: dict[str, Any], g: dict[str, Any], hf: str, ours: str, src: Path
+def _grouped_heads_tensors(
+    hf_tensors: dict[str, torch.Tensor], config: dict[str, Any], kind: str, g: dict[str, Any], hf: str, ours: str,
+    src: Path,
 ) -> tuple[Plan, dict[str, torch.Tensor], set[str]]:
-    """Block i's GKA: a plan for the one-to-one tensors, and the short conv, whose three hmf convolutions (q, k, v:
-    `[C, 1, K]` each) become our one conv over q|k|v `[Cq + Ck + Cv, K]`. `g` is the GKA sub-config, `hf` and
-    `ours` the module prefixes. Returns (plan, tensors made, HF names used)."""
+    """Block i's GKA or GDN (`kind`): a plan for the one-to-one tensors, and the short conv, whose three hmf
+    convolutions (q, k, v: `[C, 1, K]` each) become our one conv over q|k|v `[Cq + Ck + Cv, K]`. `g` is the layer's
+    sub-config, `hf` and `ours` the module prefixes. Returns (plan, tensors made, HF names used)."""
     D, He, hd, K = config["hidden_size"], g["num_heads"], g["head_dim"], g["conv_kernel"]
     dims = {"q": g["num_q_heads"] * hd, "k": g["num_k_heads"] * hd, "v": g["num_v_heads"] * hd}
     shapes = {"q_proj": (dims["q"], D), "k_proj": (dims["k"], D), "v_proj": (dims["v"], D), "a_proj": (He, D),
               "o_proj": (D, He * hd)}  # fmt: skip
     if g["use_gate"]:
         shapes["g_proj"] = (He * hd, D)
-    plan: Plan = {f"{ours}{n}.weight": ((f"{hf}{n}.weight",), shape) for n, shape in shapes.items()}
-    for name in ("b_proj", "alpha_proj"):
-        if g["use_beta_gate" if name == "b_proj" else "use_alpha_connection"]:
-            plan[f"{ours}{name}.weight"] = ((f"{hf}{name}.weight",), (He, D))
-            plan[f"{ours}{name}.bias"] = ((f"{hf}{name}.bias",), (He,))
+    hf_name = {"a_proj": "gk_proj"} if kind == "gdn" else {}  # hmf's GDN calls the forget gate's input gk_proj
+    plan: Plan = {f"{ours}{n}.weight": ((f"{hf}{hf_name.get(n, n)}.weight",), shape) for n, shape in shapes.items()}
+    if kind == "gdn":
+        plan[f"{ours}b_proj.weight"] = ((f"{hf}b_proj.weight",), (He, D))  # (no bias in GDN)
+    else:
+        for name in ("b_proj", "alpha_proj"):
+            if g["use_beta_gate" if name == "b_proj" else "use_alpha_connection"]:
+                plan[f"{ours}{name}.weight"] = ((f"{hf}{name}.weight",), (He, D))
+                plan[f"{ours}{name}.bias"] = ((f"{hf}{name}.bias",), (He,))
     plan[ours + "A_log"] = ((hf + "A_log",), (He,))
     plan[ours + "dt_bias"] = ((hf + "dt_bias",), (He,))
     plan[ours + "norm.weight"] = ((hf + "o_norm.weight",), (hd,))
@@ -256,7 +297,7 @@ def _gka_tensors(
             plan[f"{ours}proj_{x}.linearB.weight"] = ((f"{hf}proj_{x}.linearB.weight",), (He * hd, r))
             if g["kv_learnable_residual"]:
                 plan[f"{ours}{x}_rep"] = ((f"{hf}{x}_rep",), (He, g[f"num_{x}_heads"]))
-    convs = ("q", "k", "v") if g["use_v_conv"] else ("q", "k")
+    convs = ("q", "k", "v") if g.get("use_v_conv", True) else ("q", "k")
     parts, used, missing = [], set(), []
     for x in convs:
         name = f"{hf}{x}_conv1d.weight"
@@ -323,11 +364,11 @@ def _recurrent_tensors(
     ours: str,
     src: Path,
 ) -> tuple[Plan, dict[str, torch.Tensor], set[str]]:
-    """A GKA or Mamba-2 layer (`kind`, sub-config `sub`) at HF prefix `hf`, ours `ours`: (plan, made, used)."""
+    """A GKA, GDN or Mamba-2 layer (`kind`, sub-config `sub`) at HF prefix `hf`, ours `ours`: (plan, made, used)."""
     if kind == "mamba2":
         made, used = _mamba2_tensors(hf_tensors, config, sub, hf, ours, src)
         return {}, made, used
-    plan, made, used = _gka_tensors(hf_tensors, config, sub, hf, ours, src)
+    plan, made, used = _grouped_heads_tensors(hf_tensors, config, kind, sub, hf, ours, src)
     if "kv_proj_rank" not in sub:  # hmf builds the low-rank expansion even where no head is expanded; never runs it
         used |= {n for n in hf_tensors if n.startswith((hf + "proj_", hf + "k_rep", hf + "v_rep"))}
     return plan, made, used
@@ -354,8 +395,8 @@ def convert_tensors(hf_tensors: dict[str, torch.Tensor], config: dict[str, Any],
     for i, kind in enumerate(config["layers"]):
         block_plan(plan, config, i)
         ours = f"layers.{i}.mixer."
-        if kind in ("gka", "mamba2"):
-            hf = f"model.layers.{i}.{'gka' if kind == 'gka' else 'mamba'}."
+        if kind in ("gka", "gdn", "mamba2"):
+            hf = f"model.layers.{i}.{'mamba' if kind == 'mamba2' else kind}."
             layer = _recurrent_tensors(hf_tensors, config, kind, config[kind], hf, ours, src)
         elif kind == "bmojo_f":
             b = config["bmojo_f"]

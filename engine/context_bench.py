@@ -2,11 +2,12 @@
 
 A primed hybrid (hmf's Qwen3 with half of its attention layers replaced) keeps a KV cache in its attention layers,
 so its session state grows with context and the number of sessions that fit shrinks. This benchmark builds a model
-(a checkpoint, or random weights in hmf's Qwen3-8B GKA shape), and for each context length fills a state pool with
-as many sessions as fit, their states set as after N tokens (random keys, values and recurrent states: a decode
-step reads them whatever they hold), then times batched decode steps over all of them, captured in a CUDA graph
-where the model allows it. It writes a JSON with the sessions, the bytes per session, the step time, tokens/s and
-the floor (bytes a step must read over the HBM bandwidth measured in the same run).
+(a checkpoint, or random weights in one of hmf's Qwen3 shapes: 8B or 32B with GKA, 8B with GDN), and for each
+context length fills a state pool with as many sessions as fit, their states set as after N tokens (random keys,
+values and recurrent states: a decode step reads them whatever they hold), then times batched decode steps over all
+of them, captured in a CUDA graph where the model allows it. It writes a JSON with the sessions, the bytes per
+session, the step time, tokens/s and the floor (bytes a step must read over the HBM bandwidth measured in the same
+run).
 
 With `--tensor-parallel-size N` the step runs on N GPUs, one process each, every layer's heads split among them
 (docs/design/tensor-parallel.md): each GPU holds its part of every session, the pool sized by the GPU with the least
@@ -14,11 +15,13 @@ memory free; the figures per GPU are the tokens/s over N and the floor of one GP
 
     python -m kvfree.engine.context_bench --hmf-8b-gka --contexts 16384 32768 65536 131072
     python -m kvfree.engine.context_bench --hmf-32b-gka --tensor-parallel-size 4 --contexts 16384 131072
+    python -m kvfree.engine.context_bench --hmf-8b-gdn --contexts 16384 65536
 """
 
 from __future__ import annotations
 
 import argparse
+import time
 from pathlib import Path
 from typing import Any
 
@@ -51,8 +54,14 @@ HMF_QWEN3_32B_GKA: dict[str, Any] = {
     **HMF_QWEN3_8B_GKA, "hidden_size": 5120, "intermediate_size": 25600, "num_hidden_layers": 64,
     "num_attention_heads": 64, "hybrid_override_pattern": "-".join(["*", "GKA"] * 32),
 }  # fmt: skip
+# hmf's GDN-primed Qwen3-8B (its priming recipe qwen3_8b_gdn.yaml): the same shape, every other layer Gated DeltaNet.
+HMF_QWEN3_8B_GDN: dict[str, Any] = {
+    **{k: v for k, v in HMF_QWEN3_8B_GKA.items() if k != "gka_config"},
+    "hybrid_override_pattern": "-".join(["*", "GDN"] * 18), "gdn_config": {},
+}  # fmt: skip
 SHAPES = {"hmf_8b_gka": ("hmf GKA-primed Qwen3-8B shape", HMF_QWEN3_8B_GKA),
-          "hmf_32b_gka": ("hmf GKA-primed Qwen3-32B shape", HMF_QWEN3_32B_GKA)}  # fmt: skip
+          "hmf_32b_gka": ("hmf GKA-primed Qwen3-32B shape", HMF_QWEN3_32B_GKA),
+          "hmf_8b_gdn": ("hmf GDN-primed Qwen3-8B shape", HMF_QWEN3_8B_GDN)}  # fmt: skip
 
 
 def random_model(
@@ -162,6 +171,32 @@ def bench_context(model: HybridLM, context: int, steps: int, memory_fraction: fl
     return row
 
 
+def time_to_first_token(model: HybridLM, context: int, chunk: int) -> dict[str, Any]:
+    """Seconds to prefill one fresh prompt of `context` random tokens, `chunk` tokens a step (as the engine
+    splits a long prompt; its default is 8192), up to its first token's logits. One warm-up prompt of one chunk
+    first (kernel compilation and autotuning are not timed)."""
+    device = model.device
+    pool = StatePool(model, capacity=1, max_context=context + 1)
+    gen = torch.Generator(device=device).manual_seed(context)
+
+    def prefill(n: int) -> None:
+        slot = pool.alloc()
+        ids = torch.randint(0, model.config.vocab_size, (n,), device=device, generator=gen)
+        for start in range(0, n, chunk):
+            piece = ids[start : start + chunk]
+            model.prefill(piece, pool.tensors, StepBatch.prefill([slot], [len(piece)], device))
+        pool.free(slot)
+
+    with torch.inference_mode():
+        prefill(min(chunk, context))
+        torch.cuda.synchronize(device)
+        start = time.perf_counter()
+        prefill(context)
+        torch.cuda.synchronize(device)
+        seconds = time.perf_counter() - start
+    return {"prompt_tokens": context, "prefill_chunk": chunk, "seconds": seconds, "tokens_per_s": context / seconds}
+
+
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(prog="python -m kvfree.engine.context_bench", description=__doc__,
                                  formatter_class=argparse.RawDescriptionHelpFormatter)  # fmt: skip
@@ -169,6 +204,7 @@ def main(argv: list[str] | None = None) -> int:
     src.add_argument("--checkpoint", type=Path, help="a kvfree checkpoint directory")
     src.add_argument("--hmf-8b-gka", action="store_true", help="random weights in hmf's GKA Qwen3-8B shape")
     src.add_argument("--hmf-32b-gka", action="store_true", help="random weights in hmf's GKA Qwen3-32B shape")
+    src.add_argument("--hmf-8b-gdn", action="store_true", help="random weights in hmf's GDN Qwen3-8B shape")
     ap.add_argument("--contexts", type=int, nargs="+", default=[16384, 32768, 65536, 131072])
     ap.add_argument("--steps", type=int, default=8, help="decode steps the pool leaves room for")
     ap.add_argument("--memory-fraction", type=float, default=0.6, help="share of free GPU memory for the pool")
@@ -177,8 +213,14 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--kv-cache-dtype", choices=["auto", "fp8"], default="auto", help="the attention KV cache's dtype")
     ap.add_argument("--profile", action="store_true", help="also profile a few decode steps at each context")
     ap.add_argument("--enforce-eager", action="store_true", help="time eager decode (default: a CUDA graph)")
-    ap.add_argument("--out", type=Path, default=Path("docs/bench/hmf-8b-gka-context.json"))
+    ap.add_argument("--ttft", action="store_true",
+                    help="also time the prefill of one fresh prompt of each context length (time to first token)")
+    ap.add_argument("--prefill-chunk", type=int, default=8192, help="prompt tokens a prefill step (with --ttft)")
+    ap.add_argument("--out", type=Path, help="the JSON (default: docs/bench/<shape or checkpoint>-context.json)")
     args = ap.parse_args(argv)
+    if args.out is None:
+        stem = args.checkpoint.name if args.checkpoint else next(k for k in SHAPES if getattr(args, k))
+        args.out = Path("docs/bench") / f"{stem.replace('_', '-')}-context.json"
     if args.tensor_parallel_size > 1:
         mp.start_processes(_rank_main, args=(args, free_address()), nprocs=args.tensor_parallel_size,
                            start_method="spawn")  # fmt: skip
@@ -202,7 +244,7 @@ def run(args: argparse.Namespace, tp: TensorParallel) -> None:
     if args.checkpoint is not None:
         model, name = load_model(args.checkpoint, device=device, dtype=dtype, tp=tp), str(args.checkpoint)
     else:
-        label, hf_config = SHAPES["hmf_32b_gka" if args.hmf_32b_gka else "hmf_8b_gka"]
+        label, hf_config = SHAPES[next(k for k in SHAPES if getattr(args, k))]
         config = ModelConfig.from_dict(convert_config(hf_config, Path(label)))
         model, name = random_model(config, device, dtype, tp), f"{label}, random weights"
     model.set_kv_cache_dtype(args.kv_cache_dtype)
@@ -213,8 +255,10 @@ def run(args: argparse.Namespace, tp: TensorParallel) -> None:
     for n in args.contexts:
         row = bench_context(model, n, args.steps, args.memory_fraction, args.max_sessions, bandwidth, args.profile,
                             not args.enforce_eager)  # fmt: skip
-        rows.append(row)
         torch.cuda.empty_cache()  # the last context's pool
+        if args.ttft:
+            row["ttft"] = time_to_first_token(model, n, args.prefill_chunk)
+        rows.append(row)
     if tp.rank != 0:
         return
     params = sum(p.numel() for p in model.parameters()) * tp.size  # (about: norms are held whole by every rank)
@@ -229,6 +273,11 @@ def run(args: argparse.Namespace, tp: TensorParallel) -> None:
         ms, tps, x = r.get("step_ms", float("nan")), r.get("tokens_per_s", 0), r.get("x_floor", 0)
         mb, gpu = r["bytes_per_session"] / 1e6, tps / tp.size
         print(f"{r['context']:>8} {r['sessions']:>8} {mb:>10.1f} {ms:>8.1f} {tps:>8.0f} {gpu:>9.0f} {x:>7.1f}")
+    for r in rows:
+        if "ttft" in r:
+            t = r["ttft"]
+            print(f"time to first token, {t['prompt_tokens']} tokens: {t['seconds']:.2f} s ({t['tokens_per_s']:.0f} "
+                  f"tok/s, {t['prefill_chunk']} a step)")  # fmt: skip
     for r in rows:
         for k in r.get("profile", [])[:8]:
             print(f"  {r['context']:>6} {k['ms_per_step']:>8.2f} ms {k['calls_per_step']:>6.0f}x {k['kernel']}")

@@ -77,6 +77,13 @@ PRESETS: dict[str, dict[str, Any]] = {
         gka={"num_heads": 4, "head_dim": 32, "chunk_size": 64, "num_iter": 30},
         mlp={"intermediate_size": 256},
     ),
+    # Gated DeltaNet in hmf's grouped form (4 state heads read 2 key/value heads), as its GDN hybrids hold it.
+    "tiny-gdn": _model(
+        128,
+        ["gdn"] * 4,
+        gdn={"num_heads": 4, "head_dim": 32, "num_k_heads": 2, "num_v_heads": 2, "chunk_size": 64},
+        mlp={"intermediate_size": 256},
+    ),
     "tiny-lattice": _model(
         128, ["lattice"] * 4, lattice={"num_heads": 4, "head_dim": 32, "num_slots": 32}, mlp={"intermediate_size": 256}
     ),

@@ -26,6 +26,7 @@ SUBCONFIGS = {
     "swa": {"num_heads": 4, "num_kv_heads": 2, "head_dim": 8, "window": 6},
     "ska": {"num_heads": 2, "rank": 8, "head_dim": 16, "chunk_size": 8},
     "gka": {"num_heads": 2, "head_dim": 16, "chunk_size": 8, "num_iter": 30},
+    "gdn": {"num_heads": 2, "head_dim": 16, "num_k_heads": 1, "num_v_heads": 1, "chunk_size": 8},
     "lattice": {"num_heads": 2, "head_dim": 16, "num_slots": 16},
     "bmojo": {
         "num_heads": 2,

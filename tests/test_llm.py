@@ -85,6 +85,7 @@ TINY_PRESETS = [
     "tiny-ska",
     "tiny-echo",
     "tiny-gka",
+    "tiny-gdn",
     "tiny-lattice",
     "tiny-bmojo",
 ]

@@ -9,7 +9,7 @@ from kvfree.engine.state_pool import StatePool
 from kvfree.engine.step_batch import StepBatch
 from tests.conftest import assert_states_close, make_model, mixer_prefill, output_tol, rel_err, state_rows
 
-KINDS = ["mamba2", "attention", "swa", "ska", "gka", "lattice", "bmojo"]
+KINDS = ["mamba2", "attention", "swa", "ska", "gka", "gdn", "lattice", "bmojo"]
 TOL = 1e-5
 
 

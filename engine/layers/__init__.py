@@ -8,6 +8,7 @@ from kvfree.engine.layers.attention import AttentionMixer, SlidingWindowMixer
 from kvfree.engine.layers.base import ContextOverflowError, Mixer, StateSpec
 from kvfree.engine.layers.bmojo import BMojoMixer
 from kvfree.engine.layers.bmojo_f import BMojoFMixer
+from kvfree.engine.layers.gdn import GDNMixer
 from kvfree.engine.layers.gka import GKAMixer
 from kvfree.engine.layers.lattice import LatticeMixer
 from kvfree.engine.layers.mamba2 import Mamba2Mixer
@@ -27,6 +28,7 @@ MIXERS: dict[str, type[Mixer]] = {
         SlidingWindowMixer,
         SKAMixer,
         GKAMixer,
+        GDNMixer,
         LatticeMixer,
         BMojoMixer,
         BMojoFMixer,
