@@ -2,10 +2,12 @@
 items and stream events built from the model's text (openai's own response types, serialised as OpenAI sends them).
 
 A response is one assistant turn. Its input items (messages, `function_call`s the model made earlier,
-`function_call_output`s with tool results) become chat messages rendered by the checkpoint's chat template, after
-the request's `instructions` and, with `previous_response_id`, after the stored conversation of that response. The
-model's text becomes output items in the order it wrote them: a `message` with `output_text` for text, one
-`function_call` per tool call (tool calls are parsed as the chat route parses them, server/tools.py).
+`function_call_output`s with tool results, `reasoning` items the model wrote earlier) become chat messages rendered
+by the checkpoint's chat template, after the request's `instructions` and, with `previous_response_id`, after the
+stored conversation of that response. The model's text becomes output items in the order it wrote them: for a
+checkpoint that declares reasoning tags (server/reasoning.py), first a `reasoning` item with its thinking as
+`reasoning_text`; then a `message` with `output_text` for text, one `function_call` per tool call (tool calls are
+parsed from the text after the reasoning, as the chat route parses them, server/tools.py).
 """
 
 from __future__ import annotations
@@ -32,11 +34,16 @@ from openai.types.responses import (
     ResponseOutputItemDoneEvent,
     ResponseOutputMessage,
     ResponseOutputText,
+    ResponseReasoningItem,
+    ResponseReasoningTextDeltaEvent,
+    ResponseReasoningTextDoneEvent,
     ResponseTextDeltaEvent,
     ResponseTextDoneEvent,
     ResponseUsage,
 )
+from openai.types.responses.response_reasoning_item import Content as ReasoningText
 from openai.types.responses.response_usage import InputTokensDetails, OutputTokensDetails
+from openai.types.shared import ReasoningEffort
 from pydantic import (
     BaseModel,
     ConfigDict,
@@ -52,6 +59,7 @@ from pydantic import (
 from kvfree.engine.grammar import Grammar
 from kvfree.engine.sampling import SamplingParams
 from kvfree.engine.session_store import SessionStore
+from kvfree.engine.tokenizer import IncrementalDetokenizer, Tokenizer
 from kvfree.server.errors import not_found
 from kvfree.server.protocol import (
     MAX_TOOLS,
@@ -75,6 +83,7 @@ from kvfree.server.protocol import (
     one_line,
     resolve_max_tokens,
 )
+from kvfree.server.reasoning import ReasoningFormat, ReasoningStreamParser
 from kvfree.server.structured_outputs import format_grammar
 from kvfree.server.tools import ContentDelta, DeltaToolCall, ToolCallFormat, ToolCallStreamParser
 
@@ -127,6 +136,41 @@ class FunctionCallOutputItem(RequestModel):
     status: str | None = None
 
 
+class ReasoningTextPart(RequestModel):
+    type: Literal["reasoning_text"] = Field(description='`"reasoning_text"`.')
+    text: str
+
+
+class SummaryTextPart(RequestModel):
+    type: Literal["summary_text"] = Field(description='`"summary_text"`.')
+    text: str
+
+
+class ReasoningItem(RequestModel):
+    """The model's thinking in an earlier turn (a `reasoning` output item sent back): the reasoning of the assistant
+    turn that follows it (its next assistant message or `function_call`; when neither follows, an assistant turn of
+    its own with no text, as a reply cut inside its thinking). Whether the model sees it is the chat template's
+    choice, as for chat's `reasoning_content` (Qwen3's shows only the reasoning after the last user message)."""
+
+    type: Literal["reasoning"]
+    id: str = Field(min_length=1, description="The item's id (`rs_...`); not used.")
+    summary: list[SummaryTextPart] = Field(description="Accepted (`[]` from kvfree); not shown to the model.")
+    content: list[ReasoningTextPart] | None = Field(
+        default=None, description="The reasoning, as returned; without it the item gives the model nothing to read."
+    )
+    encrypted_content: str | None = Field(
+        default=None, description="Accepted and ignored: kvfree encrypts nothing (its items carry their text in "
+        "`content`), and another server's encrypted reasoning cannot be read."
+    )
+    status: Literal["in_progress", "completed", "incomplete"] | None = Field(
+        default=None, description="Accepted (an output item sent back); not used."
+    )
+
+    @property
+    def text(self) -> str:
+        return "".join(part.text for part in self.content or [])
+
+
 def _item_kind(data: Any) -> str:
     """The input item's kind: its `type`, `message` when it has none (OpenAI's "easy input message")."""
     if isinstance(data, dict):
@@ -137,7 +181,8 @@ def _item_kind(data: Any) -> str:
 InputItem = Annotated[
     Annotated[MessageItem, Tag("message")]
     | Annotated[FunctionCallItem, Tag("function_call")]
-    | Annotated[FunctionCallOutputItem, Tag("function_call_output")],
+    | Annotated[FunctionCallOutputItem, Tag("function_call_output")]
+    | Annotated[ReasoningItem, Tag("reasoning")],
     Discriminator(_item_kind),
 ]
 
@@ -189,12 +234,31 @@ class TextConfig(RequestModel):
     format: TextFormat | None = None
 
 
+class ReasoningConfig(RequestModel):
+    """`reasoning`: OpenAI's options for reasoning models, validated as its API does and echoed on the response.
+
+    A checkpoint thinks when it declares reasoning tags and its chat template lets it; these options do not
+    change that."""
+
+    effort: ReasoningEffort = Field(
+        default=None, description="Validated and echoed; it does not steer how long the model thinks."
+    )
+    summary: Literal["auto", "concise", "detailed"] | None = Field(
+        default=None, description="Validated and echoed; no summary is written (kvfree has no summarizer): a "
+        "`reasoning` item's `summary` is `[]`, its full text is in `content`.",
+    )
+    generate_summary: Literal["auto", "concise", "detailed"] | None = Field(
+        default=None, description="Deprecated name of `summary`; the same."
+    )
+
+
 class ResponsesRequest(RequestModel):
     """`POST /v1/responses`: the model's next turn, optionally continuing a stored response."""
 
     model: str | None = Field(default=None, description="Optional: omitted means the server's only model.")
     input: str | Annotated[list[InputItem], Field(min_length=1)] = Field(
-        description="A user message as a string, or a list of input items (messages, function calls, their outputs)."
+        description="A user message as a string, or a list of input items (messages, function calls, their "
+        "outputs, reasoning items)."
     )
     instructions: str | None = Field(
         default=None, description="A system message before the conversation; not carried over to later responses."
@@ -222,8 +286,15 @@ class ResponsesRequest(RequestModel):
         default=None, description='`{"format": {...}}`: `text` (default), `json_object` or `json_schema` (enforced).'
     )
     truncation: Literal["disabled"] | None = Field(default=None, description='Only `"disabled"`.')
-    reasoning: dict[str, Any] | None = Field(default=None, description="Accepted; the served models do not reason.")
-    include: list[str] | None = Field(default=None, description="Accepted; nothing extra is included.")
+    reasoning: ReasoningConfig | None = Field(
+        default=None, description="Validated and echoed. A checkpoint that declares reasoning tags returns its "
+        "thinking as a `reasoning` item (`content`: `reasoning_text`) before its message, whatever this says; "
+        "`summary` is always `[]` (no summarizer)."
+    )
+    include: list[str] | None = Field(
+        default=None, description='Accepted; nothing extra is included. `"reasoning.encrypted_content"` is omitted: '
+        "kvfree encrypts nothing, its reasoning items carry their text in `content` and can be sent back as they are."
+    )
 
     @field_validator("metadata")
     @classmethod
@@ -306,29 +377,51 @@ def _content(content: str | list[InputText]) -> str | list[TextContentPart]:
     return [TextContentPart(type="text", text=part.text) for part in content]
 
 
-def items_to_messages(items: list[MessageItem | FunctionCallItem | FunctionCallOutputItem]) -> list[ChatMessage]:
+def items_to_messages(
+    items: list[MessageItem | FunctionCallItem | FunctionCallOutputItem | ReasoningItem],
+) -> list[ChatMessage]:
     """Input items as chat messages: consecutive `function_call`s (after an assistant message or not) are one
-    assistant message with several tool calls, as the model wrote them in one turn."""
+    assistant message with several tool calls, as the model wrote them in one turn; a `reasoning` item is the
+    `reasoning_content` of the assistant message that follows it (one of its own when none follows)."""
     messages: list[ChatMessage] = []
+    reasoning: list[str] = []  # reasoning items waiting for the assistant turn they belong to
+
+    def thinking() -> str | None:
+        text = "\n".join(reasoning) or None
+        reasoning.clear()
+        return text
+
+    def flush() -> None:  # reasoning that no assistant message follows: a turn that was all thinking
+        if reasoning:
+            messages.append(AssistantMessage(role="assistant", content="", reasoning_content=thinking()))
+
     for item in items:
-        if isinstance(item, MessageItem):
-            content = _content(item.content)
-            if item.role == "user":
-                messages.append(UserMessage(role="user", content=content))
-            elif item.role == "assistant":
-                messages.append(AssistantMessage(role="assistant", content=content))
-            else:
-                messages.append(SystemMessage(role=item.role, content=content))
+        if isinstance(item, ReasoningItem):
+            if item.text:
+                reasoning.append(item.text)
+        elif isinstance(item, MessageItem) and item.role == "assistant":
+            messages.append(AssistantMessage(role="assistant", content=_content(item.content),
+                                             reasoning_content=thinking()))  # fmt: skip
         elif isinstance(item, FunctionCallItem):
             call = ToolCall(id=item.call_id, function=FunctionCall(name=item.name, arguments=item.arguments))
             last = messages[-1] if messages else None
-            if isinstance(last, AssistantMessage):
+            if isinstance(last, AssistantMessage) and not reasoning:
                 last.tool_calls = [*(last.tool_calls or []), call]
-            else:
-                messages.append(AssistantMessage(role="assistant", content=None, tool_calls=[call]))
+            else:  # a new turn (reasoning before a call opens one)
+                messages.append(AssistantMessage(role="assistant", content=None, tool_calls=[call],
+                                                 reasoning_content=thinking()))  # fmt: skip
         else:
-            output = item.output if isinstance(item.output, str) else "".join(p.text for p in item.output)
-            messages.append(ToolMessage(role="tool", content=output, tool_call_id=item.call_id))
+            flush()
+            if isinstance(item, MessageItem):
+                content = _content(item.content)
+                if item.role == "user":
+                    messages.append(UserMessage(role="user", content=content))
+                else:
+                    messages.append(SystemMessage(role=item.role, content=content))
+            else:
+                output = item.output if isinstance(item.output, str) else "".join(p.text for p in item.output)
+                messages.append(ToolMessage(role="tool", content=output, tool_call_id=item.call_id))
+    flush()
     return messages
 
 
@@ -338,16 +431,23 @@ def items_to_messages(items: list[MessageItem | FunctionCallItem | FunctionCallO
 class OutputBuilder:
     """The model's text as output items, and the stream events that build them, in order.
 
-    Text goes into a `message` item, opened at the first text; a tool call closes it and becomes a `function_call`
-    item; text after a call opens a new message. `feed` and `finish` return the events of what they added (a
-    non-streaming route just ignores them); `items` is the output so far, and `assistant_message()` the turn as a
-    chat message for the conversation's history. Every event gets the next `sequence_number`.
+    With a reasoning format, the reasoning part of the text (server/reasoning.py) goes into a `reasoning` item, the
+    first, opened at the first reasoning text and closed when the content begins (or at the end); the rest is
+    content. Content text goes into a `message` item, opened at the first text; a tool call closes it and becomes a
+    `function_call` item; text after a call opens a new message. `feed` and `finish` return the events of what they
+    added (a non-streaming route just ignores them); `items` is the output so far, and `assistant_message()` the
+    turn as a chat message for the conversation's history. Every event gets the next `sequence_number`.
     """
 
-    def __init__(self, fmt: ToolCallFormat | None, allowed: frozenset[str] | None) -> None:
+    def __init__(
+        self, fmt: ToolCallFormat | None, allowed: frozenset[str] | None, thinking: ReasoningFormat | None = None
+    ) -> None:
         self.parser = ToolCallStreamParser(fmt.start, fmt.end, allowed) if fmt is not None else None
-        self.items: list[ResponseOutputMessage | ResponseFunctionToolCall] = []
+        self.thinker = ReasoningStreamParser(thinking) if thinking is not None else None
+        self.items: list[ResponseReasoningItem | ResponseOutputMessage | ResponseFunctionToolCall] = []
         self.sequence = 0
+        self._reasoning_item: ResponseReasoningItem | None = None  # the open reasoning item
+        self._reasoning: list[str] = []  # its text, in pieces
         self._message: ResponseOutputMessage | None = None  # the open message item
         self._text = ""
         self._calls: list[ToolCall] = []
@@ -361,21 +461,77 @@ class OutputBuilder:
         return event
 
     def feed(self, text: str) -> list[BaseModel]:
+        if self.thinker is None:
+            return self._add_content(text)
+        return self._split(self.thinker.feed(text))
+
+    def finish(self, cut: bool = False) -> list[BaseModel]:
+        """The model is done: flush held text, close the open items (nothing the second time). `cut`: the reply was
+        cut by `max_output_tokens`; the item it ended in (its reasoning, or its message) is then `incomplete`, as
+        OpenAI marks it."""
+        if self._finished:
+            return []
+        self._finished = True
+        events = self._split(self.thinker.finish()) if self.thinker is not None else []
+        status: Literal["completed", "incomplete"] = "incomplete" if cut else "completed"
+        events += self._close_reasoning(status)  # (only a reasoning block still open when the reply ended)
+        events += self._apply(self.parser.finish()) if self.parser is not None else []
+        return events + self._close_message(status)
+
+    def assistant_message(self) -> AssistantMessage:
+        """This turn in the conversation's history: its text, its tool calls and its reasoning (empty text when it
+        has neither text nor calls: a reply that was all reasoning, or nothing)."""
+        return AssistantMessage(
+            role="assistant", content=self._content or (None if self._calls else ""), tool_calls=self._calls or None,
+            reasoning_content="".join(self._reasoning) or None,
+        )  # fmt: skip
+
+    def _split(self, parts: list[tuple[str, str]]) -> list[BaseModel]:
+        """The reasoning parser's parts: reasoning into the reasoning item, content (which closes it) on."""
+        events: list[BaseModel] = []
+        for kind, text in parts:
+            if kind == "reasoning":
+                events += self._add_reasoning(text)
+            else:
+                events += self._close_reasoning("completed") + self._add_content(text)
+        return events
+
+    def _add_content(self, text: str) -> list[BaseModel]:
         if self.parser is None:
             return self._add_text(text) if text else []
         return self._apply(self.parser.feed(text))
 
-    def finish(self) -> list[BaseModel]:
-        """The model is done: flush held text, close the open message (nothing the second time)."""
-        if self._finished:
-            return []
-        self._finished = True
-        events = self._apply(self.parser.finish()) if self.parser is not None else []
-        return events + self._close_message()
+    def _add_reasoning(self, text: str) -> list[BaseModel]:
+        events: list[BaseModel] = []
+        item = self._reasoning_item
+        if item is None:
+            item = self._reasoning_item = ResponseReasoningItem(
+                id="rs_" + uuid.uuid4().hex, type="reasoning", summary=[], content=[], status="in_progress"
+            )
+            index = len(self.items)
+            self.items.append(item)
+            events.append(self.event(ResponseOutputItemAddedEvent, output_index=index, item=item.model_copy()))
+            events.append(self.event(ResponseContentPartAddedEvent, item_id=item.id, output_index=index,
+                                     content_index=0, part={"type": "reasoning_text", "text": ""}))  # fmt: skip
+        self._reasoning.append(text)
+        events.append(self.event(ResponseReasoningTextDeltaEvent, item_id=item.id, output_index=self.items.index(item),
+                                 content_index=0, delta=text))  # fmt: skip
+        return events
 
-    def assistant_message(self) -> AssistantMessage:
-        """This turn in the conversation's history: its text and its tool calls."""
-        return AssistantMessage(role="assistant", content=self._content or None, tool_calls=self._calls or None)
+    def _close_reasoning(self, status: Literal["completed", "incomplete"]) -> list[BaseModel]:
+        if self._reasoning_item is None:
+            return []
+        item, self._reasoning_item = self._reasoning_item, None
+        index = self.items.index(item)
+        text = "".join(self._reasoning)
+        item.content = [ReasoningText(type="reasoning_text", text=text)]
+        item.status = status
+        return [
+            self.event(ResponseReasoningTextDoneEvent, item_id=item.id, output_index=index, content_index=0, text=text),
+            self.event(ResponseContentPartDoneEvent, item_id=item.id, output_index=index, content_index=0,
+                       part={"type": "reasoning_text", "text": text}),
+            self.event(ResponseOutputItemDoneEvent, output_index=index, item=item),
+        ]  # fmt: skip
 
     def _apply(self, parsed: list[ContentDelta | DeltaToolCall]) -> list[BaseModel]:
         events: list[BaseModel] = []
@@ -406,14 +562,14 @@ class OutputBuilder:
                                  content_index=0, delta=text, logprobs=[]))  # fmt: skip
         return events
 
-    def _close_message(self) -> list[BaseModel]:
+    def _close_message(self, status: Literal["completed", "incomplete"] = "completed") -> list[BaseModel]:
         if self._message is None:
             return []
         message, self._message = self._message, None
         index = self.items.index(message)
         part = ResponseOutputText(type="output_text", text=self._text, annotations=[], logprobs=[])
         message.content = [part]
-        message.status = "completed"
+        message.status = status
         return [
             self.event(ResponseTextDoneEvent, item_id=message.id, output_index=index, content_index=0,
                        text=self._text, logprobs=[]),
@@ -442,8 +598,57 @@ class OutputBuilder:
         ]  # fmt: skip
 
 
-def usage(input_tokens: int, output_tokens: int, cached_tokens: int) -> ResponseUsage:
-    """Token counts; `input_tokens_details.cached_tokens`: input tokens the previous response's state already held."""
+class ReasoningTokens:
+    """How many of the reply's tokens are its reasoning (`output_tokens_details.reasoning_tokens`), counted exactly:
+    the tokens the model sampled up to and including the one that completes the end tag (tags included), all of
+    them while the block is open, none when the reply does not open with the start tag.
+
+    Exact because it counts the sampled tokens themselves, decoded again one at a time as the engine decodes them
+    (the same detokenizer, the same `skip_special_tokens`) until the end tag shows. Encoding the reasoning text
+    again would not be: the model's tokens need not be the tokenizer's encoding of their text, and the tags and a
+    token that spans the end tag and the content would be lost or split. Decoding stops at the end tag, so the cost
+    is the reasoning's tokens, once, as they arrive; only a tail of the text, where the tag may be, is kept.
+    """
+
+    def __init__(self, tok: Tokenizer, fmt: ReasoningFormat, skip_special_tokens: bool) -> None:
+        self.fmt = fmt
+        self._detok = IncrementalDetokenizer(tok, skip_special_tokens)
+        self._state: Literal["start", "reasoning", "content"] = "start"
+        self._text = ""  # "start": all the text so far; "reasoning": a tail that may hold the start of the end tag
+        self.tokens = 0
+
+    def add(self, token_ids: list[int]) -> None:
+        for token_id in token_ids:
+            if self._state == "content":
+                return
+            self.tokens += 1
+            text = self._text + self._detok.add(token_id)
+            if self._state == "start":
+                body = text.lstrip()
+                if not body or (self.fmt.start.startswith(body) and body != self.fmt.start):
+                    self._text = text  # not yet known whether the reply opens with the start tag
+                    continue
+                if not body.startswith(self.fmt.start):
+                    self._state, self.tokens = "content", 0  # no reasoning part
+                    return
+                self._state, text = "reasoning", body[len(self.fmt.start) :]
+            if self.fmt.end in text:
+                self._state = "content"
+                return
+            self._text = text[max(0, len(text) - len(self.fmt.end) + 1) :]
+
+    def count(self, finish_reason: str | None) -> int:
+        """The reasoning tokens of the whole reply; a block never closed holds all of it but a final stop token."""
+        if self._state == "start":
+            return 0  # never shown to open the block: all content
+        if self._state == "reasoning" and finish_reason == "stop":
+            return self.tokens - 1
+        return self.tokens
+
+
+def usage(input_tokens: int, output_tokens: int, cached_tokens: int, reasoning_tokens: int = 0) -> ResponseUsage:
+    """Token counts; `input_tokens_details.cached_tokens`: input tokens the previous response's state already held;
+    `output_tokens_details.reasoning_tokens`: output tokens of the reasoning item (`ReasoningTokens`)."""
     details: dict[str, int] = {"cached_tokens": cached_tokens}
     if "cache_write_tokens" in InputTokensDetails.model_fields:  # newer SDKs: tokens written to a prompt cache
         details["cache_write_tokens"] = 0
@@ -451,7 +656,7 @@ def usage(input_tokens: int, output_tokens: int, cached_tokens: int) -> Response
         input_tokens=input_tokens,
         input_tokens_details=InputTokensDetails(**details),
         output_tokens=output_tokens,
-        output_tokens_details=OutputTokensDetails(reasoning_tokens=0),
+        output_tokens_details=OutputTokensDetails(reasoning_tokens=reasoning_tokens),
         total_tokens=input_tokens + output_tokens,
     )
 
@@ -461,7 +666,7 @@ def response_object(
     rid: str,
     model: str,
     created_at: float,
-    output: list[ResponseOutputMessage | ResponseFunctionToolCall],
+    output: list[ResponseReasoningItem | ResponseOutputMessage | ResponseFunctionToolCall],
     status: Literal["in_progress", "completed", "incomplete"],
     usage_: ResponseUsage | None = None,
 ) -> Response:
@@ -485,6 +690,7 @@ def response_object(
         store=body.store,
         metadata=body.metadata or {},
         text={"format": body.text_format.model_dump(by_alias=True, exclude_none=True)},
+        reasoning=body.reasoning.model_dump(exclude_none=True) if body.reasoning is not None else None,
         truncation="disabled",
         incomplete_details={"reason": "max_output_tokens"} if status == "incomplete" else None,
         error=None,

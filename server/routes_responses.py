@@ -6,6 +6,11 @@ GPU, host memory and the session store like any session. A request with `previou
 stored conversation plus its own input through the chat template, and prefills only the tokens the forked state
 does not hold yet: `usage.input_tokens_details.cached_tokens` says how many it skipped. `store: false` keeps
 nothing: a fork it made is deleted when the response ends.
+
+A checkpoint that declares reasoning tags gets its thinking split out of the reply (server/reasoning.py) into a
+`reasoning` item before the message, streamed as `response.reasoning_text.delta` events, and counted in
+`usage.output_tokens_details.reasoning_tokens`; the stored conversation keeps it as the reply's
+`reasoning_content`.
 """
 
 from __future__ import annotations
@@ -35,8 +40,10 @@ from kvfree.server.chat_template import render_chat, stop_at_turn_end
 from kvfree.server.errors import APIError, error_responses, not_found, service_unavailable
 from kvfree.server.lifecycle import ENGINE_ERRORS, Generation, http_errors
 from kvfree.server.protocol import ChatMessage, ResponseModel, SystemMessage
+from kvfree.server.reasoning import ReasoningFormat
 from kvfree.server.responses import (
     OutputBuilder,
+    ReasoningTokens,
     ResponsesRequest,
     StoredResponse,
     TurnTokens,
@@ -106,10 +113,12 @@ async def create_response(body: ResponsesRequest, request: Request, state: State
                                   retry_after=5)  # fmt: skip
     session_id = await _session_for(state, previous, body.store, owner)
     fmt = ToolCallFormat.from_tokenizer_config(tok.config) if body.uses_tools else None
+    thinking = ReasoningFormat.from_tokenizer_config(tok.config)
     turn = Turn(
         state=state, body=body, owner=owner, prompt_ids=prompt_ids, prompt_text=text,
         render=render, session_id=session_id, conversation=conversation,
-        builder=OutputBuilder(fmt, accepted_tool_names(tools, choice)), rid=response_id(), created_at=now(),
+        builder=OutputBuilder(fmt, accepted_tool_names(tools, choice), thinking), rid=response_id(), created_at=now(),
+        reasoning=ReasoningTokens(tok, thinking, params.skip_special_tokens) if thinking is not None else None,
     )  # fmt: skip
     try:
         gen = await state.engine.start(request, prompt_ids, params, session_id=session_id, owner=owner)
@@ -190,22 +199,32 @@ class Turn:
     builder: OutputBuilder
     rid: str
     created_at: float
+    reasoning: ReasoningTokens | None = None  # counts the reasoning's tokens, for a checkpoint with reasoning tags
     reply_ids: list[int] = field(default_factory=list)
 
     def take(self, out: RequestOutput) -> list[BaseModel]:
         """One engine output: its tokens kept for the record, its text through the builder (the events that adds)."""
         self.reply_ids += out.token_ids
+        if self.reasoning is not None:
+            self.reasoning.add(out.token_ids)
         return self.builder.feed(out.text) if out.text else []
+
+    def close_output(self, gen: Generation) -> list[BaseModel]:
+        """The generation ended: the builder's last events (the item the token limit cut: incomplete)."""
+        return self.builder.finish(cut=gen.finish_reason == "length")
 
     def response(self, status: str, gen: Generation | None = None) -> Response:
         """The response object; with `gen` (the generation ended), its usage."""
-        counts = usage(gen.prompt_tokens, gen.completion_tokens, gen.cached_tokens) if gen is not None else None
+        counts = None
+        if gen is not None:
+            thought = self.reasoning.count(gen.finish_reason) if self.reasoning is not None else 0
+            counts = usage(gen.prompt_tokens, gen.completion_tokens, gen.cached_tokens, thought)
         return response_object(self.body, self.rid, self.state.model_name, self.created_at, self.builder.items, status,
                                counts)  # type: ignore[arg-type]  # fmt: skip
 
     async def finish(self, gen: Generation) -> Response:
         """The generation ended: close the output, count it, store the response (or drop its state)."""
-        self.builder.finish()
+        self.close_output(gen)
         response = self.response("incomplete" if gen.finish_reason == "length" else "completed", gen)
         gen.finish()
         if self.body.store and self.session_id is not None:
@@ -240,7 +259,7 @@ class Turn:
             async for out in gen:
                 for event in self.take(out):
                     yield sse(event)
-            for event in b.finish():
+            for event in self.close_output(gen):
                 yield sse(event)
             response = await self.finish(gen)
             done = ResponseIncompleteEvent if response.status == "incomplete" else ResponseCompletedEvent

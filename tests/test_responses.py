@@ -3,7 +3,9 @@
 Stored responses continue from their exact state (`previous_response_id`: only the new input is prefilled, and the
 output equals the same conversation sent in full), fork when continued twice, are scoped by API key, and are gone
 once deleted; streams carry the typed events in the order the SDK's accumulator expects; tool calls go out as
-`function_call` items and come back as `function_call_output` input.
+`function_call` items and come back as `function_call_output` input; a checkpoint that declares reasoning tags
+returns its thinking as a `reasoning` item (streamed as `response.reasoning_text.*` events), which comes back as
+input.
 """
 
 from __future__ import annotations
@@ -17,12 +19,33 @@ from typing import Any
 import openai
 import pytest
 
+from kvfree.checkpoints.byte_tokenizer import CHAT_TEMPLATE
 from kvfree.engine.session_store import DirectoryStore
+from kvfree.engine.tokenizer import Tokenizer
 from kvfree.server.errors import APIError
-from kvfree.server.protocol import UserMessage
-from kvfree.server.responses import ResponsesRequest, ResponseStore, StoredResponse, response_id, response_object
+from kvfree.server.protocol import AssistantMessage, ToolMessage, UserMessage
+from kvfree.server.reasoning import ReasoningFormat
+from kvfree.server.responses import (
+    OutputBuilder,
+    ReasoningTokens,
+    ResponsesRequest,
+    ResponseStore,
+    StoredResponse,
+    response_id,
+    response_object,
+)
+from kvfree.server.tools import ToolCallFormat
 from tests.paths import TINY_CHECKPOINT
-from tests.server_fixtures import ThreadServer, assert_openai_error, make_checkpoint, make_tool_checkpoint, serve
+from tests.server_fixtures import (
+    THINK_CHAIN,
+    TOOL_CALL_TEXT,
+    ThreadServer,
+    assert_openai_error,
+    make_chain_checkpoint,
+    make_checkpoint,
+    make_tool_checkpoint,
+    serve,
+)
 
 ROOT = Path(__file__).resolve().parents[1]
 WEATHER = {
@@ -33,10 +56,25 @@ WEATHER = {
 }
 
 
+THINK = ReasoningFormat("<think>", "</think>")
+# The thinking checkpoint's chat template shows a reply's reasoning as the model wrote it (Qwen3's shows it for the
+# turns after the last user message only): the reasoning items sent back reach the prompt.
+THINKING_TEMPLATE = CHAT_TEMPLATE.replace(
+    "{% if message['content'] is string %}",
+    "{% if message.get('reasoning_content') %}<think>{{ message['reasoning_content'] }}</think>\n\n{% endif %}"
+    "{% if message['content'] is string %}",
+)
+REASONING, ANSWER = "Paris is in France.", "It is in France, Europe."  # THINK_CHAIN's two parts
+
+
 @pytest.fixture(scope="module")
 def ckpts(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
     root = tmp_path_factory.mktemp("ckpt")
-    return {"tiny": make_checkpoint("tiny", root / "tiny"), "tool": make_tool_checkpoint(root / "tool")}
+    thinking = make_chain_checkpoint(root / "thinking", THINK_CHAIN, {
+        "reasoning_start": "<think>", "reasoning_end": "</think>", "chat_template": THINKING_TEMPLATE,
+    })  # fmt: skip
+    return {"tiny": make_checkpoint("tiny", root / "tiny"), "tool": make_tool_checkpoint(root / "tool"),
+            "thinking": thinking}  # fmt: skip
 
 
 @pytest.fixture(scope="module")
@@ -49,6 +87,13 @@ def server(ckpts):
 @pytest.fixture(scope="module")
 def tool_server(ckpts):
     srv = serve(ckpts["tool"], "kvfree-tool", max_sessions=4)
+    yield srv
+    srv.stop()
+
+
+@pytest.fixture(scope="module")
+def thinking_server(ckpts):
+    srv = serve(ckpts["thinking"], "kvfree-thinking", max_sessions=4)
     yield srv
     srv.stop()
 
@@ -304,6 +349,157 @@ def test_tool_call_round_trip(tool_server):
     assert [i.type for i in full.output] == [i.type for i in after.output]
 
 
+# -- reasoning ------------------------------------------------------------------------------------------------------
+
+
+def think(client: openai.OpenAI, input: Any = "Where is Paris?", **kw: Any):
+    return client.responses.create(model="kvfree-thinking", input=input, temperature=0, **kw)
+
+
+def test_a_thinking_model_returns_its_reasoning_as_a_reasoning_item_before_the_message(thinking_server):
+    client = thinking_server.openai()
+    r = think(client, reasoning={"effort": "low", "summary": "auto"}, include=["reasoning.encrypted_content"])
+    assert r.status == "completed" and [item.type for item in r.output] == ["reasoning", "message"]
+    item = r.output[0]
+    assert item.id.startswith("rs_") and item.status == "completed"
+    assert item.summary == [] and item.encrypted_content is None  # no summarizer, nothing encrypted
+    assert [(c.type, c.text) for c in item.content] == [("reasoning_text", REASONING)]
+    assert r.output_text == ANSWER  # the message holds the content only
+    # The reply's tokens: <think>, two of reasoning, </think> | "\n\n", two of answer, <|im_end|>.
+    assert r.usage.output_tokens == 8 and r.usage.output_tokens_details.reasoning_tokens == 4
+    assert (r.reasoning.effort, r.reasoning.summary) == ("low", "auto")  # echoed
+    assert client.responses.retrieve(r.id).model_dump() == r.model_dump()  # stored with its reasoning item
+
+
+def test_a_streamed_thinking_reply_gives_the_reasoning_events_and_the_same_output(thinking_server):
+    client = thinking_server.openai()
+    events = list(think(client, stream=True, store=False))
+    types = [e.type for e in events]
+    reasoning = [e.delta for e in events if e.type == "response.reasoning_text.delta"]
+    text = [e.delta for e in events if e.type == "response.output_text.delta"]
+    assert types == [
+        "response.created",
+        "response.in_progress",
+        "response.output_item.added",  # the reasoning item, output_index 0
+        "response.content_part.added",
+        *["response.reasoning_text.delta"] * len(reasoning),
+        "response.reasoning_text.done",
+        "response.content_part.done",
+        "response.output_item.done",
+        "response.output_item.added",  # the message, output_index 1
+        "response.content_part.added",
+        *["response.output_text.delta"] * len(text),
+        "response.output_text.done",
+        "response.content_part.done",
+        "response.output_item.done",
+        "response.completed",
+    ]
+    assert [e.sequence_number for e in events] == list(range(len(events)))
+    rid = events[2].item.id
+    for e in events[2:-1]:
+        item_id = e.item.id if hasattr(e, "item") else e.item_id
+        assert e.output_index == (0 if item_id == rid else 1), e
+    assert events[3].part.type == "reasoning_text" and events[3 + len(reasoning) + 2].part.text == REASONING
+    assert "".join(reasoning) == events[3 + len(reasoning) + 1].text == REASONING and "".join(text) == ANSWER
+    final = events[-1].response
+    plain = think(client, store=False)
+    strip = {"id": True, "created_at": True, "output": {"__all__": {"id"}}}
+    assert final.model_dump(exclude=strip) == plain.model_dump(exclude=strip)  # the same output and usage
+    assert final.output[0].model_dump() == events[3 + len(reasoning) + 3].item.model_dump()
+    # The SDK's own accumulation of the stream.
+    with client.responses.stream(model="kvfree-thinking", input="Where is Paris?", temperature=0, store=False) as s:
+        accumulated = s.get_final_response()
+    assert [i.type for i in accumulated.output] == ["reasoning", "message"] and accumulated.output_text == ANSWER
+
+
+def test_a_reply_cut_inside_its_reasoning_is_incomplete_and_all_reasoning(thinking_server):
+    client = thinking_server.openai()
+    r = think(client, max_output_tokens=2)  # <think>, "Paris is "
+    assert r.status == "incomplete" and r.incomplete_details.reason == "max_output_tokens"
+    assert [(i.type, i.status, i.content[0].text) for i in r.output] == [("reasoning", "incomplete", "Paris is ")]
+    assert r.output_text == "" and r.usage.output_tokens == r.usage.output_tokens_details.reasoning_tokens == 2
+    streamed = list(think(client, max_output_tokens=2, stream=True, store=False))
+    assert streamed[-1].type == "response.incomplete"
+    assert [i.model_dump(exclude={"id"}) for i in streamed[-1].response.output] == [
+        i.model_dump(exclude={"id"}) for i in r.output
+    ]
+    # The stored turn (all reasoning, no text) continues from its state.
+    after = think(client, "Go on", previous_response_id=r.id, max_output_tokens=4)
+    assert after.usage.input_tokens_details.cached_tokens == r.usage.input_tokens + 1  # all but the last
+
+
+def test_reasoning_items_sent_back_in_input_render_the_turn_as_the_model_wrote_it(thinking_server):
+    """The previous output sent back whole (its reasoning item included) is the same prompt as continuing the stored
+    response, whose state holds the reply as sampled; without the reasoning item the prompt lacks it."""
+    client = thinking_server.openai()
+    first = think(client)
+    then = {"role": "user", "content": "And Rome?"}
+    continued = think(client, [then], previous_response_id=first.id, max_output_tokens=1)
+    assert continued.usage.input_tokens_details.cached_tokens == first.usage.input_tokens + 7  # all but <|im_end|>
+    ask = {"role": "user", "content": "Where is Paris?"}
+    full = think(client, [ask, *(i.model_dump() for i in first.output), then], store=False, max_output_tokens=1)
+    assert full.usage.input_tokens == continued.usage.input_tokens
+    bare = think(client, [ask, first.output[1].model_dump(), then], store=False, max_output_tokens=1)
+    assert bare.usage.input_tokens == full.usage.input_tokens - 5  # <think>, two of reasoning, </think>, "\n\n"
+
+
+def test_reasoning_items_become_the_reasoning_of_the_assistant_turn_they_precede():
+    def item(text: str) -> dict[str, Any]:
+        return {"type": "reasoning", "id": "rs_1", "summary": [], "content": [{"type": "reasoning_text", "text": text}]}
+
+    call = {"type": "function_call", "call_id": "call_1", "name": "f", "arguments": "{}"}
+    body = ResponsesRequest.model_validate({"input": [
+        {"role": "user", "content": "q"}, item("a"), call, {"type": "function_call_output", "call_id": "call_1",
+        "output": "r"}, item("b"), {"role": "assistant", "content": "x"}, item("c"),
+    ]})  # fmt: skip
+    messages = body.input_messages()
+    assert [type(m) for m in messages] == [UserMessage, AssistantMessage, ToolMessage, AssistantMessage,
+                                           AssistantMessage]  # fmt: skip
+    assert [(m.reasoning_content, m.content) for m in messages if isinstance(m, AssistantMessage)] == [
+        ("a", None), ("b", "x"), ("c", "")  # the last: a turn that was all reasoning
+    ]
+    assert messages[1].tool_calls[0].id == "call_1"
+
+
+def test_the_output_builder_puts_tool_calls_after_the_reasoning_and_leaves_tagless_models_alone():
+    reply = f"<think>I should call.</think>\n\nLet me check.<tool_call>{TOOL_CALL_TEXT}</tool_call>"
+    builder = OutputBuilder(ToolCallFormat("<tool_call>", "</tool_call>"), None, THINK)
+    events = [e for i in range(0, len(reply), 3) for e in builder.feed(reply[i : i + 3])] + builder.finish()
+    assert [e.sequence_number for e in events] == list(range(len(events)))
+    assert [i.type for i in builder.items] == ["reasoning", "message", "function_call"]
+    assert [i.output_index for i in events if i.type == "response.output_item.done"] == [0, 1, 2]
+    assert builder.items[0].content[0].text == "I should call." and builder.items[2].name == "get_weather"
+    reply_message = builder.assistant_message()
+    assert (reply_message.reasoning_content, reply_message.content) == ("I should call.", "Let me check.")
+    # No reasoning tags declared: the text is the message's, tags and all.
+    plain = OutputBuilder(None, None)
+    plain.feed("<think>a</think>\n\nb")
+    plain.finish()
+    assert [(i.type, i.content[0].text) for i in plain.items] == [("message", "<think>a</think>\n\nb")]
+
+
+def test_reasoning_tokens_are_the_sampled_tokens_through_the_one_that_completes_the_end_tag():
+    tok = Tokenizer(TINY_CHECKPOINT)  # byte-level: a tag is several tokens
+    cases = [  # reply, finish reason, reasoning tokens
+        (" <think>ab</think>\n\ncd", "stop", len(" <think>ab</think>")),
+        ("<think>abc", "length", len("<think>abc")),  # cut inside: all of it
+        ("<thi", "length", 0),  # never shown to open the block
+        ("no thinking", "stop", 0),
+    ]
+    for reply, finish, expected in cases:
+        ids = tok.encode(reply)
+        for step in (1, 3, len(ids)):  # however the engine's outputs batch the tokens
+            counter = ReasoningTokens(tok, THINK, skip_special_tokens=True)
+            for i in range(0, len(ids), step):
+                counter.add(ids[i : i + step])
+            assert counter.count(finish) == expected, (reply, step)
+
+
+def test_a_model_without_reasoning_tags_has_no_reasoning_item(server):
+    r = respond(server.openai(), "Hello there")
+    assert {item.type for item in r.output} == {"message"} and r.usage.output_tokens_details.reasoning_tokens == 0
+
+
 # -- bad input ------------------------------------------------------------------------------------------------------
 
 
@@ -321,6 +517,12 @@ def test_tool_call_round_trip(tool_server):
         ({"input": [{"type": "image", "url": "x"}]}, None),
         ({"input": "x", "max_output_tokens": 0}, "max_output_tokens"),
         ({"input": "x", "model": "other"}, "model"),
+        ({"input": "x", "reasoning": {"effort": "huge"}}, "reasoning.effort"),
+        ({"input": "x", "reasoning": {"summary": "long"}}, "reasoning.summary"),
+        ({"input": [{"type": "reasoning", "id": "rs_1", "content": []}]}, "input[0].summary"),
+        ({"input": [{"type": "reasoning", "id": "rs_1", "summary": [], "content": [{"type": "output_text",
+                                                                                   "text": "x"}]}]},
+         "input[0].content[0].type"),
     ],
 )
 def test_bad_requests_get_clear_errors(server, body, param):
