@@ -304,6 +304,7 @@ def test_stream_events_in_the_order_the_sdk_expects(server):
     assert [e.sequence_number for e in events] == list(range(len(events)))
     final = events[-1].response
     assert final.incomplete_details.reason == "max_output_tokens"
+    assert final.output[0].status == events[-2].item.status == "incomplete"  # the message the limit cut, as OpenAI
     assert final.output_text == "".join(deltas) == events[-4].text
     assert final.usage.input_tokens_details.cached_tokens > 0
     # The same request without a stream; the streamed response was stored too.
