@@ -124,11 +124,6 @@ def gka_config(hf: dict[str, Any], attention: dict[str, Any], where: Path) -> di
         hf_common.flag(c, key, where)
     if c["solver_type"] != "chebyshev":
         raise CheckpointError(f"{where}: gka_config.solver_type is {c['solver_type']!r}; only 'chebyshev' exists")
-    if not c["use_forgetting_gate_kk"] and c["use_forgetting_gate"]:
-        raise CheckpointError(
-            f"{where}: gka_config.use_forgetting_gate_kk = false (the key covariance never decays while the state "
-            "does) is not supported: kvfree's GKA kernels decay both with one gate"
-        )
     num_iter = c["num_iter"]
     if not isinstance(num_iter, int) or isinstance(num_iter, bool) or num_iter < 0:
         raise CheckpointError(f"{where}: gka_config.num_iter must be an integer >= 0, got {num_iter!r}")
@@ -139,8 +134,9 @@ def gka_config(hf: dict[str, Any], attention: dict[str, Any], where: Path) -> di
         "use_solver": num_iter > 0, "ridge_strength": float(hf_common.positive_number(c, "ridge_strength", where)),
         "norm_eps": float(hf_common.positive_number(c, "norm_eps", where)),
     }  # fmt: skip
+    # use_forgetting_gate_kk = false: the key covariance never decays while the state does (hmf: gk = None).
     for key in ("use_v_conv", "use_beta_gate", "use_alpha_connection", "use_gate", "gla_rescale",
-                "use_forgetting_gate"):  # fmt: skip
+                "use_forgetting_gate", "use_forgetting_gate_kk"):  # fmt: skip
         out[key] = c[key]
     # hmf applies the low-rank expansion only where some head count is expanded; elsewhere its weights go unused.
     if c["kv_proj_rank"] is not None and Hkv < out["num_heads"]:

@@ -114,10 +114,11 @@ def cheb_alg1(A: torch.Tensor, q: torch.Tensor, L: torch.Tensor, mu: torch.Tenso
     return xi
 
 
-def oracle(q, k, v, g, alpha, h0=None, s0=None, a=0.02, r=30, scale=None, exact=False):
+def oracle(q, k, v, g, alpha, h0=None, s0=None, a=0.02, r=30, scale=None, exact=False, decay_h=True):
     """Recurrent GKA in float64, one token at a time. Inputs as `random_inputs` ([B, T, He, *]).
 
-    Returns o `[B, T, He, Dv]`, final H, S. `exact=True` replaces CH by torch.linalg.solve.
+    Returns o `[B, T, He, Dv]`, final H, S. `exact=True` replaces CH by torch.linalg.solve. `decay_h=False`: H is
+    never decayed (hmf's use_forgetting_gate_kk = false), S still is.
     """
     q, k, v, g, alpha = (t.to(F64) for t in (q, k, v, g, alpha))
     B, T, He, D = q.shape
@@ -129,7 +130,7 @@ def oracle(q, k, v, g, alpha, h0=None, s0=None, a=0.02, r=30, scale=None, exact=
     out = []
     for t in range(T):
         gam = torch.exp(g[:, t])[..., None, None]
-        H = gam * H + torch.einsum("bhi,bhj->bhij", k[:, t], k[:, t])
+        H = (gam if decay_h else 1.0) * H + torch.einsum("bhi,bhj->bhij", k[:, t], k[:, t])
         S = gam * S + torch.einsum("bhi,bhj->bhij", k[:, t], v[:, t])
         fro = torch.linalg.matrix_norm(H)  # direct Frobenius norm
         lam = a * fro
@@ -142,7 +143,8 @@ def oracle(q, k, v, g, alpha, h0=None, s0=None, a=0.02, r=30, scale=None, exact=
 
 def oracle_layer(mixer, x: torch.Tensor) -> torch.Tensor:
     """The whole GKA layer (gka.md §3 steps 1-12) in float64 from the module's weights, token by token from a new
-    session: x `[T, d]` -> `[T, d]`. Written without the module's code paths (no ShortConv, no norms module)."""
+    session: x `[T, d]` -> `[T, d]`. Written without the module's code paths (no ShortConv, no norms module).
+    With `use_forgetting_gate_kk = false` H is never decayed, S still is."""
     c = mixer.cfg
     He, D, Dv, K = c.num_heads, c.head_dim, c.v_head_dim, c.conv_kernel
     W = {n: p.detach().to(F64) for n, p in mixer.named_parameters()}
@@ -169,7 +171,7 @@ def oracle_layer(mixer, x: torch.Tensor) -> torch.Tensor:
             q = qh[e] / (qh[e].norm() + 1e-6)
             k = beta[e] * kh[e] / (kh[e].norm() + 1e-6)
             v = beta[e] * vh[e]
-            H[e] = gamma[e] * H[e] + torch.outer(k, k)
+            H[e] = (gamma[e] if c.use_forgetting_gate_kk else 1.0) * H[e] + torch.outer(k, k)
             S[e] = gamma[e] * S[e] + torch.outer(k, v)
             fro = torch.linalg.matrix_norm(H[e])
             lam = c.ridge_strength * fro
@@ -338,10 +340,35 @@ def test_gate_extremes() -> None:
     assert torch.isfinite(o32).all() and rel_err(o32, want) <= 1e-4
 
 
+# -- hmf's use_forgetting_gate_kk = false: H never decays, S does ---------------------------------------------------
+@pytest.mark.parametrize("T", [1, 37])
+def test_undecayed_key_covariance_matches_oracle(T: int) -> None:
+    """decay_h=False: H_t = H_{t-1} + k k^T while S_t = gamma S_{t-1} + k v^T. In float64 the chunked form (three-term
+    norms and matrix Chebyshev on H's own decays, output on S's; chunks of 16, nonzero initial states) and the decode
+    step equal the per-token oracle to rounding; H is the plain sum h0 + sum k k^T and S the one the default gives."""
+    B, He, D, Dv = 2, 2, 8, 6
+    q, k, v, g, alpha = random_inputs(B, T, He, D, Dv, seed=30 + T)
+    h0, s0 = random_states(B, He, D, Dv, seed=31 + T)
+    for r in (0, 30):  # r = 0 checks the three-term norms on their own
+        want, H, S = oracle(q, k, v, g, alpha, h0, s0, r=r, decay_h=False)
+        o, h, s = gka_chunked(q, k, v, g, alpha, h0, s0, 0.02, r, D**-0.5, 16, decay_h=False)
+        assert rel_err(o, want) < 1e-12 and rel_err(h, H) < 1e-13 and rel_err(s, S) < 1e-13
+    assert rel_err(h, h0 + torch.einsum("btei,btej->beij", k, k)) < 1e-13
+    o_default, _, s_default = gka_chunked(q, k, v, g, alpha, h0, s0, 0.02, 30, D**-0.5, 16)
+    assert torch.equal(s, s_default) and rel_err(o_default, want) > 1e-2  # the flag changes H only, and matters
+    hh, ss, steps = h0, s0, []
+    for t in range(T):
+        o_t, hh, ss = gka_step(*(x[:, t] for x in (q, k, v, g, alpha)), hh, ss, 0.02, 30, D**-0.5, decay_h=False)
+        steps.append(o_t)
+    assert rel_err(torch.stack(steps, 1), want) < 1e-12 and rel_err(hh, H) < 1e-13 and rel_err(ss, S) < 1e-13
+
+
 # -- serving ops: pool rows addressed by state_indices ---------------------------------------------------------------
-@pytest.mark.parametrize("dtype", [F64, torch.float32])
+@pytest.mark.parametrize(
+    "dtype, decay_h", [(F64, True), (torch.float32, True), (F64, False)]  # False: H undecayed (use_forgetting_gate_kk)
+)
 @pytest.mark.parametrize("lens", [[37], [8, 8, 8], [77, 5, 0, 33, 1]])
-def test_chunk_gka_equals_gka_chunked_per_sequence(lens: list[int], dtype: torch.dtype) -> None:
+def test_chunk_gka_equals_gka_chunked_per_sequence(lens: list[int], dtype: torch.dtype, decay_h: bool) -> None:
     """chunk_gka on packed sequences == gka_chunked on each alone, states in place in the pool rows named; the other
     rows stay bit-for-bit. Equal lengths take the batched path, unequal ones the shared chunk layout; an empty sequence
     keeps its state exactly."""
@@ -355,7 +382,8 @@ def test_chunk_gka_equals_gka_chunked_per_sequence(lens: list[int], dtype: torch
     packed = [torch.cat([t[i, :n] for i, n in enumerate(lens)]) for t in (q, k, v, g, alpha)]
     cu = [0, *itertools.accumulate(lens)]
     state_indices = torch.tensor(slots, dtype=torch.int32)
-    o = chunk_gka(*packed, h, s, state_indices, torch.tensor(cu, dtype=torch.int32), 0.02, 30, D**-0.5, C)
+    cu_t = torch.tensor(cu, dtype=torch.int32)
+    o = chunk_gka(*packed, h, s, state_indices, cu_t, 0.02, 30, D**-0.5, C, decay_h=decay_h)
     assert o.shape == (cu[-1], He, Dv) and o.dtype == dtype and h.dtype == s.dtype == dtype
     tol = 1e-13 if dtype == F64 else STATE_TOL
     for i, n in enumerate(lens):
@@ -363,31 +391,35 @@ def test_chunk_gka_equals_gka_chunked_per_sequence(lens: list[int], dtype: torch
             assert torch.equal(h[slots[i]], h0[i]) and torch.equal(s[slots[i]], s0[i])
             continue
         one = (t[i : i + 1, :n] for t in (q, k, v, g, alpha))
-        want, H, S_ = gka_chunked(*one, h0[i : i + 1], s0[i : i + 1], 0.02, 30, D**-0.5, C)
+        want, H, S_ = gka_chunked(*one, h0[i : i + 1], s0[i : i + 1], 0.02, 30, D**-0.5, C, decay_h=decay_h)
         assert rel_err(o[cu[i] : cu[i + 1]], want[0]) <= tol
         assert rel_err(h[slots[i]], H[0]) <= tol and rel_err(s[slots[i]], S_[0]) <= tol
     others = [r for r in range(S) if r not in slots]
     assert torch.equal(h[others], h_before[others]) and torch.equal(s[others], s_before[others])
 
 
-def test_fused_recurrent_gka_updates_pool_rows() -> None:
+@pytest.mark.parametrize("decay_h", [True, False])
+def test_fused_recurrent_gka_updates_pool_rows(decay_h: bool) -> None:
     """fused_recurrent_gka == gka_step on the gathered rows, bit for bit; the rows not named stay untouched."""
     He, D, Dv, S = 2, 8, 6, 5
     slots = [3, 0, 4]
     q, k, v, g, alpha = (t[:, 0].float() for t in random_inputs(3, 1, He, D, Dv, seed=23))
     h, s = (t.float() for t in random_states(S, He, D, Dv, seed=24))
     h_before, s_before = h.clone(), s.clone()
-    o = fused_recurrent_gka(q, k, v, g, alpha, h, s, torch.tensor(slots, dtype=torch.int32), 0.02, 30, D**-0.5)
-    want, H, S_ = gka_step(q, k, v, g, alpha, h_before[slots], s_before[slots], 0.02, 30, D**-0.5)
+    idx = torch.tensor(slots, dtype=torch.int32)
+    o = fused_recurrent_gka(q, k, v, g, alpha, h, s, idx, 0.02, 30, D**-0.5, decay_h=decay_h)
+    want, H, S_ = gka_step(q, k, v, g, alpha, h_before[slots], s_before[slots], 0.02, 30, D**-0.5, decay_h=decay_h)
     assert torch.equal(o, want) and torch.equal(h[slots], H) and torch.equal(s[slots], S_)
     assert torch.equal(h[[1, 2]], h_before[[1, 2]]) and torch.equal(s[[1, 2]], s_before[[1, 2]])
 
 
 # -- the layer: independent reference and serving invariants ---------------------------------------------------------
-def test_layer_matches_independent_float64_reference() -> None:
+@pytest.mark.parametrize("kk", [True, False])
+def test_layer_matches_independent_float64_reference(kk: bool) -> None:
     """The whole layer (conv, L2 norms, beta, alpha, Mamba-2 gate, CH, RMSNorm gate-after-norm, out proj) against a
-    float64 per-token implementation of docs/design/gka.md §3 (T = 37 spans several chunks of 8)."""
-    model = make_model(seed=1)
+    float64 per-token implementation of docs/design/gka.md §3 (T = 37 spans several chunks of 8); also with
+    use_forgetting_gate_kk = false (H never decays)."""
+    model = make_model(seed=1, use_forgetting_gate_kk=kk)
     x = torch.randn(37, HIDDEN, generator=torch.Generator().manual_seed(1))
     want = oracle_layer(model.layers[0].mixer, x)
     got32 = model.layers[0].mixer(x[None])[0]
@@ -396,8 +428,8 @@ def test_layer_matches_independent_float64_reference() -> None:
     assert rel_err(model.layers[0].mixer(x[None].double())[0], want) <= FP64_TOL
 
 
-def _parity_prefill_vs_decode(dtype: torch.dtype, T: int, seed: int) -> tuple[float, float]:
-    model = make_model(seed=seed).to(dtype)
+def _parity_prefill_vs_decode(dtype: torch.dtype, T: int, seed: int, **gka) -> tuple[float, float]:
+    model = make_model(seed=seed, **gka).to(dtype)
     mixer = model.layers[0].mixer
     state = new_state(mixer, 2, dtype)
     gen = torch.Generator().manual_seed(seed)
@@ -416,6 +448,15 @@ def test_prefill_equals_decode_steps(T: int) -> None:
     err, state_err = _parity_prefill_vs_decode(F64, T, seed=T)
     assert err <= FP64_TOL and state_err <= 1e-12
     err, state_err = _parity_prefill_vs_decode(torch.float32, T, seed=T)
+    assert err <= OUT_TOL and state_err <= STATE_TOL
+
+
+@pytest.mark.parametrize("T", [7, 37])
+def test_prefill_equals_decode_steps_with_undecayed_key_covariance(T: int) -> None:
+    """use_forgetting_gate_kk = false (H never decays, S does): prefill == decode steps, outputs and states."""
+    err, state_err = _parity_prefill_vs_decode(F64, T, seed=40 + T, use_forgetting_gate_kk=False)
+    assert err <= FP64_TOL and state_err <= 1e-12
+    err, state_err = _parity_prefill_vs_decode(torch.float32, T, seed=40 + T, use_forgetting_gate_kk=False)
     assert err <= OUT_TOL and state_err <= STATE_TOL
 
 

@@ -116,7 +116,6 @@ def _edited(tmp_path: Path, name: str, edit) -> Path:
         (lambda c: c.update(hybrid_override_pattern="*-XYZ-*"), "layer 1 has unknown layer type 'XYZ'"),
         (lambda c: c.update(hybrid_override_pattern="*-GKA"), "has 2 layers, num_hidden_layers is 3"),
         (lambda c: c["gka_config"].update(mystery=1), "unknown gka_config key 'mystery'"),
-        (lambda c: c["gka_config"].update(use_forgetting_gate_kk=False), "use_forgetting_gate_kk = false"),
         (lambda c: c["gka_config"].update(solver_type="cg"), "solver_type is 'cg'"),
         (lambda c: c["gka_config"].update(num_iter=-1), "num_iter must be an integer >= 0"),
         (lambda c: c.update(model_type="qwen3"), "expected 'hybrid_qwen3'"),
@@ -173,6 +172,27 @@ def test_num_iter_zero_skips_the_solve(tmp_path, byte_tokenizer):
     dst = convert_hmf(src, tmp_path / "out", tokenizer_from=byte_tokenizer)
     gka = json.loads((dst / "config.json").read_text())["gka"]
     assert gka["use_solver"] is False and gka["num_q_heads"] == 4 and gka["num_k_heads"] == 2
+
+
+def test_use_forgetting_gate_kk_false_converts_and_runs(tmp_path, byte_tokenizer):
+    """hmf's use_forgetting_gate_kk = false (the key covariance never decays, the state does) converts to kvfree's
+    flag of the same name, and the model runs it: prefill then decode gives its training forward's logits, which
+    differ from the default's."""
+    src = _edited(tmp_path, "gka_fp32", lambda c: c["gka_config"].update(use_forgetting_gate_kk=False))
+    dst = convert_hmf(src, tmp_path / "out", tokenizer_from=byte_tokenizer)
+    assert json.loads((dst / "config.json").read_text())["gka"]["use_forgetting_gate_kk"] is False
+    model = load_model(dst, device="cpu", dtype="float32")
+    default = load_model(convert_hmf(FIXTURES / "gka_fp32", tmp_path / "default", tokenizer_from=byte_tokenizer),
+                         device="cpu", dtype="float32")  # fmt: skip
+    assert model.config.gka.use_forgetting_gate_kk is False and default.config.gka.use_forgetting_gate_kk is True
+    ids = load_file(str(FIXTURES / "gka_fp32" / "expected.safetensors"))["input_ids"].tolist()
+    pool = StatePool(model, capacity=2, max_context=128)
+    with torch.inference_mode():
+        full = model(torch.tensor([ids]))[0]
+        rows = [model.prefill(torch.tensor(ids[:-3]), pool.tensors, StepBatch.prefill([1], [len(ids) - 3]))]
+        rows += [model.decode(torch.tensor([t]), pool.tensors, StepBatch.decode([1])) for t in ids[-3:-1]]
+        assert rel_err(torch.cat(rows), full[-4:-1]) <= TOLERANCE["fp32"]
+        assert rel_err(default(torch.tensor([ids]))[0], full) > 1e-3
 
 
 def test_cli_converts_an_hmf_directory(tmp_path, byte_tokenizer):

@@ -60,15 +60,16 @@ def make_pools(g, S: int, He: int, D: int, Dv: int, n: int) -> tuple[torch.Tenso
 
 # -- prefill ---------------------------------------------------------------------------------------------------------
 @pytest.mark.parametrize(
-    "dtype, He, D, Dv, chunk, block_r",
+    "dtype, He, D, Dv, chunk, block_r, decay_h",
     [
-        (torch.float32, 2, 16, 16, 64, None),
-        (torch.float32, 2, 8, 6, 16, None),  # D, Dv below a block (masked), Dv != D catches transposes
-        (torch.float32, 1, 32, 16, 32, 16),  # two row tiles of the states in the chunk-state pass
-        (torch.bfloat16, 2, 16, 32, 32, None),  # Dv > D: S has more column blocks than H
+        (torch.float32, 2, 16, 16, 64, None, True),
+        (torch.float32, 2, 8, 6, 16, None, True),  # D, Dv below a block (masked), Dv != D catches transposes
+        (torch.float32, 1, 32, 16, 32, 16, True),  # two row tiles of the states in the chunk-state pass
+        (torch.bfloat16, 2, 16, 32, 32, None, True),  # Dv > D: S has more column blocks than H
+        (torch.float32, 1, 32, 16, 32, 16, False),  # H undecayed (use_forgetting_gate_kk = false), S decayed
     ],
 )
-def test_chunk_gka_matches_reference(poison, dtype, He, D, Dv, chunk, block_r):
+def test_chunk_gka_matches_reference(poison, dtype, He, D, Dv, chunk, block_r, decay_h):
     g = seed("chunk", dtype, He, D, Dv, chunk)
     inp = op_inputs(g, sum(LENS), He, D, Dv, dtype)
     h, s, idx = make_pools(g, 9, He, D, Dv, len(LENS))
@@ -76,8 +77,10 @@ def test_chunk_gka_matches_reference(poison, dtype, He, D, Dv, chunk, block_r):
     rest_h, rest_s = untouched(h, idx), untouched(s, idx)
     cu = cu_of(LENS)
 
-    o = gka_chunk.launch(*inp, h, s, idx, cu, RIDGE, ITERS, D**-0.5, chunk, cu_seqlens_cpu=cu.cpu(), block_r=block_r)
-    o_ref = gka_ref.chunk_gka(*(t.to(f64) for t in inp), h_ref, s_ref, idx, cu, RIDGE, ITERS, D**-0.5, 64)
+    o = gka_chunk.launch(*inp, h, s, idx, cu, RIDGE, ITERS, D**-0.5, chunk, cu_seqlens_cpu=cu.cpu(), block_r=block_r,
+                         decay_h=decay_h)  # fmt: skip
+    o_ref = gka_ref.chunk_gka(*(t.to(f64) for t in inp), h_ref, s_ref, idx, cu, RIDGE, ITERS, D**-0.5, 64,
+                              decay_h=decay_h)  # fmt: skip
 
     i = idx.long()
     assert o.dtype == dtype and o.shape == (sum(LENS), He, Dv)
@@ -109,15 +112,16 @@ def test_chunk_gka_splits_like_one_prefill(poison):
 
 # -- decode ----------------------------------------------------------------------------------------------------------
 @pytest.mark.parametrize(
-    "dtype, He, D, Dv, block_v",
+    "dtype, He, D, Dv, block_v, decay_h",
     [
-        (torch.float32, 2, 16, 16, None),  # one S block, loaded before the solve
-        (torch.float32, 3, 8, 6, None),
-        (torch.float32, 2, 16, 48, 16),  # S streamed in three column blocks after the solve (the last masked)
-        (torch.bfloat16, 2, 32, 16, None),
+        (torch.float32, 2, 16, 16, None, True),  # one S block, loaded before the solve
+        (torch.float32, 3, 8, 6, None, True),
+        (torch.float32, 2, 16, 48, 16, True),  # S streamed in three column blocks after the solve (the last masked)
+        (torch.bfloat16, 2, 32, 16, None, True),
+        (torch.float32, 2, 16, 48, 16, False),  # H undecayed (use_forgetting_gate_kk = false), S decayed
     ],
 )
-def test_fused_recurrent_gka_matches_reference(poison, dtype, He, D, Dv, block_v):
+def test_fused_recurrent_gka_matches_reference(poison, dtype, He, D, Dv, block_v, decay_h):
     g = seed("step", dtype, He, D, Dv, block_v)
     B = 5
     inp = op_inputs(g, B, He, D, Dv, dtype)
@@ -125,8 +129,9 @@ def test_fused_recurrent_gka_matches_reference(poison, dtype, He, D, Dv, block_v
     h_ref, s_ref = h.to(f64), s.to(f64)
     rest_h, rest_s = untouched(h, idx), untouched(s, idx)
 
-    o = gka_step.launch(*inp, h, s, idx, RIDGE, ITERS, D**-0.5, block_v=block_v)
-    o_ref = gka_ref.fused_recurrent_gka(*(t.to(f64) for t in inp), h_ref, s_ref, idx, RIDGE, ITERS, D**-0.5)
+    o = gka_step.launch(*inp, h, s, idx, RIDGE, ITERS, D**-0.5, block_v=block_v, decay_h=decay_h)
+    o_ref = gka_ref.fused_recurrent_gka(*(t.to(f64) for t in inp), h_ref, s_ref, idx, RIDGE, ITERS, D**-0.5,
+                                        decay_h=decay_h)  # fmt: skip
 
     i = idx.long()
     assert o.dtype == dtype and o.shape == (B, He, Dv)
@@ -135,21 +140,23 @@ def test_fused_recurrent_gka_matches_reference(poison, dtype, He, D, Dv, block_v
     assert torch.equal(untouched(h, idx), rest_h) and torch.equal(untouched(s, idx), rest_s)
 
 
-def test_chunk_then_decode_continues_the_sequence(poison):
+@pytest.mark.parametrize("decay_h", [True, False])
+def test_chunk_then_decode_continues_the_sequence(poison, decay_h):
     """Prefill with the chunk kernel, then decode steps with the step kernel: the same outputs and states as the
-    reference over the whole sequence, for two sessions at once."""
+    reference over the whole sequence, for two sessions at once (also with H undecayed, `decay_h=False`)."""
     g = seed("continue")
     He, D, Dv = 2, 16, 16
     lens, steps = [37, 5], 3
     prompt = op_inputs(g, sum(lens), He, D, Dv, torch.float32)
     h, s, idx = make_pools(g, 6, He, D, Dv, 2)
     h_ref, s_ref = h.to(f64), s.to(f64)
-    outs = [gka_chunk.chunk_gka(*prompt, h, s, idx, cu_of(lens), RIDGE, ITERS, 0.25)]
-    refs = [gka_ref.chunk_gka(*(t.to(f64) for t in prompt), h_ref, s_ref, idx, cu_of(lens), RIDGE, ITERS, 0.25)]
+    kw = {"decay_h": decay_h}
+    outs = [gka_chunk.chunk_gka(*prompt, h, s, idx, cu_of(lens), RIDGE, ITERS, 0.25, **kw)]
+    refs = [gka_ref.chunk_gka(*(t.to(f64) for t in prompt), h_ref, s_ref, idx, cu_of(lens), RIDGE, ITERS, 0.25, **kw)]
     for _ in range(steps):
         tok = op_inputs(g, 2, He, D, Dv, torch.float32)
-        outs.append(gka_step.fused_recurrent_gka(*tok, h, s, idx, RIDGE, ITERS, 0.25))
-        refs.append(gka_ref.fused_recurrent_gka(*(t.to(f64) for t in tok), h_ref, s_ref, idx, RIDGE, ITERS, 0.25))
+        outs.append(gka_step.fused_recurrent_gka(*tok, h, s, idx, RIDGE, ITERS, 0.25, **kw))
+        refs.append(gka_ref.fused_recurrent_gka(*(t.to(f64) for t in tok), h_ref, s_ref, idx, RIDGE, ITERS, 0.25, **kw))
     assert rel(torch.cat(outs), torch.cat(refs)) <= 1e-4
     assert rel(h, h_ref) <= 1e-5 and rel(s, s_ref) <= 1e-5
 

@@ -37,6 +37,9 @@ class GKAConfig(GroupedHeadsConfig):
     use_alpha_connection: bool = True  # q' = q + alpha (x - q); False means alpha = 1 (pure ridge solution)
     gla_rescale: bool = True  # output scale D^-1/2
     use_forgetting_gate: bool = True  # False: nothing decays (g = 0)
+    # False: the key covariance H never decays (H_t = H_{t-1} + k k^T) while S still decays with the forget gate
+    # (hmf's flag of the same name; the ops' decay_h). Without the forget gate it changes nothing.
+    use_forgetting_gate_kk: bool = True
     # False means the ridge regression is skipped (hmf's num_iter = 0): q' = q. Run as alpha = 0 (q' = q + 0 (x - q)).
     use_solver: bool = True
 
@@ -107,8 +110,11 @@ class GKAMixer(GroupedHeadsMixer):
         return q.to(x.dtype), k.to(x.dtype), v.to(x.dtype), g, alpha
 
     def _op_params(self) -> dict:
-        """The op's parameters: ridge strength a, Chebyshev steps r and the output scale."""
-        return {"ridge": self.cfg.ridge_strength, "num_iter": self.cfg.num_iter, "scale": self.scale}
+        """The op's parameters: ridge strength a, Chebyshev steps r, the output scale and whether H decays."""
+        c = self.cfg
+        # Without the forget gate g = 0 and H does not decay either way: the default (decay_h) kernels serve it.
+        decay_h = c.use_forgetting_gate_kk or not c.use_forgetting_gate
+        return {"ridge": c.ridge_strength, "num_iter": c.num_iter, "scale": self.scale, "decay_h": decay_h}
 
     # -- training path: whole sequences from given states -----------------------------------------------------
     def _mix(

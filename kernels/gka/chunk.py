@@ -17,6 +17,10 @@ padding: k = v = q = 0 and g = 0, which changes nothing). Two launches (docs/des
    zeta * (X H0) + ((X K^T) * Lam) K (§6.2, three dots with H0 and K held on chip across the steps), the alpha mix,
    and the gated linear attention output scale * (zeta * (Q' S0) + ((Q' K^T) * Lam) V) (§6.3).
 
+`decay_h=False` (hmf's use_forgetting_gate_kk = false: H never decays, S does) is a compile-time flag of both
+launches: the pass reads H's log decays as 0, and the norm and the solve use zeta = 1 and Lam = 1 on and below the
+diagonal, while the output keeps S's. The default (True) compiles exactly as without the flag.
+
 All state math and accumulation is fp32. The dots take fp32 operands: with fp32 inputs they run as "tf32x3" (three
 tensor-core passes, about fp32 accuracy), with bf16/fp16 inputs as tf32.
 """
@@ -40,16 +44,19 @@ INTERPRET = os.environ.get("TRITON_INTERPRET", "0") in ("1", "true", "True")
 
 @triton.jit
 def _chunk_inputs(j, k, val, g, bos, eos, i_h, r, cols, m_r, m_c, stride_kt, stride_kh, stride_vt, stride_vh,
-                  stride_gt, stride_gh, L: tl.constexpr):  # fmt: skip
+                  stride_gt, stride_gh, L: tl.constexpr, DECAY: tl.constexpr):  # fmt: skip
     """Chunk j's keys `[L, BR]` (the tile's rows), values `[L, BN]` (its columns) and log decays `[L]`, fp32; zeros
-    past the sequence's end (a chunk past the last one reads nothing)."""
+    past the sequence's end (a chunk past the last one reads nothing). Without DECAY the log decays are 0."""
     t = bos + j * L + tl.arange(0, L)
     m_t = t < eos
     kk = tl.load(k + t[:, None] * stride_kt + i_h * stride_kh + r[None, :], mask=m_t[:, None] & m_r[None, :],
                  other=0.0).to(tl.float32)  # fmt: skip
     vv = tl.load(val + t[:, None] * stride_vt + i_h * stride_vh + cols[None, :], mask=m_t[:, None] & m_c[None, :],
                  other=0.0).to(tl.float32)  # fmt: skip
-    gv = tl.load(g + t * stride_gt + i_h * stride_gh, mask=m_t, other=0.0).to(tl.float32)
+    if DECAY:
+        gv = tl.load(g + t * stride_gt + i_h * stride_gh, mask=m_t, other=0.0).to(tl.float32)
+    else:
+        gv = tl.zeros([L], dtype=tl.float32)
     return kk, vv, gv
 
 
@@ -65,11 +72,11 @@ def _pass_chunk(st, kk, vv, gv, PREC: tl.constexpr):
 @triton.jit
 def _pass_step(st, p_buf, kk, vv, gv, j, k, val, g, bos, eos, i_h, r, cols, m_r, m_c, m_rc, stride_kt, stride_kh,
                stride_vt, stride_vh, stride_gt, stride_gh, H: tl.constexpr, D: tl.constexpr, W: tl.constexpr,
-               L: tl.constexpr, PREC: tl.constexpr):  # fmt: skip
+               L: tl.constexpr, PREC: tl.constexpr, DECAY: tl.constexpr):  # fmt: skip
     """Chunk j: load chunk j + 1's inputs, store the tile as chunk j's start state, pass it through chunk j (whose
     inputs `kk, vv, gv` the previous step loaded). Returns the new tile, the next start-state pointer and inputs."""
     k_next, v_next, g_next = _chunk_inputs(j + 1, k, val, g, bos, eos, i_h, r, cols, m_r, m_c, stride_kt, stride_kh,
-                                           stride_vt, stride_vh, stride_gt, stride_gh, L)  # fmt: skip
+                                           stride_vt, stride_vh, stride_gt, stride_gh, L, DECAY)  # fmt: skip
     tl.store(p_buf, st, mask=m_rc)
     st = _pass_chunk(st, kk, vv, gv, PREC)
     return st, p_buf + H * D * W, k_next, v_next, g_next  # pointer arithmetic is 64-bit
@@ -106,9 +113,11 @@ def _pass_tile(
     BN: tl.constexpr,
     PREC: tl.constexpr,
     INTERP: tl.constexpr,
+    DECAY: tl.constexpr,
 ):
     """One `[BR, BN]` tile of a `[D, W]` state (H with val = k, W = D; or S with val = v, W = Dv) through the chunks
-    of one sequence: each chunk's start tile to `buf` `[NC, He, D, W]`, the final tile to the pool row.
+    of one sequence: each chunk's start tile to `buf` `[NC, He, D, W]`, the final tile to the pool row. Without
+    DECAY (H under `decay_h=False`) the tile does not decay: its log decays are read as 0.
 
     Each step issues the next chunk's loads before it works on the current one, so their latency overlaps the dot
     and the store (a 30% shorter walk on an H100; loading two ahead gained nothing more)."""
@@ -122,19 +131,19 @@ def _pass_tile(
     p_buf = buf + (c0 * H + i_h).to(tl.int64) * D * W + r[:, None] * W + cols[None, :]
     n_chunks = tl.cdiv(eos - bos, L)
     kk, vv, gv = _chunk_inputs(0, k, val, g, bos, eos, i_h, r, cols, m_r, m_c, stride_kt, stride_kh, stride_vt,
-                               stride_vh, stride_gt, stride_gh, L)  # fmt: skip
+                               stride_vh, stride_gt, stride_gh, L, DECAY)  # fmt: skip
     if INTERP:  # the interpreter (triton 3.6, numpy >= 2.4) cannot take range() of a loaded scalar
         j = 0
         while j < n_chunks:
             st, p_buf, kk, vv, gv = _pass_step(st, p_buf, kk, vv, gv, j, k, val, g, bos, eos, i_h, r, cols, m_r, m_c,
                                                m_rc, stride_kt, stride_kh, stride_vt, stride_vh, stride_gt,
-                                               stride_gh, H, D, W, L, PREC)  # fmt: skip
+                                               stride_gh, H, D, W, L, PREC, DECAY)  # fmt: skip
             j += 1
     else:
         for j in range(n_chunks):
             st, p_buf, kk, vv, gv = _pass_step(st, p_buf, kk, vv, gv, j, k, val, g, bos, eos, i_h, r, cols, m_r, m_c,
                                                m_rc, stride_kt, stride_kh, stride_vt, stride_vh, stride_gt,
-                                               stride_gh, H, D, W, L, PREC)  # fmt: skip
+                                               stride_gh, H, D, W, L, PREC, DECAY)  # fmt: skip
     tl.store(p_pool, st, mask=m_rc)
 
 
@@ -170,6 +179,7 @@ def _gka_state_kernel(
     BN: tl.constexpr,
     PREC: tl.constexpr,
     INTERP: tl.constexpr,
+    DECAY_H: tl.constexpr,
 ):
     # Tiles of H first, then of S, all in one launch: a single long prompt still has rows x columns x heads programs
     # in flight, each walking the chunks one after another (the pass is latency-bound, not bandwidth-bound).
@@ -186,11 +196,11 @@ def _gka_state_kernel(
     if i_col < NB_H:
         _pass_tile(k, k, g, h, hbuf, slot, bos, eos, c0, i_h, row0, i_col * BN, stride_kt, stride_kh, stride_kt,
                    stride_kh, stride_gt, stride_gh, stride_hs, stride_hh, stride_hr, H, D, D, L, BR, BN, PREC,
-                   INTERP)  # fmt: skip
+                   INTERP, DECAY_H)  # fmt: skip
     else:
         _pass_tile(k, v, g, s, sbuf, slot, bos, eos, c0, i_h, row0, (i_col - NB_H) * BN, stride_kt, stride_kh,
                    stride_vt, stride_vh, stride_gt, stride_gh, stride_ss, stride_sh, stride_sr, H, D, DV, L, BR, BN,
-                   PREC, INTERP)  # fmt: skip
+                   PREC, INTERP, True)  # fmt: skip
 
 
 @triton.jit
@@ -228,6 +238,7 @@ def _gka_out_kernel(
     NUM_ITER: tl.constexpr,
     MIN_FRO_SQ: tl.constexpr,
     PREC: tl.constexpr,
+    DECAY_H: tl.constexpr,
 ):
     NRB: tl.constexpr = L // BM
     i_cr, i_h = tl.program_id(0), tl.program_id(1)
@@ -254,6 +265,14 @@ def _gka_out_kernel(
     cum_row = tl.sum(tl.where(causal, gv[None, :], 0.0), 1)  # [BM] the cumulative log-decay at each query
     zeta = tl.exp(cum_row)
     lam = tl.exp(tl.where(causal, cum_row[:, None] - cum[None, :], float("-inf")))  # [BM, L], 0 above the diagonal
+    # H's decays: S's, or without DECAY_H (hmf's use_forgetting_gate_kk = false) those of g = 0. Only the norm and
+    # the solve read them; the output reads S's.
+    if DECAY_H:
+        zeta_h = zeta
+        lam_h = lam
+    else:
+        zeta_h = tl.full([BM], 1.0, dtype=tl.float32)
+        lam_h = tl.where(causal, 1.0, 0.0)
 
     kk = tl.load(k + t_all[:, None] * stride_kt + i_h * stride_kh + d[None, :], mask=m_all[:, None] & m_d[None, :],
                  other=0.0).to(tl.float32)  # fmt: skip
@@ -270,9 +289,9 @@ def _gka_out_kernel(
     gram = tl.dot(kk, kt, input_precision=PREC)  # [L, L]
     h0_sq = tl.sum(tl.sum(h0 * h0, 1), 0)
     fro_sq = (
-        zeta * zeta * h0_sq
-        + 2.0 * zeta * tl.sum(lam * p[None, :], 1)
-        + tl.sum(tl.dot(lam, gram * gram, input_precision=PREC) * lam, 1)
+        zeta_h * zeta_h * h0_sq
+        + 2.0 * zeta_h * tl.sum(lam_h * p[None, :], 1)
+        + tl.sum(tl.dot(lam_h, gram * gram, input_precision=PREC) * lam_h, 1)
     )
     fro = tl.sqrt(tl.maximum(fro_sq, MIN_FRO_SQ))
 
@@ -284,8 +303,8 @@ def _gka_out_kernel(
     w = 2.0
     for _ in range(NUM_ITER):
         w = 1.0 / (1.0 - rho2_4 * w)
-        hx = zeta[:, None] * tl.dot(x, h0, input_precision=PREC)
-        hx = tl.dot(tl.dot(x, kt, input_precision=PREC) * lam, kk, acc=hx, input_precision=PREC)
+        hx = zeta_h[:, None] * tl.dot(x, h0, input_precision=PREC)
+        hx = tl.dot(tl.dot(x, kt, input_precision=PREC) * lam_h, kk, acc=hx, input_precision=PREC)
         t = (step * w) * (hx + lam_x * x - qq) + (w - 1.0) * x_prev
         x_prev = x
         x = w * x - t
@@ -315,7 +334,7 @@ def launch(
     q, k, v, g, alpha, h, s, state_indices, cu_seqlens, ridge, num_iter, scale, chunk_size=64, *,
     cu_seqlens_cpu=None, block_m: int | None = None, block_r: int | None = None, block_n: int | None = None,
     warps_out: int | None = None,
-    warps_state: int = 4, precision: str | None = None, chunk_len: int | None = None,
+    warps_state: int = 4, precision: str | None = None, chunk_len: int | None = None, decay_h: bool = True,
 ) -> torch.Tensor:  # fmt: skip
     """`chunk_gka` with the kernels' chunk length, block shapes and dot precision open (for the device sweep)."""
     check_shapes(q, k, v, g, alpha, h, s)
@@ -346,7 +365,8 @@ def launch(
         k, v, g, h, s, hbuf, sbuf, state_indices, cu_seqlens, chunk_offsets,
         k.stride(0), k.stride(1), v.stride(0), v.stride(1), g.stride(0), g.stride(1),
         h.stride(0), h.stride(1), h.stride(2), s.stride(0), s.stride(1), s.stride(2),
-        H=He, D=D, DV=Dv, L=L, BR=BR, BN=BN, PREC=prec, INTERP=INTERPRET, num_warps=warps_state,
+        H=He, D=D, DV=Dv, L=L, BR=BR, BN=BN, PREC=prec, INTERP=INTERPRET, DECAY_H=bool(decay_h),
+        num_warps=warps_state,
     )  # fmt: skip
 
     BM = min(L, block_m or (16 if INTERPRET else 32))
@@ -356,7 +376,7 @@ def launch(
         q.stride(0), q.stride(1), k.stride(0), k.stride(1), v.stride(0), v.stride(1), g.stride(0), g.stride(1),
         alpha.stride(0), alpha.stride(1), float(ridge), rho2_4, float(scale),
         H=He, D=D, DV=Dv, L=L, BM=BM, BD=BD, BDV=BDV, NUM_ITER=int(num_iter), MIN_FRO_SQ=_MIN_FRO_SQ, PREC=prec,
-        num_warps=warps_out or 4,
+        DECAY_H=bool(decay_h), num_warps=warps_out or 4,
     )  # fmt: skip
     return o
 
@@ -377,6 +397,7 @@ def chunk_gka(
     chunk_size: int = 64,
     *,
     cu_seqlens_cpu: torch.Tensor | list[int] | None = None,
+    decay_h: bool = True,
 ) -> torch.Tensor:
     """Triton `kvfree.kernels.gka.chunk_gka` (same arguments and result; see its docstring).
 
@@ -385,5 +406,5 @@ def chunk_gka(
     """
     return launch(
         q, k, v, g, alpha, h, s, state_indices, cu_seqlens, ridge, num_iter, scale, chunk_size,
-        cu_seqlens_cpu=cu_seqlens_cpu,
+        cu_seqlens_cpu=cu_seqlens_cpu, decay_h=decay_h,
     )  # fmt: skip

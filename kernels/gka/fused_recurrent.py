@@ -5,7 +5,8 @@ for the whole step: H <- exp(g) H + k k^T (stored back at once, so the write dra
 Frobenius norm, all r Chebyshev steps of `(H + a ||H|| I) x = q` as register matvecs, and the alpha mix
 q' = q + alpha (x - q). Then it streams S in `[D, BV]` column blocks: S <- exp(g) S + k v^T, stored, and
 o = scale S^T q'. H and S are each read once and written once per step, which is the op's memory floor; the solve is
-about 2 r D^2 flops per head on data already on chip.
+about 2 r D^2 flops per head on data already on chip. With `decay_h=False` (hmf's use_forgetting_gate_kk = false; a
+compile-time flag, so the default kernel is unchanged) H <- H + k k^T instead.
 
 With one S block (BV >= Dv) S is loaded before the solve, so its read overlaps the solve's arithmetic (more registers,
 fewer programs per multiprocessor); with several blocks it is streamed after. `launch` leaves both open for the
@@ -63,6 +64,7 @@ def _gka_step_kernel(
     BV: tl.constexpr,
     NUM_ITER: tl.constexpr,
     MIN_FRO_SQ: tl.constexpr,
+    DECAY_H: tl.constexpr,
 ):
     i_bh = tl.program_id(0)
     i_b, i_h = i_bh // H, i_bh % H
@@ -90,7 +92,9 @@ def _gka_step_kernel(
     gamma = tl.exp(tl.load(g + i_b * stride_gb + i_h * stride_gh).to(tl.float32))
     a = tl.load(alpha + i_b * stride_ab + i_h * stride_ah).to(tl.float32)
 
-    hm = gamma * hm + k_r[:, None] * k_c[None, :]
+    if DECAY_H:  # a compile-time flag; without it (hmf's use_forgetting_gate_kk = false) H never decays, S does
+        hm = gamma * hm
+    hm = hm + k_r[:, None] * k_c[None, :]
     tl.store(p_h, hm, mask=m_h)
     fro = tl.sqrt(tl.maximum(tl.sum(tl.sum(hm * hm, axis=1), axis=0), MIN_FRO_SQ))
 
@@ -159,7 +163,7 @@ def check_shapes(
 
 def launch(
     q, k, v, g, alpha, h, s, state_indices, ridge, num_iter, scale, block_v: int | None = None,
-    num_warps: int | None = None,
+    num_warps: int | None = None, decay_h: bool = True,
 ) -> torch.Tensor:  # fmt: skip
     """`fused_recurrent_gka` with the block shape open (for the device sweep)."""
     check_shapes(q, k, v, g, alpha, h, s)
@@ -181,7 +185,8 @@ def launch(
         q.stride(0), q.stride(1), k.stride(0), k.stride(1), v.stride(0), v.stride(1), g.stride(0), g.stride(1),
         alpha.stride(0), alpha.stride(1), h.stride(0), h.stride(1), h.stride(2), s.stride(0), s.stride(1),
         s.stride(2), float(ridge), rho2_4, float(scale),
-        H=He, D=D, DV=Dv, BD=BD, BV=BV, NUM_ITER=int(num_iter), MIN_FRO_SQ=_MIN_FRO_SQ, num_warps=num_warps,
+        H=He, D=D, DV=Dv, BD=BD, BV=BV, NUM_ITER=int(num_iter), MIN_FRO_SQ=_MIN_FRO_SQ, DECAY_H=bool(decay_h),
+        num_warps=num_warps,
     )  # fmt: skip
     return out
 
@@ -198,9 +203,11 @@ def fused_recurrent_gka(
     ridge: float,
     num_iter: int,
     scale: float,
+    *,
+    decay_h: bool = True,
 ) -> torch.Tensor:
     """Triton `kvfree.kernels.gka.fused_recurrent_gka` (same arguments and result; see its docstring).
 
     q, k, v may have any strides but a contiguous last dimension. No host sync: graph-capturable.
     """
-    return launch(q, k, v, g, alpha, h, s, state_indices, ridge, num_iter, scale)
+    return launch(q, k, v, g, alpha, h, s, state_indices, ridge, num_iter, scale, decay_h=decay_h)

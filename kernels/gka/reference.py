@@ -20,6 +20,11 @@ indexed like `kvfree.kernels.mamba2`'s: they read each session's (H, S) from row
 new states back in place. `chunk_gka` lays every sequence's chunks side by side in one row (no padding beyond whole
 chunks), so all sequences share one Chebyshev solve; only the cheap chunk-start pass runs per sequence.
 
+`gka_step`, `gka_chunked` and both serving ops take `decay_h` (keyword, default True). False is hybrid-model-factory's
+`use_forgetting_gate_kk = false`: H_t = H_{t-1} + k_t k_t^T (H's decays are those of g = 0: zeta = 1, Lambda = 1 on
+and below the diagonal) while S still decays with g. Everything that reads H (its Frobenius norm, hence the ridge,
+and the Chebyshev matvec) uses H's own decays; the output uses S's.
+
 State math runs in fp32, or in fp64 when the inputs are fp64 (used by the tests).
 """
 
@@ -97,6 +102,8 @@ def gka_step(
     ridge: float,
     num_iter: int,
     scale: float,
+    *,
+    decay_h: bool = True,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """One decode step for B sessions (docs/design/gka.md §5.2, in its exact order).
 
@@ -105,6 +112,7 @@ def gka_step(
         v: `[B, He, Dv]` values times (beta + 1e-6).  g: `[B, He]` log forget gate (<= 0).  alpha: `[B, He]`.
         h: `[B, He, D, D]` key covariance.  s: `[B, He, D, Dv]` key-value state.
         ridge: a.  num_iter: r.  scale: output scale (D^-1/2).
+        decay_h: False: H is not decayed (H + k k^T; hmf's use_forgetting_gate_kk = false), S still is.
 
     Returns:
         o: `[B, He, Dv]`; new h `[B, He, D, D]`; new s `[B, He, D, Dv]` (fp32, or fp64 for fp64 inputs).
@@ -113,7 +121,7 @@ def gka_step(
     q, k, v, alpha = q.to(f), k.to(f), v.to(f), alpha.to(f)
     gamma = torch.exp(g.to(f))[..., None, None]
     # Outer products by broadcasting (not matmul) so the state update is bitwise independent of the batch.
-    h = gamma * h.to(f) + k.unsqueeze(-1) * k.unsqueeze(-2)
+    h = (gamma * h.to(f) if decay_h else h.to(f)) + k.unsqueeze(-1) * k.unsqueeze(-2)
     fro = h.square().sum((-2, -1)).clamp_min(_MIN_FRO_SQ).sqrt().unsqueeze(-1)  # [B, He, 1], direct norm
     x = chebyshev_solve(lambda z: (h @ z.unsqueeze(-1)).squeeze(-1), q, fro, ridge, num_iter)
     qp = q + alpha.unsqueeze(-1) * (x - q)
@@ -131,39 +139,46 @@ def _to_chunks(x: torch.Tensor, chunk: int) -> torch.Tensor:
     return x.movedim(3, 1)
 
 
-def _chunk_summaries(
-    K: torch.Tensor, V: torch.Tensor, G: torch.Tensor
-) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
-    """What each chunk needs of its own tokens, for chunk tensors `[B, He, nc, C, *]` (any chunk layout).
-
-    Returns zeta `[B, He, nc, C]` (decay from the chunk start to token c, inclusive), Lambda `[B, He, nc, C, C]`, and
-    the chunk's own contribution to the state at its end, dh `[B, He, nc, D, D]` and ds `[B, He, nc, D, Dv]`.
-    """
-    zeta = torch.exp(torch.cumsum(G, dim=-1))
+def _decays(G: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """zeta `[..., C]` (decay from the chunk start to token c, inclusive) and Lambda `[..., C, C]` of log decays G."""
     # Lambda[c, j] = exp(g_{j+1} + ... + g_c) for j <= c, else 0. Summed increments (segsum), not differences
     # of a cumsum, so that strong decay neither loses precision nor turns into 0/0.
-    lam = torch.exp(segsum(G))
-    to_end = lam[..., -1, :]  # decay from token j to the chunk end
-    dh = torch.einsum("bhncd,bhnc,bhnce->bhnde", K, to_end, K)
-    ds = torch.einsum("bhncd,bhnc,bhnce->bhnde", K, to_end, V)
-    return zeta, lam, dh, ds
+    return torch.exp(torch.cumsum(G, dim=-1)), torch.exp(segsum(G))
+
+
+def _chunk_summaries(
+    K: torch.Tensor, V: torch.Tensor, G: torch.Tensor, decay_h: bool = True
+) -> tuple[tuple[torch.Tensor, torch.Tensor], tuple[torch.Tensor, torch.Tensor], torch.Tensor, torch.Tensor]:
+    """What each chunk needs of its own tokens, for chunk tensors `[B, He, nc, C, *]` (any chunk layout).
+
+    Returns S's decays (zeta `[B, He, nc, C]`: decay from the chunk start to token c, inclusive; Lambda `[B, He, nc,
+    C, C]`), H's (the same, or those of G = 0 without `decay_h`), and the chunk's own contribution to the state at its
+    end, dh `[B, He, nc, D, D]` and ds `[B, He, nc, D, Dv]`.
+    """
+    dec_s = _decays(G)
+    dec_h = dec_s if decay_h else _decays(torch.zeros_like(G))
+    # lam[..., -1, :]: the decay from token j to the chunk end
+    dh = torch.einsum("bhncd,bhnc,bhnce->bhnde", K, dec_h[1][..., -1, :], K)
+    ds = torch.einsum("bhncd,bhnc,bhnce->bhnde", K, dec_s[1][..., -1, :], V)
+    return dec_s, dec_h, dh, ds
 
 
 def _carry(
-    z_end: torch.Tensor, dh: torch.Tensor, ds: torch.Tensor, h0: torch.Tensor, s0: torch.Tensor
+    zh_end: torch.Tensor, zs_end: torch.Tensor, dh: torch.Tensor, ds: torch.Tensor, h0: torch.Tensor, s0: torch.Tensor
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
     """Chunk-start states by a sequential pass over the nc chunks of each sequence (cheap elementwise work).
 
-    z_end: `[B, He, nc]` whole-chunk decays.  dh, ds: `[B, He, nc, D, D|Dv]` (`_chunk_summaries`).  h0, s0: `[B, He,
-    D, D|Dv]` the states before the first chunk. A chunk with z_end = 1 and dh = ds = 0 passes the state on exactly.
+    zh_end, zs_end: `[B, He, nc]` whole-chunk decays of H and of S.  dh, ds: `[B, He, nc, D, D|Dv]`
+    (`_chunk_summaries`).  h0, s0: `[B, He, D, D|Dv]` the states before the first chunk. A chunk with decays 1 and
+    dh = ds = 0 passes the state on exactly.
 
     Returns H0 `[B, He, nc, D, D]`, S0 `[B, He, nc, D, Dv]` (the states each chunk starts from) and the final h, s.
     """
-    z_end = z_end[..., None, None]
+    zh_end, zs_end = zh_end[..., None, None], zs_end[..., None, None]
     hs, ss = [h0], [s0]
-    for n in range(z_end.shape[2]):
-        hs.append(z_end[:, :, n] * hs[-1] + dh[:, :, n])
-        ss.append(z_end[:, :, n] * ss[-1] + ds[:, :, n])
+    for n in range(zs_end.shape[2]):
+        hs.append(zh_end[:, :, n] * hs[-1] + dh[:, :, n])
+        ss.append(zs_end[:, :, n] * ss[-1] + ds[:, :, n])
     return torch.stack(hs[:-1], dim=2), torch.stack(ss[:-1], dim=2), hs[-1], ss[-1]
 
 
@@ -172,34 +187,39 @@ def _chunk_outputs(
     K: torch.Tensor,
     V: torch.Tensor,
     A: torch.Tensor,
-    zeta: torch.Tensor,
-    lam: torch.Tensor,
+    dec_s: tuple[torch.Tensor, torch.Tensor],
+    dec_h: tuple[torch.Tensor, torch.Tensor],
     H0: torch.Tensor,
     S0: torch.Tensor,
     ridge: float,
     num_iter: int,
     scale: float,
 ) -> torch.Tensor:
-    """The outputs `[B, He, nc, C, Dv]` of every chunk at once from its start states (§6.1-§6.3); chunks independent."""
+    """The outputs `[B, He, nc, C, Dv]` of every chunk at once from its start states (§6.1-§6.3); chunks independent.
+
+    dec_s, dec_h: (zeta, Lambda) of S and of H (`_chunk_summaries`): the norm and the solve read H's, the output S's.
+    """
+    zh, lh = dec_h
     # ||H_c||_F^2 for every token of every chunk at once (three-term formula, §6.1):
     #   zeta_c^2 ||H0||^2 + 2 zeta_c sum_j Lam[c,j] k_j^T H0 k_j + sum_{j,j'} Lam[c,j] Lam[c,j'] (k_j . k_j')^2
     gram = K @ K.transpose(-1, -2)  # [B, He, nc, C, C]
     p = torch.einsum("bhncd,bhnde,bhnce->bhnc", K, H0, K)
     fro_sq = (
-        zeta.square() * H0.square().sum((-2, -1)).unsqueeze(-1)
-        + 2.0 * zeta * (lam @ p.unsqueeze(-1)).squeeze(-1)
-        + ((lam @ gram.square()) * lam).sum(-1)
+        zh.square() * H0.square().sum((-2, -1)).unsqueeze(-1)
+        + 2.0 * zh * (lh @ p.unsqueeze(-1)).squeeze(-1)
+        + ((lh @ gram.square()) * lh).sum(-1)
     )
     fro = fro_sq.clamp_min(_MIN_FRO_SQ).sqrt().unsqueeze(-1)  # [B, He, nc, C, 1]
 
     # Chebyshev for all queries at once (§6.2): row c of matvec(X) is H_c x_c, never forming H_c.
     def matvec(X: torch.Tensor) -> torch.Tensor:
-        return zeta.unsqueeze(-1) * (X @ H0) + ((X @ K.transpose(-1, -2)) * lam) @ K
+        return zh.unsqueeze(-1) * (X @ H0) + ((X @ K.transpose(-1, -2)) * lh) @ K
 
     X = chebyshev_solve(matvec, Q, fro, ridge, num_iter)
     Qp = Q + A.unsqueeze(-1) * (X - Q)
 
-    # Chunked gated linear attention with the blended queries (§6.3).
+    # Chunked gated linear attention with the blended queries (§6.3), with S's decays.
+    zeta, lam = dec_s
     return scale * (zeta.unsqueeze(-1) * (Qp @ S0) + ((Qp @ K.transpose(-1, -2)) * lam) @ V)
 
 
@@ -216,6 +236,8 @@ def gka_chunked(
     num_iter: int,
     scale: float,
     chunk_size: int,
+    *,
+    decay_h: bool = True,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """GKA over B sequences of T tokens each, continuing from states (h0, s0) (docs/design/gka.md §6). Differentiable.
 
@@ -224,6 +246,7 @@ def gka_chunked(
         v: `[B, T, He, Dv]` values times (beta + 1e-6).  g: `[B, T, He]` log forget gates (<= 0).
         alpha: `[B, T, He]` alpha-connection gates.  h0: `[B, He, D, D]`, s0: `[B, He, D, Dv]` initial states.
         ridge: a.  num_iter: r.  scale: output scale.  chunk_size: C.
+        decay_h: False: H is not decayed (hmf's use_forgetting_gate_kk = false), S still is.
 
     Returns:
         o: `[B, T, He, Dv]`; final h `[B, He, D, D]`; final s `[B, He, D, Dv]` (fp32, or fp64 for fp64 inputs).
@@ -240,9 +263,9 @@ def gka_chunked(
     G = _to_chunks(g.to(f), C)  # [B, He, nc, C]
     A = _to_chunks(alpha.to(f), C)
     nc = Q.shape[2]
-    zeta, lam, dh, ds = _chunk_summaries(K, V, G)
-    H0, S0, h, s = _carry(zeta[..., -1], dh, ds, h0, s0)
-    O = _chunk_outputs(Q, K, V, A, zeta, lam, H0, S0, ridge, num_iter, scale)  # [B, He, nc, C, Dv]
+    dec_s, dec_h, dh, ds = _chunk_summaries(K, V, G, decay_h)
+    H0, S0, h, s = _carry(dec_h[0][..., -1], dec_s[0][..., -1], dh, ds, h0, s0)
+    O = _chunk_outputs(Q, K, V, A, dec_s, dec_h, H0, S0, ridge, num_iter, scale)  # [B, He, nc, C, Dv]
     o = O.movedim(1, 3).reshape(B, nc * C, He, Dv)[:, :T]
     return o, h, s
 
@@ -278,6 +301,7 @@ def _gka_varlen(
     num_iter: int,
     scale: float,
     chunk_size: int,
+    decay_h: bool = True,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """`gka_chunked` on packed sequences of any lengths: q `[T, He, D]` ... (as `chunk_gka`), h0, s0 `[N, He, D,
     D|Dv]` and host boundaries `cu` -> (o `[T, He, Dv]`, final h, final s), all in the work dtype.
@@ -299,7 +323,7 @@ def _gka_varlen(
         return out.view(1, nc, C, *t.shape[1:]).movedim(3, 1)
 
     Q, K, V, G, A = (chunks(t) for t in (q, k, v, g, alpha))
-    zeta, lam, dh, ds = _chunk_summaries(K, V, G)
+    dec_s, dec_h, dh, ds = _chunk_summaries(K, V, G, decay_h)
 
     # The chunk-start states per sequence: lay the chunk summaries out as [N, He, most, ...] (missing chunks pass the
     # state on: decay 1, no increment), run gka_chunked's pass, and read each real chunk's start state back.
@@ -308,9 +332,11 @@ def _gka_varlen(
         out[chunk_seq, :, chunk_idx] = t[0].movedim(1, 0)
         return out
 
-    H0, S0, h, s = _carry(per_seq(zeta[..., -1], 1.0), per_seq(dh, 0.0), per_seq(ds, 0.0), h0, s0)
+    H0, S0, h, s = _carry(
+        per_seq(dec_h[0][..., -1], 1.0), per_seq(dec_s[0][..., -1], 1.0), per_seq(dh, 0.0), per_seq(ds, 0.0), h0, s0
+    )
     H0, S0 = (t[chunk_seq, :, chunk_idx].movedim(0, 1)[None] for t in (H0, S0))  # [1, He, NC, D, D|Dv]
-    O = _chunk_outputs(Q, K, V, A, zeta, lam, H0, S0, ridge, num_iter, scale)  # [1, He, NC, C, Dv]
+    O = _chunk_outputs(Q, K, V, A, dec_s, dec_h, H0, S0, ridge, num_iter, scale)  # [1, He, NC, C, Dv]
     return O[0].movedim(0, 2).reshape(nc * C, He, Dv)[dest], h, s
 
 
@@ -331,6 +357,7 @@ def chunk_gka(
     chunk_size: int = 64,
     *,
     cu_seqlens_cpu: torch.Tensor | list[int] | None = None,
+    decay_h: bool = True,
 ) -> torch.Tensor:
     """Chunked GKA prefill over packed variable-length sequences, states (h, s) in place in their pools.
 
@@ -346,6 +373,7 @@ def chunk_gka(
         chunk_size: tokens per chunk; chunks never cross a sequence boundary. The result does not depend on it
             beyond rounding.
         cu_seqlens_cpu: a host copy of cu_seqlens (tensor or list); copied from the device (a sync) when None.
+        decay_h: False: H is not decayed (H_t = H_{t-1} + k k^T; hmf's use_forgetting_gate_kk = false), S still is.
 
     Returns:
         o: `[T, He, Dv]` in q's dtype (computed in fp32, or fp64 for fp64 inputs or pools).
@@ -361,11 +389,12 @@ def chunk_gka(
     if all(cu[i + 1] - cu[i] == T // N for i in range(N)):
         # Equal lengths (a single sequence included): a plain batch for gka_chunked, no chunk layout to build.
         o, h_end, s_end = gka_chunked(
-            *(t.unflatten(0, (N, T // N)) for t in (q, k, v, g, alpha)), h0, s0, ridge, num_iter, scale, chunk_size
+            *(t.unflatten(0, (N, T // N)) for t in (q, k, v, g, alpha)), h0, s0, ridge, num_iter, scale, chunk_size,
+            decay_h=decay_h,
         )
         o = o.flatten(0, 1)
     else:
-        o, h_end, s_end = _gka_varlen(q, k, v, g, alpha, h0, s0, cu, ridge, num_iter, scale, chunk_size)
+        o, h_end, s_end = _gka_varlen(q, k, v, g, alpha, h0, s0, cu, ridge, num_iter, scale, chunk_size, decay_h)
     h.index_copy_(0, idx, h_end.to(h.dtype))
     s.index_copy_(0, idx, s_end.to(s.dtype))
     return o.to(q.dtype)
@@ -383,23 +412,26 @@ def fused_recurrent_gka(
     ridge: float,
     num_iter: int,
     scale: float,
+    *,
+    decay_h: bool = True,
 ) -> torch.Tensor:
     """One GKA decode step per session (`gka_step`), its states (h, s) updated in place in their pools.
 
     Args:
         q: `[B, He, D]` L2-normalised queries.  k: `[B, He, D]` L2-normalised keys times (beta + 1e-6).
         v: `[B, He, Dv]` values times (beta + 1e-6).  g: `[B, He]` log forget gates (<= 0).  alpha: `[B, He]`.
-        h: `[S, He, D, D]` fp32 pool; rows `state_indices` become `exp(g) h + k k^T`.
+        h: `[S, He, D, D]` fp32 pool; rows `state_indices` become `exp(g) h + k k^T` (`h + k k^T` without decay_h).
         s: `[S, He, D, Dv]` fp32 pool; rows `state_indices` become `exp(g) s + k v^T`. Other rows are left untouched.
         state_indices: `[B]` int32, the pool row of each session.
         ridge: a.  num_iter: r (Chebyshev steps).  scale: output scale (D^-1/2).
+        decay_h: False: H is not decayed (hmf's use_forgetting_gate_kk = false), S still is.
 
     Returns:
         o: `[B, He, Dv]` in q's dtype, `scale * S^T q'` with the new S.
     """
     idx = state_indices.to(torch.int64)
     o, h_new, s_new = gka_step(
-        q, k, v, g, alpha, h.index_select(0, idx), s.index_select(0, idx), ridge, num_iter, scale
+        q, k, v, g, alpha, h.index_select(0, idx), s.index_select(0, idx), ridge, num_iter, scale, decay_h=decay_h
     )
     h.index_copy_(0, idx, h_new.to(h.dtype))
     s.index_copy_(0, idx, s_new.to(s.dtype))
