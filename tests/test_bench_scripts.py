@@ -24,6 +24,7 @@ pytest.importorskip("triton")
         ("kvfree.kernels.bench.bmojo", "bmojo.json"),
         ("kvfree.kernels.bench.lattice", "lattice.json"),
         ("kvfree.kernels.bench.ska", "ska.json"),
+        ("kvfree.kernels.bench.gdn", "gdn.json"),
     ],
 )
 def test_kernel_bench_script_smoke(tmp_path, module, out_file):

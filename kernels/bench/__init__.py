@@ -12,7 +12,8 @@ exits 1 when a check fails; `--smoke` runs it with tiny sizes on the CPU under T
     ska.py        SKA at echo-180m's sizes: checks, decode, prefill, fp32 against fp64 accumulators (ska.json)
     bmojo.py      B'MOJO's memory at bmojo-1.4b's sizes: checks, decode against the floor, prefill (bmojo.json)
     norm.py       the RMS norms (plain, add, gated): checks and GB/s against a copy (norm.json; no --op)
-    gdn.py        Gated DeltaNet (`--op gdn`)
+    gdn.py        Gated DeltaNet at hmf's 8B shape: checks, decode against the floor (BV sweep), the chunked prefill,
+                  fla's gated-delta-rule kernels as anchors (gdn.json)
     attention.py  causal attention over the KV cache (`--op attention`)
 
 The timing helpers they share are kvfree.kernels.benchmarking (the engine's benchmarks use it too).
