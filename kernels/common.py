@@ -40,6 +40,13 @@ def next_power_of_2(n: int) -> int:
     return 0 if n == 0 else 1 << (n - 1).bit_length()
 
 
+@functools.cache
+def sm_count(device: torch.device) -> int:
+    """The device's multiprocessors (asked once per device: decode ops size their grids by it every layer of every
+    step); 8 off CUDA (the interpreter), so that grid heuristics still take a path."""
+    return torch.cuda.get_device_properties(device).multi_processor_count if device.type == "cuda" else 8
+
+
 def output_buffer(shape: tuple[int, ...], dtype: torch.dtype, device: torch.device) -> torch.Tensor:
     """Allocate an output or scratch buffer of a Triton op (uninitialised: the kernel writes every element).
 

@@ -16,7 +16,6 @@ once wrapped, in any order, since RoPE already encodes the positions).
 
 from __future__ import annotations
 
-import functools
 import os
 
 import torch
@@ -89,12 +88,6 @@ def _decode_attention_kernel(
     tl.store(l_part + i_b * stride_mb + heads * stride_mh + i_s, l_i, mask=m_g)
 
 
-@functools.cache
-def _multiprocessors(device: torch.device) -> int:
-    """SM count (asked once per device: decode calls this every layer of every step)."""
-    return torch.cuda.get_device_properties(device).multi_processor_count
-
-
 def decode_attention(
     q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, used: torch.Tensor, slots: torch.Tensor,
     max_used: int, k_scale: torch.Tensor | None = None, v_scale: torch.Tensor | None = None,
@@ -115,7 +108,7 @@ def decode_attention(
     G = Hq // Hkv
     BLOCK_N = 64
     # Enough programs to fill the GPU (~4 per SM) when sessions are few; each split at least 256 keys.
-    sms = _multiprocessors(q.device) if q.is_cuda else 4
+    sms = common.sm_count(q.device) if q.is_cuda else 4
     splits = max(1, min(common.cdiv(max_used, 256), common.cdiv(4 * sms, B * Hkv)))
     split_len = common.cdiv(common.cdiv(max(max_used, 1), splits), BLOCK_N) * BLOCK_N
     splits = common.cdiv(max(max_used, 1), split_len)

@@ -443,8 +443,7 @@ def launch(
     BN = block_n or 64
     n_blocks = -(-w // BN) + -(-m_f // BN) + -(-m_e // BN)
     if num_splits is None:
-        sms = torch.cuda.get_device_properties(dev).multi_processor_count if dev.type == "cuda" else 4
-        num_splits = max(1, min(n_blocks, -(-2 * sms // (B * Hq))))
+        num_splits = max(1, min(n_blocks, -(-2 * common.sm_count(dev) // (B * Hq))))
     bps = -(-n_blocks // max(1, min(num_splits, n_blocks)))
     ns = -(-n_blocks // bps)
     part_o = common.output_buffer((B, Hq, ns, dh), torch.float32, dev) if ns > 1 else o

@@ -9,8 +9,6 @@ in flight.
 
 from __future__ import annotations
 
-import functools
-
 import torch
 import triton
 import triton.language as tl
@@ -95,15 +93,10 @@ def _ssd_step_kernel(
     tl.store(y + i_bh * P + o_p, out.to(y.dtype.element_ty), mask=m_p)
 
 
-@functools.cache
-def _sm_count(device: torch.device) -> int:
-    return torch.cuda.get_device_properties(device).multi_processor_count if device.type == "cuda" else 8
-
-
 def _block_p(Bs: int, H: int, P: int, N: int, device: torch.device) -> int:
     """P rows per program: 16 (8 KB of fp32 state at N=128) when that fills the chip several times over, else fewer,
     so that a small batch still spreads over every multiprocessor."""
-    want = 4 * _sm_count(device)
+    want = 4 * common.sm_count(device)
     bp = min(16, common.next_power_of_2(P))
     while bp > 4 and Bs * H * common.cdiv(P, bp) < want:
         bp //= 2
