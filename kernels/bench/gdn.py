@@ -6,15 +6,13 @@
 (a) Correctness at real sizes (H=32, D=Dv=128, fp32 pool of 512 rows at random slots, every third session fresh)
     against the float64 reference, every buffer the kernels allocate poisoned with NaN first: the decode step at B=64
     with fp32 and bf16 inputs, and the chunked prefill of packed sequences of lengths 1, 63, 64, 65, 200, 700 and 2000
-    (an empty one among them) with fp32 and bf16 inputs, the bf16 prefill also with the state pass and/or the output
-    launch on plain bf16 operands (`pass_mode`/`out_mode` 1, reported, not required); relative errors of outputs and
-    states, rows not named bit-identical. The
-    decode step captured in a CUDA graph and replayed on new inputs matches eager.
+    (an empty one among them) with fp32 and bf16 inputs; relative errors of outputs and states, rows not named
+    bit-identical. The decode step captured in a CUDA graph and replayed on new inputs matches eager.
 (b) Medians from `triton.testing.do_bench`: decode at B=1/64/256 (bf16 q, k, v; B=1 also replayed from a CUDA graph
     of 10 steps, per step) against its floor (the fp32 state read and written once, plus the inputs and outputs,
     over a device-to-device copy's bandwidth measured in the same run), with a BV/num_warps sweep at every B.
 (c) The chunked prefill at B=1 T=16384 and 8x4096 packed, bf16 (with a sweep of `chunk.launch`'s block shapes,
-    warps, pipelining and operand modes) and fp32 inputs, in tokens/s; the PyTorch reference at T=4096; per-kernel
+    warps and pipelining) and fp32 inputs, in tokens/s; the PyTorch reference at T=4096; per-kernel
     device times.
 (d) When fla imports: its `chunk_gated_delta_rule` and `fused_recurrent_gated_delta_rule` at the same shapes
     ([B, T, H, D] layouts, q and k pre-normalised, `cu_seqlens` for the packed batch), as anchors, with the ratios,
@@ -57,15 +55,12 @@ f64 = torch.float64
 # Prefill sweep entries: keyword arguments of `chunk.launch`; the first is the default's.
 PREFILL_SWEEP = [
     {},
-    {"pass_mode": 1},
-    {"out_mode": 1},
-    {"pass_mode": 1, "out_mode": 1},
-    {"pass_mode": 1, "out_mode": 1, "block_v": 16},
     {"block_v": 16},
+    {"block_v": 64},
     {"block_v": 64, "warps_pass": 8},
     {"warps_pass": 8},
+    {"warps_pass": 2},
     {"num_stages": 3},
-    {"num_stages": 1},
     {"block_o": 128, "warps_out": 8},
     {"block_o": 32},
     {"warps_out": 8},
@@ -96,9 +91,6 @@ SMOKE = {
     "reference_lens": [40],
 }
 SZ = REAL
-# Precision knobs of `chunk.launch` whose effect on accuracy the checks report (bf16 inputs).
-PRECISION_VARIANTS = {"pass_mode1": {"pass_mode": 1}, "out_mode1": {"out_mode": 1},
-                      "modes1": {"pass_mode": 1, "out_mode": 1}}
 GOALS = [
     Goal("cuda", "decode_B256_over_floor", "<=", 1.2, "decode step at B=256 over its HBM floor (x)"),
     Goal("cuda", "prefill_B1_T16384_over_fla", ">=", 1.0, "prefill B=1 T=16384 bf16, tokens/s over fla's chunk op"),
@@ -159,6 +151,7 @@ def check_correctness(dev: torch.device, res: dict) -> None:
     # fp32: a few 1e-7 expected (tf32x3 dots); bf16: the outputs' own rounding (~2e-3) plus the rounding of the
     # chunk-start states and U' to bf16 between launches (the states themselves stay within ~1e-5).
     tol = {torch.float32: 1e-4, torch.bfloat16: 1e-2}
+    prefill_tol = {torch.float32: 1e-4, torch.bfloat16: 1.5e-2}  # bf16 dot operands, as fla's (chunk.py's docstring)
     for dtype in (torch.float32, torch.bfloat16):
         name = str(dtype).removeprefix("torch.")
         B = SZ["check_B"]
@@ -178,16 +171,11 @@ def check_correctness(dev: torch.device, res: dict) -> None:
         s, idx = pool(dev, gen, len(lens))
         s_ref, s0 = s.to(f64), s.clone()
         o_ref = reference.chunk_gdn(*(t.to(f64) for t in inp), s_ref, idx, cu, scale, L)
-        variants = {"": {}} | (PRECISION_VARIANTS if dtype == torch.bfloat16 else {})
-        for tag, knobs in variants.items():
-            s.copy_(s0)
-            with poisoned_outputs():
-                o = chunk.launch(*inp, s, idx, cu, scale, L, cu_seqlens_cpu=cu.tolist(), **knobs)
-            row = check_row(o, o_ref, s, s_ref, s0, idx, tol[dtype])
-            if tag:  # reported, not required: the knobs' defaults are what ships
-                row = {"knobs": knobs, **row, "ok": True}
-            res["checks"][f"prefill_{name}" + (f"_{tag}" if tag else "")] = row
-            say(f"check prefill {name} {tag}: {json.dumps(row)}")
+        with poisoned_outputs():
+            o = chunk.launch(*inp, s, idx, cu, scale, L, cu_seqlens_cpu=cu.tolist())
+        row = check_row(o, o_ref, s, s_ref, s0, idx, prefill_tol[dtype])
+        res["checks"][f"prefill_{name}"] = row
+        say(f"check prefill {name}: {json.dumps(row)}")
         sync()
 
     if dev.type == "cuda":  # the decode step inside a CUDA graph, replayed on new inputs

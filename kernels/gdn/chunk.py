@@ -3,37 +3,27 @@
 Chunks of L tokens (64 by default) never cross a sequence boundary; a sequence's last chunk may be short, and its
 missing tokens act as padding (k = v = q = 0, beta = 0, g = 0: they change nothing). Within a chunk, with G the
 cumulative log decay, A[i, j] = beta_i exp(G_i - G_j) k_i . k_j (j < i) and T = (I + A)^-1, the reference's
-W = T (beta exp(G) K) and U = T (beta V) give the delta rule's writes U' = U - W S0 = T (beta (V - exp(G) (K S0))).
-Three launches:
+W = T (beta exp(G) K) and U = T (beta V) give the delta rule's writes U' = U - W S0. Three launches:
 
-1. `_gdn_wy_kernel`, per (chunk, head), all in parallel: G, the Gram matrix K K^T (one tensor-core dot), A, and T.
-   T is built from 16 x 16 blocks: the diagonal blocks (I + A_bb)^-1 by forward substitution, all blocks at once on
-   a `[L/16, 16, 16]` tile (15 row steps of two small reductions), then the off-diagonal blocks by the block Neumann
-   series T = sum_m (-N)^m Tdiag with N = Tdiag A_offdiag, exact after L/16 - 1 terms since N is strictly block lower
-   (four `[L, L]` dots at L = 64). Only T goes to memory (`[L, L]` per chunk and head), not W and U (D + Dv values
-   per token): the state pass reads K and V anyway and applies T itself.
-2. `_gdn_pass_kernel`, per (sequence x head x block of BV value columns): the inter-chunk pass. It loads the
+1. `_gdn_wy_kernel`, per (chunk, head), all in parallel: G, the Gram matrix K K^T (one tensor-core dot), A, T, and
+   then W and U (two dots), stored in the inputs' dtype. T is built from 16 x 16 blocks: the diagonal blocks
+   (I + A_bb)^-1 by forward substitution, all blocks at once on a `[L/16, 16, 16]` tile (15 row steps of two small
+   reductions), then the off-diagonal blocks by the block Neumann series T = sum_m (-N)^m Tdiag with
+   N = Tdiag A_offdiag, exact after L/16 - 1 terms since N is strictly block lower (four `[L, L]` dots at L = 64).
+2. `_gdn_pass_kernel`, per (sequence x head x block of BV value columns): the only sequential part. It loads the
    sequence's initial `[D, BV]` state block from its pool row and walks the sequence's chunks in order with the block
-   in fp32 registers: store it as the chunk's start state, U' = T (beta (V - exp(G) (K S))), store U', and
-   S <- exp(G_L) S + K^T (exp(G_L - G) U') (the decay on U', so that K stays an exact bf16 operand). The loop's loads
-   do not depend on the state, so the compiler's pipelining (num_stages=2) issues chunk j + 1's during chunk j. The
-   final block goes straight back to the pool row: nothing after this launch reads the pool, and no launch is
-   autotuned (re-running this one would read its own output). Empty sequences return at once (rows untouched).
+   in fp32 registers: store it as the chunk's start state, U' = U - W S (written over U), and
+   S <- exp(G_L) S + K^T (exp(G_L - G) U') (the decay on U', so that K stays an exact operand). Two dependent dots a
+   chunk: W and U come precomputed, so the chain a long prompt waits on is as short as it gets. The loop's loads do
+   not depend on the state, so the compiler's pipelining (num_stages=2) issues chunk j + 1's during chunk j. The final
+   block goes straight back to the pool row. Empty sequences return at once (rows untouched).
 3. `_gdn_out_kernel`, per (chunk x block of value columns, head), all in parallel:
    O = scale ((exp(G) Q) S0 + (exp(G_i - G_j) q_i . k_j)_{j <= i} U').
 
-With bf16 inputs at D = Dv = 128 the three launches move about 3.6 KB per token and head (K read three times, Q and
-V once, O written once, T 256 B, the chunk-start states (bf16, 512 B) and U' written once and read once); the W and U
-of the reference's WY form are never stored. Launches 1 and 3 are bound by that traffic; the pass, by it when many
-sequences run side by side, and by the latency of its chain of dots for one long prompt.
-
-All state math and accumulation are fp32; the chunk-start states and U' are stored in the inputs' dtype. fp32 inputs
-take fp32 operands throughout ("tf32x3": three tensor-core passes, about fp32 accuracy). With bf16/fp16 inputs the
-pass and the output launch have two forms (`PASS_MODE`, `OUT_MODE`): bf16 operands (the carried state, T, the
-residuals and the queries rounded to bf16 inside the dots, as fla's kernels do), or, the default, each fp32 operand
-split into bf16 hi + lo parts (two or three tensor-core dots per product, about 16-bit products; T is then stored as
-its two parts and built with split dots too), which keeps the carried state within about 1e-5 of float64 instead of
-about 1e-3. Only the rounding of the stored chunk-start states and U' (and of the output itself) then reaches O.
+All state math and accumulation are fp32. With bf16/fp16 inputs the dot operands are in the inputs' dtype (the
+carried state, T, W, U', and the decayed scores rounded to it inside the dots, as fla's kernels do): about 1e-3 of
+relative error on a long prompt's final state. fp32 inputs take fp32 operands and buffers throughout ("tf32x3": three
+tensor-core passes, about fp32 accuracy).
 """
 
 from __future__ import annotations
@@ -50,11 +40,6 @@ from ..launcher import launch_kernel
 from .fused_recurrent import check_shapes
 
 INTERPRET = os.environ.get("TRITON_INTERPRET", "0") in ("1", "true", "True")
-# How the state pass and the output launch multiply with bf16/fp16 inputs (`launch`): 1, bf16 operands (the state,
-# T, U' and the queries rounded to bf16 in the dots); 2, fp32 operands split in two bf16 ones (hi + lo, twice the
-# dots, about 16-bit products; T is stored as its hi and lo parts).
-PASS_MODE = 2
-OUT_MODE = 2
 
 
 @triton.jit
@@ -64,25 +49,6 @@ def _dot(a, b, acc, PREC: tl.constexpr, UPCAST: tl.constexpr):
     if UPCAST:
         return tl.dot(a.to(tl.float32), b.to(tl.float32), acc=acc, input_precision="ieee")
     return tl.dot(a, b, acc=acc, input_precision=PREC)
-
-
-@triton.jit
-def _split(x, dt: tl.constexpr):
-    """fp32 x as hi + lo in dt (bf16/fp16): two tensor-core operands that together keep about 16 bits of x."""
-    hi = x.to(dt)
-    return hi, (x - hi.to(tl.float32)).to(dt)
-
-
-@triton.jit
-def _fdot(a, b, acc, dt: tl.constexpr, SPLIT: tl.constexpr, PREC: tl.constexpr, INTERP: tl.constexpr):
-    """acc + a @ b of fp32 operands: at PREC, or (SPLIT) as three dots of their bf16/fp16 hi and lo parts (about
-    16-bit products at twice tf32's speed; lo @ lo is below that)."""
-    if SPLIT:
-        a_hi, a_lo = _split(a, dt)
-        b_hi, b_lo = _split(b, dt)
-        acc = _dot(a_hi, b_hi, acc, PREC, INTERP)
-        return _dot(a_lo, b_hi, _dot(a_hi, b_lo, acc, PREC, INTERP), PREC, INTERP)
-    return _dot(a, b, acc, PREC, INTERP)
 
 
 @triton.jit
@@ -98,22 +64,27 @@ def _chunk_cumsum(g, t, m_t, i_h, stride_gt, stride_gh, L: tl.constexpr):
 @triton.jit
 def _gdn_wy_kernel(
     k,
+    v,
     g,
     beta,
-    tbuf,
+    wbuf,
+    ubuf,
     cu_seqlens,
     chunk_indices,
     stride_kt,
     stride_kh,
+    stride_vt,
+    stride_vh,
     stride_gt,
     stride_gh,
     stride_bt,
     stride_bh,
     H: tl.constexpr,
     D: tl.constexpr,
+    DV: tl.constexpr,
     L: tl.constexpr,
     BD: tl.constexpr,
-    TP: tl.constexpr,
+    BDV: tl.constexpr,
     PREC: tl.constexpr,
     INTERP: tl.constexpr,
 ):
@@ -126,10 +97,12 @@ def _gdn_wy_kernel(
     t = tl.load(cu_seqlens + i_n).to(tl.int64) + j * L + tl.arange(0, L)
     m_t = t < eos
     d = tl.arange(0, BD)
-    kk = tl.load(k + t[:, None] * stride_kt + i_h * stride_kh + d[None, :], mask=m_t[:, None] & (d < D)[None, :],
+    m_d = d < D
+    kk = tl.load(k + t[:, None] * stride_kt + i_h * stride_kh + d[None, :], mask=m_t[:, None] & m_d[None, :],
                  other=0.0)  # fmt: skip
     bv = tl.load(beta + t * stride_bt + i_h * stride_bh, mask=m_t, other=0.0).to(tl.float32)
     G, _ = _chunk_cumsum(g, t, m_t, i_h, stride_gt, stride_gh, L)
+    dt = wbuf.dtype.element_ty
 
     ii = tl.arange(0, L)
     lower = ii[:, None] > ii[None, :]
@@ -154,79 +127,56 @@ def _gdn_wy_kernel(
     if NB > 1:
         # (Dg + Y)^-1 = (I + N)^-1 Tdiag with N = Tdiag Y strictly block lower, so (-N)^NB = 0.
         y = tl.where((ii[:, None] // 16) > (ii[None, :] // 16), a, 0.0)
-        dt = tbuf.dtype.element_ty
-        n = _fdot(tinv, y, tl.zeros([L, L], tl.float32), dt, TP == 2, PREC, INTERP)
+        n = _dot(tinv, y, tl.zeros([L, L], tl.float32), PREC, INTERP)
         p = tinv
         for _ in tl.static_range(NB - 1):
-            p = -_fdot(n, p, tl.zeros([L, L], tl.float32), dt, TP == 2, PREC, INTERP)
+            p = -_dot(n, p, tl.zeros([L, L], tl.float32), PREC, INTERP)
             tinv += p
-    p_t = tbuf + (i_c * H + i_h).to(tl.int64) * TP * L * L + ii[:, None] * L + ii[None, :]
-    if TP == 2:  # hi and lo parts in the dot dtype: the pass feeds both to the tensor cores as they are
-        t_hi, t_lo = _split(tinv, tbuf.dtype.element_ty)
-        tl.store(p_t, t_hi)
-        tl.store(p_t + L * L, t_lo)
-    else:
-        tl.store(p_t, tinv.to(tbuf.dtype.element_ty))
+
+    # W = T (beta exp(G) K) and U = T (beta V), with T and the right-hand sides in the dot dtype (fla's precision
+    # with bf16 inputs; fp32 at PREC with fp32 ones).
+    tt = tinv.to(dt)
+    w = _dot(tt, (kk.to(tl.float32) * (bv * tl.exp(G))[:, None]).to(dt), tl.zeros([L, BD], tl.float32), PREC, INTERP)
+    tl.store(wbuf + t[:, None] * (H * D) + i_h * D + d[None, :], w.to(dt), mask=m_t[:, None] & m_d[None, :])
+    c = tl.arange(0, BDV)
+    m_c = c < DV
+    vv = tl.load(v + t[:, None] * stride_vt + i_h * stride_vh + c[None, :], mask=m_t[:, None] & m_c[None, :],
+                 other=0.0).to(tl.float32)  # fmt: skip
+    u = _dot(tt, (vv * bv[:, None]).to(dt), tl.zeros([L, BDV], tl.float32), PREC, INTERP)
+    tl.store(ubuf + t[:, None] * (H * DV) + i_h * DV + c[None, :], u.to(dt), mask=m_t[:, None] & m_c[None, :])
 
 
 @triton.jit
-def _pass_step(st, j, t0, eos, c0, k, v, g, beta, tbuf, hbuf, ubuf, i_h, d, cols, m_d, m_c, stride_kt, stride_kh,
-               stride_vt, stride_vh, stride_gt, stride_gh, stride_bt, stride_bh, H: tl.constexpr, D: tl.constexpr,
-               DV: tl.constexpr, L: tl.constexpr, BV: tl.constexpr, TP: tl.constexpr, MODE: tl.constexpr,
+def _pass_step(st, j, t0, eos, c0, k, g, wbuf, hbuf, ubuf, i_h, d, cols, m_d, m_c, stride_kt, stride_kh, stride_gt,
+               stride_gh, H: tl.constexpr, D: tl.constexpr, DV: tl.constexpr, L: tl.constexpr, BV: tl.constexpr,
                PREC: tl.constexpr, INTERP: tl.constexpr):  # fmt: skip
-    """Chunk j: store the state block as the chunk's start state, compute and store U', return the end state."""
+    """Chunk j: store the state block as the chunk's start state, U' = U - W S over U, return the end state."""
     f32 = tl.float32
     dt = hbuf.dtype.element_ty
     t = t0 + j * L + tl.arange(0, L)
     m_t = t < eos
     kk = tl.load(k + t[:, None] * stride_kt + i_h * stride_kh + d[None, :], mask=m_t[:, None] & m_d[None, :],
                  other=0.0)  # fmt: skip
-    vv = tl.load(v + t[:, None] * stride_vt + i_h * stride_vh + cols[None, :], mask=m_t[:, None] & m_c[None, :],
-                 other=0.0).to(f32)  # fmt: skip
-    ii = tl.arange(0, L)
-    p_t = tbuf + ((c0 + j) * H + i_h) * TP * L * L + ii[:, None] * L + ii[None, :]
-    tt = tl.load(p_t)  # T, or its hi part
-    bv = tl.load(beta + t * stride_bt + i_h * stride_bh, mask=m_t, other=0.0).to(f32)
+    ww = tl.load(wbuf + t[:, None] * (H * D) + i_h * D + d[None, :], mask=m_t[:, None] & m_d[None, :], other=0.0)
+    p_u = ubuf + t[:, None] * (H * DV) + i_h * DV + cols[None, :]
+    uu = tl.load(p_u, mask=m_t[:, None] & m_c[None, :], other=0.0).to(f32)
     G, g_last = _chunk_cumsum(g, t, m_t, i_h, stride_gt, stride_gh, L)
 
     s0 = st.to(dt)
     tl.store(hbuf + ((c0 + j) * H + i_h) * D * DV + d[:, None] * DV + cols[None, :], s0,
              mask=m_d[:, None] & m_c[None, :])  # fmt: skip
-    zero = tl.zeros([L, BV], f32)
-    to_end = tl.exp(g_last - G)[:, None]  # each token's decay to the chunk's end
+    uf = uu - _dot(ww, s0, tl.zeros([L, BV], f32), PREC, INTERP)  # U', row t is u_t
+    tl.store(p_u, uf.to(dt), mask=m_t[:, None] & m_c[None, :])
     # (exp(G_L - G) K)^T U' = K^T (exp(G_L - G) U'): the decay goes on U', so that K stays an exact operand.
-    if MODE == 0:  # fp32 inputs: fp32 operands (PREC: tf32x3, about fp32)
-        ks = _dot(kk, st, zero, PREC, INTERP)  # [L, BV]: each key's prediction S^T k
-        y = bv[:, None] * (vv - tl.exp(G)[:, None] * ks)
-        uf = _dot(tt, y, zero, PREC, INTERP)  # U', row t is u_t
-        st = _dot(tl.trans(kk), uf * to_end, st * tl.exp(g_last), PREC, INTERP)
-    elif MODE == 1:  # bf16 operands: the state, T, U' rounded to bf16 in the dots (fla's precision)
-        ks = _dot(kk, s0, zero, PREC, INTERP)
-        y = bv[:, None] * (vv - tl.exp(G)[:, None] * ks)
-        uf = _dot(tt, y.to(dt), zero, PREC, INTERP)
-        st = _dot(tl.trans(kk), (uf * to_end).to(dt), st * tl.exp(g_last), PREC, INTERP)
-    else:  # bf16 operands split in two (hi + lo): about 16-bit products on bf16 tensor cores, twice the dots
-        s_hi, s_lo = _split(st, dt)
-        ks = _dot(kk, s_lo, _dot(kk, s_hi, zero, PREC, INTERP), PREC, INTERP)
-        y = bv[:, None] * (vv - tl.exp(G)[:, None] * ks)
-        y_hi, y_lo = _split(y, dt)
-        t_lo = tl.load(p_t + L * L)
-        uf = _dot(tt, y_hi, zero, PREC, INTERP)
-        uf = _dot(t_lo, y_hi, _dot(tt, y_lo, uf, PREC, INTERP), PREC, INTERP)
-        w_hi, w_lo = _split(uf * to_end, dt)
-        kt = tl.trans(kk)
-        st = _dot(kt, w_lo, _dot(kt, w_hi, st * tl.exp(g_last), PREC, INTERP), PREC, INTERP)
-    tl.store(ubuf + t[:, None] * (H * DV) + i_h * DV + cols[None, :], uf.to(dt), mask=m_t[:, None] & m_c[None, :])
-    return st
+    to_end = tl.exp(g_last - G)[:, None]  # each token's decay to the chunk's end
+    return _dot(tl.trans(kk), (uf * to_end).to(dt), st * tl.exp(g_last), PREC, INTERP)
 
 
 @triton.jit
 def _gdn_pass_kernel(
     k,
-    v,
     g,
-    beta,
-    tbuf,
+    wbuf,
     state,
     state_indices,
     cu_seqlens,
@@ -235,12 +185,8 @@ def _gdn_pass_kernel(
     ubuf,
     stride_kt,
     stride_kh,
-    stride_vt,
-    stride_vh,
     stride_gt,
     stride_gh,
-    stride_bt,
-    stride_bh,
     stride_ss,
     stride_sh,
     stride_sr,
@@ -250,12 +196,10 @@ def _gdn_pass_kernel(
     L: tl.constexpr,
     BD: tl.constexpr,
     BV: tl.constexpr,
-    TP: tl.constexpr,
-    MODE: tl.constexpr,
     PREC: tl.constexpr,
     INTERP: tl.constexpr,
 ):
-    # Column blocks fastest: the programs of one (sequence, head) read the same keys and T at about the same time.
+    # Column blocks fastest: the programs of one (sequence, head) read the same keys and W at about the same time.
     NV: tl.constexpr = (DV + BV - 1) // BV
     i_nh, i_v = tl.program_id(0) // NV, tl.program_id(0) % NV
     i_n, i_h = i_nh // H, i_nh % H
@@ -275,17 +219,15 @@ def _gdn_pass_kernel(
     if INTERP:  # the interpreter (triton 3.6, numpy >= 2.4) cannot take range() of a loaded scalar
         j = 0
         while j < n_chunks:
-            st = _pass_step(st, j, t0, eos, c0, k, v, g, beta, tbuf, hbuf, ubuf, i_h, d, cols, m_d, m_c, stride_kt,
-                            stride_kh, stride_vt, stride_vh, stride_gt, stride_gh, stride_bt, stride_bh, H, D, DV, L,
-                            BV, TP, MODE, PREC, INTERP)  # fmt: skip
+            st = _pass_step(st, j, t0, eos, c0, k, g, wbuf, hbuf, ubuf, i_h, d, cols, m_d, m_c, stride_kt, stride_kh,
+                            stride_gt, stride_gh, H, D, DV, L, BV, PREC, INTERP)  # fmt: skip
             j += 1
     else:
         # The loop's loads do not depend on the state: num_stages > 1 lets the compiler issue chunk j + 1's while
         # chunk j computes.
         for j in range(n_chunks):
-            st = _pass_step(st, j, t0, eos, c0, k, v, g, beta, tbuf, hbuf, ubuf, i_h, d, cols, m_d, m_c, stride_kt,
-                            stride_kh, stride_vt, stride_vh, stride_gt, stride_gh, stride_bt, stride_bh, H, D, DV, L,
-                            BV, TP, MODE, PREC, INTERP)  # fmt: skip
+            st = _pass_step(st, j, t0, eos, c0, k, g, wbuf, hbuf, ubuf, i_h, d, cols, m_d, m_c, stride_kt, stride_kh,
+                            stride_gt, stride_gh, H, D, DV, L, BV, PREC, INTERP)  # fmt: skip
     tl.store(p_s, st.to(state.dtype.element_ty), mask=m_d[:, None] & m_c[None, :])
 
 
@@ -312,7 +254,6 @@ def _gdn_out_kernel(
     L: tl.constexpr,
     BD: tl.constexpr,
     BV: tl.constexpr,
-    MODE: tl.constexpr,
     PREC: tl.constexpr,
     INTERP: tl.constexpr,
 ):
@@ -345,18 +286,17 @@ def _gdn_out_kernel(
     causal = ii[:, None] >= ii[None, :]
     qk = qk * tl.exp(tl.where(causal, G[:, None] - G[None, :], float("-inf")))
     qg = qq.to(tl.float32) * tl.exp(G)[:, None]
-    zero = tl.zeros([L, BV], tl.float32)
-    if MODE == 0:  # fp32 inputs: fp32 operands (PREC: tf32x3, about fp32)
-        acc = _dot(qk, u, _dot(qg, s0, zero, PREC, INTERP), PREC, INTERP)
-    elif MODE == 1:  # bf16 operands: q exp(G) and the decayed scores rounded to bf16 (fla's precision)
-        acc = _dot(qk.to(dt), u, _dot(qg.to(dt), s0, zero, PREC, INTERP), PREC, INTERP)
-    else:  # q exp(G) and the scores split in two bf16 operands (hi + lo): only S0's and U''s storage rounds
-        q_hi, q_lo = _split(qg, dt)
-        p_hi, p_lo = _split(qk, dt)
-        acc = _dot(q_lo, s0, _dot(q_hi, s0, zero, PREC, INTERP), PREC, INTERP)
-        acc = _dot(p_lo, u, _dot(p_hi, u, acc, PREC, INTERP), PREC, INTERP)
+    # The decayed queries and scores in the dot dtype beside bf16 inputs (fla's precision), fp32 beside fp32 ones.
+    acc = _dot(qg.to(dt), s0, tl.zeros([L, BV], tl.float32), PREC, INTERP)
+    acc = _dot(qk.to(dt), u, acc, PREC, INTERP)
     p_o = o + t[:, None] * (H * DV) + i_h * DV + cols[None, :]
     tl.store(p_o, (scale * acc).to(o.dtype.element_ty), mask=m_t[:, None] & m_c[None, :])
+
+
+def _pass_block_v(sequence_heads: int, Dv: int, device: torch.device) -> int:
+    """The state pass's value columns per program: 64 when (sequence, head) pairs fill the chip twice over at that
+    width (fewer, larger programs load each key and W block fewer times), else 32 (more programs for few prompts)."""
+    return 64 if sequence_heads * common.cdiv(Dv, 64) >= 2 * common.sm_count(device) else 32
 
 
 def _chunk_len(chunk_size: int) -> int:
@@ -369,15 +309,13 @@ def launch(
     q, k, v, g, beta, state, state_indices, cu_seqlens, scale, chunk_size=64, *, cu_seqlens_cpu=None,
     block_v: int | None = None, warps_pass: int | None = None, block_o: int | None = None,
     warps_out: int | None = None, warps_wy: int | None = None, precision: str | None = None,
-    chunk_len: int | None = None, pass_mode: int | None = None, out_mode: int | None = None,
-    num_stages: int | None = None,
+    chunk_len: int | None = None, num_stages: int | None = None,
 ) -> torch.Tensor:  # fmt: skip
     """`chunk_gdn` with the chunk length, block shapes, warps and dot precision open (for the device sweep).
 
     block_v, warps_pass: the state pass's value columns per program and warps; block_o, warps_out: the output
-    launch's; warps_wy: the T launch's; num_stages: the state pass's software pipelining of its loads. pass_mode /
-    out_mode: how the state pass / the output launch multiply with bf16/fp16 inputs (`PASS_MODE`, `OUT_MODE`, the
-    defaults); fp32 inputs always take fp32 operands."""
+    launch's; warps_wy: the W/U launch's; num_stages: the state pass's software pipelining of its loads; precision:
+    the dots' on fp32 operands."""
     check_shapes(q, k, v, g, beta, state)
     T, H, D = q.shape
     Dv = v.shape[-1]
@@ -390,45 +328,39 @@ def launch(
     if NC == 0:
         return o
     low = q.dtype in (torch.bfloat16, torch.float16)
-    dt = q.dtype if low else torch.float32  # the dot operands', U''s and the chunk-start states' dtype
+    dt = q.dtype if low else torch.float32  # the dot operands', W's, U''s and the chunk-start states' dtype
     # Dots on fp32 operands: tf32 beside bf16 inputs (whose own rounding is coarser), about fp32 ("tf32x3") for fp32
     # inputs; bf16 operands ignore it. The interpreter computes every dot in fp32 whatever it is told.
     prec = "ieee" if INTERPRET else precision or ("tf32" if low else "tf32x3")
-    pass_mode = (PASS_MODE if pass_mode is None else pass_mode) if low else 0
-    out_mode = (OUT_MODE if out_mode is None else out_mode) if low else 0
-    TP = 2 if pass_mode == 2 else 1  # T's planes: T in dt, or its hi and lo parts for the split dots
     if k.dtype != dt or v.dtype != dt:
         k, v = k.to(dt), v.to(dt)  # one dtype for the dots (q, k, v differ only in unusual callers)
     BD = max(16, common.next_power_of_2(D))
     BDV = max(16, common.next_power_of_2(Dv))
 
-    tbuf = common.output_buffer((NC, H, TP, L, L), dt, dev)
-    # T's own fp32 dots: tf32 beside pass mode 1, split bf16 (the kernel's SPLIT, TP == 2) beside mode 2, tf32x3 with
-    # fp32 inputs.
-    prec_t = "ieee" if INTERPRET else precision or ("tf32" if pass_mode == 1 else "tf32x3")
+    wbuf = common.output_buffer((T, H, D), dt, dev)
+    ubuf = common.output_buffer((T, H, Dv), dt, dev)  # U, then U' written over it by the pass
     launch_kernel(_gdn_wy_kernel, (NC, H),
-        k, g, beta, tbuf, cu_seqlens, chunk_indices,
-        k.stride(0), k.stride(1), g.stride(0), g.stride(1), beta.stride(0), beta.stride(1),
-        H=H, D=D, L=L, BD=BD, TP=TP, PREC=prec_t, INTERP=INTERPRET, num_warps=warps_wy or 4,
+        k, v, g, beta, wbuf, ubuf, cu_seqlens, chunk_indices,
+        k.stride(0), k.stride(1), v.stride(0), v.stride(1), g.stride(0), g.stride(1), beta.stride(0), beta.stride(1),
+        H=H, D=D, DV=Dv, L=L, BD=BD, BDV=BDV, PREC=prec, INTERP=INTERPRET, num_warps=warps_wy or 4,
     )  # fmt: skip
 
     hbuf = common.output_buffer((NC, H, D, Dv), dt, dev)
-    ubuf = common.output_buffer((T, H, Dv), dt, dev)
-    BV = min(BDV, block_v or (16 if INTERPRET else 32))
+    BV = min(BDV, block_v or (16 if INTERPRET else _pass_block_v(nseq * H, Dv, dev)))
+    # (H200 sweep, docs/bench/gdn/: 32 columns over three stages for one long prompt, 64 over two for many.)
+    num_stages = num_stages or (3 if BV <= 32 else 2)
     launch_kernel(_gdn_pass_kernel, (nseq * H * common.cdiv(Dv, BV),),
-        k, v, g, beta, tbuf, state, state_indices, cu_seqlens, chunk_offsets, hbuf, ubuf,
-        k.stride(0), k.stride(1), v.stride(0), v.stride(1), g.stride(0), g.stride(1), beta.stride(0),
-        beta.stride(1), state.stride(0), state.stride(1), state.stride(2),
-        H=H, D=D, DV=Dv, L=L, BD=BD, BV=BV, TP=TP, MODE=pass_mode, PREC=prec, INTERP=INTERPRET,
-        num_warps=warps_pass or 4,
-        num_stages=num_stages or 2,
+        k, g, wbuf, state, state_indices, cu_seqlens, chunk_offsets, hbuf, ubuf,
+        k.stride(0), k.stride(1), g.stride(0), g.stride(1), state.stride(0), state.stride(1), state.stride(2),
+        H=H, D=D, DV=Dv, L=L, BD=BD, BV=BV, PREC=prec, INTERP=INTERPRET, num_warps=warps_pass or 4,
+        num_stages=num_stages,
     )  # fmt: skip
 
     BO = min(BDV, block_o or (16 if INTERPRET else 64 if low else 32))  # fp32: 64 columns spill (ptxas)
     launch_kernel(_gdn_out_kernel, (NC * common.cdiv(Dv, BO), H),
         q, k, g, hbuf, ubuf, o, cu_seqlens, chunk_indices,
         q.stride(0), q.stride(1), k.stride(0), k.stride(1), g.stride(0), g.stride(1), float(scale),
-        H=H, D=D, DV=Dv, L=L, BD=BD, BV=BO, MODE=out_mode, PREC=prec, INTERP=INTERPRET, num_warps=warps_out or 4,
+        H=H, D=D, DV=Dv, L=L, BD=BD, BV=BO, PREC=prec, INTERP=INTERPRET, num_warps=warps_out or 4,
     )  # fmt: skip
     return o
 
