@@ -25,6 +25,7 @@ pytest.importorskip("triton")
         ("kvfree.kernels.bench.lattice", "lattice.json"),
         ("kvfree.kernels.bench.ska", "ska.json"),
         ("kvfree.kernels.bench.gdn", "gdn.json"),
+        ("kvfree.kernels.bench.attention", "attention.json"),
     ],
 )
 def test_kernel_bench_script_smoke(tmp_path, module, out_file):

@@ -11,6 +11,9 @@ projections; the cache stores rotated keys.
 
 from __future__ import annotations
 
+import functools
+from dataclasses import dataclass
+
 import torch
 import torch.nn.functional as F
 
@@ -48,14 +51,20 @@ def apply_rope(x: torch.Tensor, positions: torch.Tensor, theta: float) -> torch.
     x: `[..., T, H, D]` with D even; positions: `[T]` int. Returns a tensor like x.
     """
     D = x.shape[-1]
-    inv_freq = 1.0 / (theta ** (torch.arange(0, D, 2, device=x.device, dtype=torch.float32) / D))
-    angles = positions.to(torch.float32)[:, None] * inv_freq[None, :]  # [T, D/2]
-    cos = torch.cat([angles.cos(), angles.cos()], dim=-1)[:, None, :]  # [T, 1, D]
-    sin = torch.cat([angles.sin(), angles.sin()], dim=-1)[:, None, :]
+    cos, sin = rope_cos_sin(positions, D, theta)
+    cos = torch.cat([cos, cos], dim=-1)[:, None, :]  # [T, 1, D]
+    sin = torch.cat([sin, sin], dim=-1)[:, None, :]
     xf = x.float()
     x1, x2 = xf[..., : D // 2], xf[..., D // 2 :]
     rotated = torch.cat([-x2, x1], dim=-1)
     return (xf * cos + rotated * sin).to(x.dtype)
+
+
+def rope_cos_sin(positions: torch.Tensor, D: int, theta: float) -> tuple[torch.Tensor, torch.Tensor]:
+    """cos and sin `[T, D/2]` fp32 of the rotation angles at `positions` `[T]` (what `apply_rope` multiplies by)."""
+    inv_freq = 1.0 / (theta ** (torch.arange(0, D, 2, device=positions.device, dtype=torch.float32) / D))
+    angles = positions.to(torch.float32)[:, None] * inv_freq[None, :]  # [T, D/2]
+    return angles.cos(), angles.sin()
 
 
 @state_math
@@ -216,25 +225,87 @@ def chunk_attention(
             v / v_scale[s] per KV head (`quantize`); the new tokens attend to each other unquantized.
 
     Rows not named in `state_indices` are left untouched. Raises `KVCacheFull` (nothing written) when a full cache
-    cannot hold n + T positions.
+    cannot hold n + T positions. The Triton implementation (chunk.py) plans, checks and writes with this one's code,
+    rotates bit for bit as it does, and attends with a flash kernel over the cache rows in place (to rounding).
 
     Returns:
         `[T, Hq, D]` in q's dtype.
     """
+    plan = plan_prefill(q, length, state_indices, cu_seqlens, cu_seqlens_cpu, k_cache, window)
+    q, k = _rotate(q, k, plan.pos, rope_theta)
+    out = _attend_prefill(q, k, v, k_cache, v_cache, plan, window, k_scale, v_scale)
+    store_prefill(plan, k, v, k_cache, v_cache, length, window, k_scale, v_scale)
+    return out
+
+
+@dataclass(frozen=True)
+class PrefillPlan:
+    """What both implementations of `chunk_attention` know of a step before attending (`plan_prefill`).
+
+    cu: the host sequence boundaries; idx: `[N]` int64 pool rows; past: `[N]` int64 tokens each session has seen;
+    past_h, lens_h: the same and the new lengths on the host; seq, offset: `[T]` each packed token's sequence and
+    place in it; lens: `[N]` new lengths; pos: `[T]` each token's absolute position.
+    """
+
+    cu: tuple[int, ...]
+    idx: torch.Tensor
+    past: torch.Tensor
+    past_h: list[int]
+    lens_h: list[int]
+    seq: torch.Tensor
+    offset: torch.Tensor
+    lens: torch.Tensor
+    pos: torch.Tensor
+
+
+def plan_prefill(
+    q: torch.Tensor,
+    length: torch.Tensor,
+    state_indices: torch.Tensor,
+    cu_seqlens: torch.Tensor,
+    cu_seqlens_cpu: torch.Tensor | list[int] | None,
+    k_cache: torch.Tensor,
+    window: int | None,
+) -> PrefillPlan:
+    """The step's boundaries and positions, with the capacity checked before anything is written (raises
+    `KVCacheFull`). Reads the sessions' lengths on the host (one sync, like the host cu_seqlens)."""
     cu = host_cu_seqlens(cu_seqlens, cu_seqlens_cpu, q.shape[0])
     idx = state_indices.to(torch.int64)
-    dev = q.device
     past = length.index_select(0, idx)  # [N] int64
-    past_h = past.tolist()  # host: plans the padded calls (one sync, like the host cu_seqlens)
+    past_h = past.tolist()
     lens_h = [b - a for a, b in zip(cu[:-1], cu[1:], strict=True)]
     _check_capacity(k_cache, max(n + t for n, t in zip(past_h, lens_h, strict=True)), window)
-    seq, offset, lens, _ = varlen_positions(cu, dev)
+    seq, offset, lens = _positions(cu, str(q.device))
     pos = past[seq] + offset  # absolute position of every packed token
-    q, k = _rotate(q, k, pos, rope_theta)
+    return PrefillPlan(cu, idx, past, past_h, lens_h, seq, offset, lens, pos)
+
+
+@functools.lru_cache(maxsize=8)
+def _positions(cu: tuple[int, ...], device: str) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """`varlen_positions` of the boundaries, kept for the step's later layers (read only: nothing writes them)."""
+    seq, offset, lens, _ = varlen_positions(cu, torch.device(device))
+    return seq, offset, lens
+
+
+def _attend_prefill(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    plan: PrefillPlan,
+    window: int | None,
+    k_scale: torch.Tensor | None,
+    v_scale: torch.Tensor | None,
+) -> torch.Tensor:
+    """The reference's attention of the rotated packed tokens over [cached past | themselves]: sessions in padded
+    groups (`_groups`), each one masked `attend` call over the gathered cache entries. Returns `[T, Hq, D]`."""
+    dev = q.device
+    idx, past, past_h, lens_h = plan.idx, plan.past, plan.past_h, plan.lens_h
     first = torch.zeros_like(past) if window is None else (past - window + 1).clamp(min=0)
     visible = [n if window is None else min(n, window - 1) for n in past_h]  # past tokens a chunk can see
     # Per-session metadata stacked, so that a group's is one index away: rows, starts, past, first, lens.
-    meta = torch.stack([idx, torch.tensor(cu[:-1], dtype=torch.int64, device=dev), past, first, lens])
+    meta = torch.stack([idx, torch.tensor(plan.cu[:-1], dtype=torch.int64, device=dev), past, first, plan.lens])
     groups = _groups(lens_h, [p + t for p, t in zip(visible, lens_h, strict=True)])
     out = q.new_empty(q.shape)
     for group in groups:
@@ -250,16 +321,30 @@ def chunk_attention(
             out = o[real]
         else:
             out[(starts[:, None] + j)[real]] = o[real]
-    # Write after attending: a ring keeps only each sequence's last `window` tokens, which the chunk's own earlier
-    # queries may still have needed.
-    rows, entries = idx[seq], _entries(pos, window)
-    if max(lens_h) > k_cache.shape[1]:
-        keep = offset >= lens[seq] - k_cache.shape[1]
+    return out
+
+
+def store_prefill(
+    plan: PrefillPlan,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    length: torch.Tensor,
+    window: int | None,
+    k_scale: torch.Tensor | None,
+    v_scale: torch.Tensor | None,
+) -> None:
+    """The new tokens' rotated keys and values written to their sessions' cache entries (quantized for an fp8 cache),
+    and the lengths grown. Called after attending: a ring keeps only each sequence's last `window` tokens, which the
+    chunk's own earlier queries may still have needed."""
+    rows, entries = plan.idx[plan.seq], _entries(plan.pos, window)
+    if max(plan.lens_h) > k_cache.shape[1]:
+        keep = plan.offset >= plan.lens[plan.seq] - k_cache.shape[1]
         rows, entries, k, v = rows[keep], entries[keep], k[keep], v[keep]
     k_cache.index_put_((rows, entries), quantize(k, k_cache.dtype, None if k_scale is None else k_scale[rows]))
     v_cache.index_put_((rows, entries), quantize(v, v_cache.dtype, None if v_scale is None else v_scale[rows]))
-    length.index_copy_(0, idx, past + lens)
-    return out
+    length.index_copy_(0, plan.idx, plan.past + plan.lens)
 
 
 def fused_recurrent_attention(

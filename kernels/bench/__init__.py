@@ -14,7 +14,9 @@ exits 1 when a check fails; `--smoke` runs it with tiny sizes on the CPU under T
     norm.py       the RMS norms (plain, add, gated): checks and GB/s against a copy (norm.json; no --op)
     gdn.py        Gated DeltaNet at hmf's 8B shape: checks, decode against the floor (BV sweep), the chunked prefill,
                   fla's gated-delta-rule kernels as anchors (gdn.json)
-    attention.py  causal attention over the KV cache (`--op attention`)
+    attention.py  the attention prefill (chunk_attention) at attention-370m's and an 8B shape: checks, tokens/s against
+                  PyTorch's flash attention at the same shape, the reference op, attention-370m end to end
+                  (attention.json)
 
 The timing helpers they share are kvfree.kernels.benchmarking (the engine's benchmarks use it too).
 """
