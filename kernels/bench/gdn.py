@@ -364,8 +364,9 @@ def time_fla(dev: torch.device, res: dict) -> None:
         h0 = torch.randn(B, H, D, Dv, generator=gen, device=dev) * 0.5
 
         def fla_step(q=q, k=k, v=v, g=g, beta=beta, h0=h0):
+            # (keywords: fla 0.6's fifth positional argument is `gk`, a per-key decay, not beta)
             return fused_recurrent_gated_delta_rule(
-                q[:, None], k[:, None], v[:, None], g[:, None], beta[:, None], scale=scale, initial_state=h0,
+                q[:, None], k[:, None], v[:, None], g=g[:, None], beta=beta[:, None], scale=scale, initial_state=h0,
                 output_final_state=True, use_qk_l2norm_in_kernel=False,
             )  # fmt: skip
 

@@ -339,10 +339,13 @@ def launch(
 
     wbuf = common.output_buffer((T, H, D), dt, dev)
     ubuf = common.output_buffer((T, H, Dv), dt, dev)  # U, then U' written over it by the pass
+    # W's and U's dots are `[L, L] @ [L, 32+]`: with 16 columns of bf16, Triton 3.6's Hopper dot reads past its shared
+    # memory tile (compute-sanitizer, D = 16), so narrow heads are padded (masked) to 32 here.
     launch_kernel(_gdn_wy_kernel, (NC, H),
         k, v, g, beta, wbuf, ubuf, cu_seqlens, chunk_indices,
         k.stride(0), k.stride(1), v.stride(0), v.stride(1), g.stride(0), g.stride(1), beta.stride(0), beta.stride(1),
-        H=H, D=D, DV=Dv, L=L, BD=BD, BDV=BDV, PREC=prec, INTERP=INTERPRET, num_warps=warps_wy or 4,
+        H=H, D=D, DV=Dv, L=L, BD=max(32, BD), BDV=max(32, BDV), PREC=prec, INTERP=INTERPRET,
+        num_warps=warps_wy or 4,
     )  # fmt: skip
 
     hbuf = common.output_buffer((NC, H, D, Dv), dt, dev)
