@@ -17,13 +17,13 @@ mkdir -p "$OUT_DIR"
 # kvfree must be installed (its folders map into the `kvfree` package); offline machines install without deps.
 $PY -c "import kvfree.engine" 2>/dev/null || $PY -m pip install -q --no-deps --no-build-isolation -e . || exit 1
 status=0
-$PY -m pytest -q -p no:cacheprovider tests/test_kernels_mamba2.py tests/test_kernels_gka.py tests/test_kernels_gdn.py tests/test_kernels_attention.py tests/test_kernels_attention_prefill.py tests/test_kernels_lattice.py tests/test_kernels_ska.py tests/test_kernels_bmojo.py tests/test_kernels_norm.py tests/test_kernels_model.py tests/test_gpu_engine.py 2>&1 | tee "$OUT_DIR/kernel_tests.log" | tail -3
+$PY -m pytest -q -p no:cacheprovider tests/test_kernels_mamba2.py tests/test_kernels_gka.py tests/test_kernels_gdn.py tests/test_kernels_attention.py tests/test_kernels_attention_prefill.py tests/test_kernels_lattice.py tests/test_kernels_ska.py tests/test_kernels_bmojo.py tests/test_kernels_bmojo_f.py tests/test_kernels_norm.py tests/test_kernels_model.py tests/test_gpu_engine.py 2>&1 | tee "$OUT_DIR/kernel_tests.log" | tail -3
 [ "${PIPESTATUS[0]}" -eq 0 ] || status=1
 $PY -m kvfree.kernels.bench --out "$OUT_DIR" 2>&1 | tee "$OUT_DIR/kernels.log" | tail -40
 [ "${PIPESTATUS[0]}" -eq 0 ] || status=1
 $PY -m kvfree.kernels.bench.norm --out "$OUT_DIR" 2>&1 | tee "$OUT_DIR/norm.log" | tail -20
 [ "${PIPESTATUS[0]}" -eq 0 ] || status=1
-for op in gka gdn attention lattice ska bmojo; do
+for op in gka gdn attention lattice ska bmojo bmojo_f; do
     $PY -m kvfree.kernels.bench --op $op --out "$OUT_DIR" 2>&1 | tee "$OUT_DIR/$op.log" | grep -v "^\[" | tail -30
     [ "${PIPESTATUS[0]}" -eq 0 ] || status=1
 done

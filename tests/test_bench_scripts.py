@@ -26,6 +26,7 @@ pytest.importorskip("triton")
         ("kvfree.kernels.bench.ska", "ska.json"),
         ("kvfree.kernels.bench.gdn", "gdn.json"),
         ("kvfree.kernels.bench.attention", "attention.json"),
+        ("kvfree.kernels.bench.bmojo_f", "bmojo_f.json"),
     ],
 )
 def test_kernel_bench_script_smoke(tmp_path, module, out_file):

@@ -40,10 +40,11 @@ def test_bmojo_f_over_gka_matches_one_rank(tmp_path):
     bmojo_f = dict(BMOJO_F, fading_gka=GKA)
     # The fading keys are k_norm(W_K GKA(h)): GKA's fp32 output carries rounding of ~1e-3 of its size (its ridge
     # solve and alpha blend; OUTPUT_TOL in tests/conftest.py), which the per-head RMSNorm scales up to unit keys.
-    # Summed in another order on two ranks, layer 1's fading keys differ by up to 1.1e-4 (5e-5 beyond rtol); in
-    # float64 the two runs agree to 1e-14.
+    # Summed in another order on two ranks (and projected for all packed tokens in one matmul, whose CPU blocking
+    # depends on the columns each rank holds), layer 1's fading keys differ by up to 1.5e-4 (1.3e-4 beyond rtol); in
+    # float64 the two runs agree to 1e-15.
     config = dict(BASE, layers=["bmojo_f", "bmojo_f"], bmojo_f=bmojo_f)
-    assert_two_ranks_match_one(tmp_path, config, atol=1e-4)
+    assert_two_ranks_match_one(tmp_path, config, atol=2e-4)
 
 
 def test_bmojo_f_over_mamba2_with_untied_paths_and_one_kv_head_matches_one_rank(tmp_path):

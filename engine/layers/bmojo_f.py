@@ -7,8 +7,11 @@ their own positions); one softmax over both sets. With `tie_attn_weights` both p
 norms, else the fading path has its own (`q_proj_`, ...), its own queries included. kvfree's full B'MOJO (`bmojo`) is
 a different layer (docs/design/bmojo.md).
 
-This is the PyTorch reference: serving runs the attention session by session (a host loop; the recurrent layer runs
-its own kernels), so decode is not captured in CUDA graphs.
+The layer projects and rotates (positions from each session's `length`, read on the device); the attention itself and
+the rings are the ops of `kvfree.kernels.bmojo_f`, batched over the sessions: `chunk_bmojo_f_attention` (prefill) and
+`fused_recurrent_bmojo_f_attention` (decode, which reads nothing on the host in either its Triton or its PyTorch
+form, so a decode step is captured in a CUDA graph as the recurrent layer's allows). The training forward runs the
+same math on whole sequences (`bmojo_f_attention`). The recurrent layer runs its own kernels.
 
 Under tensor parallelism (bmojo.FadingMemoryMixer) a rank holds its block of the recurrent layer (split as its own
 kind splits it) and of the attention's heads; the recurrent layer's output is all-reduced, since every fading key and
@@ -30,6 +33,7 @@ from kvfree.engine.step_batch import StepBatch
 from kvfree.engine.strict_config import PositiveInt, StrictConfig
 from kvfree.engine.tensor_parallel import Split
 from kvfree.kernels.attention import apply_rope
+from kvfree.kernels.bmojo_f import bmojo_f_attention, chunk_bmojo_f_attention, fused_recurrent_bmojo_f_attention
 
 
 class BMojoFConfig(StrictConfig):
@@ -78,7 +82,12 @@ class BMojoFMixer(FadingMemoryMixer):
 
     kind = "bmojo_f"
     config_class = BMojoFConfig
-    graph_blocker = "the attention runs session by session (a host loop over the batch)"
+
+    @property
+    def graph_blocker(self) -> str:  # type: ignore[override]
+        """The fading layer's: the attention's decode reads nothing on the host (Triton or PyTorch)."""
+        blocker = self.ssm.graph_blocker
+        return f"its fading layer ({self.ssm.kind}): {blocker}" if blocker else ""
 
     def __init__(self, hidden_size: int, cfg: BMojoFConfig) -> None:
         super().__init__()
@@ -130,77 +139,62 @@ class BMojoFMixer(FadingMemoryMixer):
     def _ssm_state(state: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
         return {name[4:]: t for name, t in state.items() if name.startswith("ssm_")}
 
-    # -- the attention of one session ---------------------------------------------------------------------------
-    def _qkv(self, path: _QKV, x: torch.Tensor, kv_from: torch.Tensor, pos: torch.Tensor) -> tuple[torch.Tensor, ...]:
-        """Queries from x, keys and values from kv_from `[T, d]`, rotated at pos: q `[T, Hq, D]`, k, v `[T, Hkv, D]`."""
+    # -- the attention: projections here, the banded attention and the rings in kvfree.kernels.bmojo_f ----------
+    def _project(self, x: torch.Tensor, fading: torch.Tensor, pos: torch.Tensor) -> tuple[torch.Tensor, ...]:
+        """Queries from x, keys and values from x (in-context) and from the fading tokens `[..., T, d]`, the queries
+        and keys normed and rotated at `pos` `[T]`: q, qf `[..., T, Hq, D]`; k, v, kf, vf `[..., T, Hkv, D]`. Tied
+        weights give the fading path the in-context queries (the same projection of the same x)."""
         c = self.cfg
-        q = path.q_norm(path.q_proj(x).unflatten(-1, (c.num_heads, c.head_dim)))
-        k = path.k_norm(path.k_proj(kv_from).unflatten(-1, (c.num_kv_heads, c.head_dim)))
-        v = path.v_proj(kv_from).unflatten(-1, (c.num_kv_heads, c.head_dim))
-        return apply_rope(q, pos, c.rope_theta), apply_rope(k, pos, c.rope_theta), v
-
-    def _session(
-        self, x: torch.Tensor, fading: torch.Tensor, n: int, rings: dict[str, torch.Tensor] | None
-    ) -> torch.Tensor:
-        """T new tokens x and their fading tokens `[T, d]` of a session that has seen n tokens -> `[T, Hq D]`;
-        `rings` (the session's ring rows, or None for a fresh sequence) receive the new keys and values."""
-        c, W = self.cfg, self.cfg.window
-        T = x.shape[0]
-        pos = torch.arange(n, n + T, device=x.device)
-        q, k, v = self._qkv(self.attn, x, x, pos)
         fading_path = self.attn_fading or self.attn
-        qf, kf, vf = self._qkv(fading_path, x, fading, pos)
-        if rings is not None and n > 0:  # earlier keys from the rings, in position order
-            prev_c = torch.arange(max(0, n - W), n, device=x.device)
-            prev_f = torch.arange(max(0, n - 2 * W), n, device=x.device)
-            k = torch.cat([rings["k_ctx"][prev_c % W].to(k.dtype), k])
-            v = torch.cat([rings["v_ctx"][prev_c % W].to(v.dtype), v])
-            kf = torch.cat([rings["k_fade"][prev_f % (2 * W)].to(kf.dtype), kf])
-            vf = torch.cat([rings["v_fade"][prev_f % (2 * W)].to(vf.dtype), vf])
-            pos_c, pos_f = torch.cat([prev_c, pos]), torch.cat([prev_f, pos])
-        else:
-            pos_c = pos_f = pos
-        if rings is not None:
-            keep_c, keep_f = pos[-W:], pos[-2 * W :]
-            rings["k_ctx"][keep_c % W] = k[-len(keep_c) :].to(rings["k_ctx"].dtype)
-            rings["v_ctx"][keep_c % W] = v[-len(keep_c) :].to(rings["v_ctx"].dtype)
-            rings["k_fade"][keep_f % (2 * W)] = kf[-len(keep_f) :].to(rings["k_fade"].dtype)
-            rings["v_fade"][keep_f % (2 * W)] = vf[-len(keep_f) :].to(rings["v_fade"].dtype)
-        g = c.num_heads // c.num_kv_heads
-        scale = c.head_dim**-0.5
-        f = torch.promote_types(q.dtype, torch.float32)
-        s_c = torch.einsum("thd,shd->hts", q.to(f), k.repeat_interleave(g, 1).to(f)) * scale
-        s_f = torch.einsum("thd,shd->hts", qf.to(f), kf.repeat_interleave(g, 1).to(f)) * scale
-        i = pos[:, None]
-        s_c = s_c.masked_fill(~((pos_c[None] <= i) & (pos_c[None] > i - W)), float("-inf"))
-        s_f = s_f.masked_fill(~((pos_f[None] <= i - W) & (pos_f[None] > i - 2 * W)), float("-inf"))
-        p = torch.softmax(torch.cat([s_c, s_f], dim=-1), dim=-1)  # one softmax over both key sets
-        vv = torch.cat([v, vf]).repeat_interleave(g, 1).to(f)
-        return torch.einsum("hts,shd->thd", p, vv).flatten(-2).to(x.dtype)
+
+        def heads(proj: nn.Linear, src: torch.Tensor, n: int) -> torch.Tensor:
+            return proj(src).unflatten(-1, (n, c.head_dim))
+
+        q = self.attn.q_norm(heads(self.attn.q_proj, x, c.num_heads))
+        k = self.attn.k_norm(heads(self.attn.k_proj, x, c.num_kv_heads))
+        kf = fading_path.k_norm(heads(fading_path.k_proj, fading, c.num_kv_heads))
+        parts = [q, k, kf]
+        if self.attn_fading is not None:
+            parts.append(self.attn_fading.q_norm(heads(self.attn_fading.q_proj, x, c.num_heads)))
+        # One rotation for every rotated tensor (the angles computed once); RoPE is per head, so this is each alone.
+        rotated = apply_rope(torch.cat(parts, -2), pos, c.rope_theta).split([t.shape[-2] for t in parts], -2)
+        q, k, kf = rotated[:3]
+        qf = rotated[3] if self.attn_fading is not None else q
+        v = heads(self.attn.v_proj, x, c.num_kv_heads)
+        vf = heads(fading_path.v_proj, fading, c.num_kv_heads)
+        return q, k, v, qf, kf, vf
+
+    def _out(self, o: torch.Tensor) -> torch.Tensor:
+        return self.o_proj(o.flatten(-2).to(self.o_proj.weight.dtype))
+
+    @staticmethod
+    def _rings(state: dict[str, torch.Tensor]) -> list[torch.Tensor]:
+        return [state[name] for name in ("k_ctx", "v_ctx", "k_fade", "v_fade", "length")]
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         fading = self._whole(self.ssm(x))
-        out = torch.stack([self._session(x[b], fading[b], 0, None) for b in range(x.shape[0])])
-        return self.o_proj(out.to(self.o_proj.weight.dtype))
-
-    def _serve(self, x: torch.Tensor, fading: torch.Tensor, state: dict[str, torch.Tensor], batch: StepBatch,
-               lengths: list[int]) -> torch.Tensor:  # fmt: skip
-        slots = batch.state_indices.tolist()
-        out, start = [], 0
-        for slot, T in zip(slots, lengths, strict=True):
-            n = int(state["length"][slot])
-            rings = {name: state[name][slot] for name in ("k_ctx", "v_ctx", "k_fade", "v_fade")}
-            out.append(self._session(x[start : start + T], fading[start : start + T], n, rings))
-            state["length"][slot] = n + T
-            start += T
-        return self.o_proj(torch.cat(out).to(self.o_proj.weight.dtype))
+        pos = torch.arange(x.shape[1], device=x.device)
+        o = bmojo_f_attention(*self._project(x, fading, pos), self.cfg.window, self.cfg.head_dim**-0.5)
+        return self._out(o)
 
     def prefill(self, x: torch.Tensor, state: dict[str, torch.Tensor], batch: StepBatch) -> torch.Tensor:
         fading = self._whole(self.ssm.prefill(x, self._ssm_state(state), batch))
-        cu = batch.cu_seqlens_cpu if batch.cu_seqlens_cpu is not None else batch.cu_seqlens.cpu()
-        cu = [int(c) for c in cu]
-        return self._serve(x, fading, state, batch, [b - a for a, b in zip(cu[:-1], cu[1:], strict=True)])
+        # Each token's position, on the device: its session's length plus its offset in the packed sequence.
+        cu = batch.cu_seqlens
+        t = torch.arange(x.shape[0], device=x.device, dtype=cu.dtype)
+        seq = torch.searchsorted(cu[1:], t, right=True)
+        pos = state["length"].index_select(0, batch.state_indices)[seq] + (t - cu[seq])
+        o = chunk_bmojo_f_attention(
+            *self._project(x, fading, pos), *self._rings(state), batch.state_indices, batch.cu_seqlens,
+            self.cfg.window, self.cfg.head_dim**-0.5, cu_seqlens_cpu=batch.cu_seqlens_cpu,
+        )  # fmt: skip
+        return self._out(o)
 
     def decode(self, x: torch.Tensor, state: dict[str, torch.Tensor], batch: StepBatch) -> torch.Tensor:
         fading = self._whole(self.ssm.decode(x, self._ssm_state(state), batch))
-        return self._serve(x, fading, state, batch, [1] * x.shape[0])
+        pos = state["length"].index_select(0, batch.state_indices)  # read on the device: capturable
+        o = fused_recurrent_bmojo_f_attention(
+            *self._project(x, fading, pos), *self._rings(state), batch.state_indices, self.cfg.window,
+            self.cfg.head_dim**-0.5,
+        )  # fmt: skip
+        return self._out(o)
