@@ -1,4 +1,7 @@
-"""What every benchmark script shares: median timings, the HBM bandwidth measured in the same run, the environment.
+"""What every benchmark script shares: median timings, the HBM bandwidth measured in the same run, the environment;
+and what the kernel check scripts (kernels/bench) share: their command line and steps, the CUDA-graph replay check of
+a decode step, a decode step's timing row with its launch-configuration sweep, per-kernel profiles, the table's
+head and the goals.
 
 Speed claims come from these scripts' JSON (BENCHMARKS.md), never from timed tests. On a GPU, times are medians of
 `triton.testing.do_bench` (CUDA events, L2 flushed between runs) when Triton is there, else of CUDA events.
@@ -6,7 +9,10 @@ Speed claims come from these scripts' JSON (BENCHMARKS.md), never from timed tes
 
 from __future__ import annotations
 
+import argparse
+import dataclasses
 import datetime
+import itertools
 import json
 import os
 import platform
@@ -14,7 +20,7 @@ import statistics
 import sys
 import time
 import traceback
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -48,6 +54,17 @@ def print_goals(rows: list[dict[str, Any]], device_type: str) -> None:
         print(f"target {row['what']}: {value} ({row['op']} {row['threshold']:g}): {verdict}")
 
 
+def goal_rows(goals: list[Goal], values: dict[str, float | None], device_type: str) -> list[dict[str, Any]]:
+    """A benchmark's goal rows for its JSON: each goal's fields, its value (from `values`, by metric) and whether it
+    is met, judged only where measured on its kind of device (else None)."""
+    rows = []
+    for g in goals:
+        value = values.get(g.metric)
+        judged = value is not None and device_type == g.device
+        rows.append({**dataclasses.asdict(g), "value": value, "met": g.met(value) if judged else None})
+    return rows
+
+
 def median_ms(fn: Callable[[], object], device: torch.device, warmup_ms: float = 25, rep_ms: float = 200,
               repeats: int | None = None) -> float:  # fmt: skip
     """Median milliseconds of one `fn()` call on `device` (warmed up first). `repeats`: call it that many times
@@ -69,6 +86,11 @@ def median_ms(fn: Callable[[], object], device: torch.device, warmup_ms: float =
         fn()
         times.append(time.perf_counter() - start)
     return statistics.median(times) * 1e3
+
+
+def bench(fn: Callable[[], object], device: torch.device, rep: int = 100) -> float:
+    """Median milliseconds of `fn()` over about `rep` ms (`median_ms`: do_bench on a GPU, a host clock for --smoke)."""
+    return median_ms(fn, device, rep_ms=rep)
 
 
 def _cuda_events_ms(fn: Callable[[], object], warmup: int, repeats: int) -> float:
@@ -101,6 +123,75 @@ def graph_per_call_ms(fn: Callable[[], object], calls: int = 10) -> float:
         for _ in range(calls):
             fn()
     return median_ms(graph.replay, torch.device("cuda")) / calls
+
+
+def decode_timings(step: Callable[[], object], reference: Callable[[], object], sweep: dict[str, Callable[[], object]],
+                   floor_bytes: float, hbm_GBps: float, device: torch.device,
+                   graph: bool = True) -> dict[str, Any]:  # fmt: skip
+    """A decode step's timing row: its median (`triton_us`) against its floor, `floor_bytes` over the copy bandwidth
+    (`floor_us`, `over_floor`); the reference's (`reference_us`); per step replayed from a CUDA graph of 10
+    (`triton_graph_per_step_us`, when `graph` and on a GPU); and each launch configuration of `sweep` (`sweep_us`)."""
+    floor_us = floor_bytes / hbm_GBps / 1e3
+    ms = bench(step, device, rep=200)
+    row: dict[str, Any] = {"floor_us": floor_us, "triton_us": ms * 1e3, "over_floor": ms * 1e3 / floor_us}
+    row["reference_us"] = bench(reference, device, rep=50) * 1e3
+    if graph and device.type == "cuda":
+        row["triton_graph_per_step_us"] = graph_per_call_ms(step) * 1e3
+    row["sweep_us"] = {tag: bench(fn, device, rep=100) * 1e3 for tag, fn in sweep.items()}
+    return row
+
+
+def graph_matches_eager(step: Callable[[list[torch.Tensor]], torch.Tensor], state: Sequence[torch.Tensor],
+                        inputs: Sequence[torch.Tensor], new_inputs: Callable[[], Sequence[torch.Tensor]],
+                        replays: int = 1) -> bool:  # fmt: skip
+    """Whether a decode step captured in a CUDA graph and replayed gives what eager calls give.
+
+    `step(tensors)` runs the op on `inputs` and the state `tensors` (in place) and returns its output. It is captured
+    on a copy of `state` (called once before, to compile); then `replays` times: `new_inputs()` is copied into
+    `inputs`, the graph replayed and the step called eagerly on `state`; outputs and states must be equal bit for bit.
+    """
+    graphed = [t.clone() for t in state]
+    step(graphed)  # compiled before capture
+    for g, t in zip(graphed, state, strict=True):
+        g.copy_(t)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        o_graph = step(graphed)
+    for g, t in zip(graphed, state, strict=True):
+        g.copy_(t)
+    ok = True
+    for _ in range(replays):
+        for x, new in zip(inputs, new_inputs(), strict=True):
+            x.copy_(new)
+        graph.replay()
+        o_eager = step(list(state))
+        ok = ok and bool(torch.equal(o_graph, o_eager)) and all(
+            torch.equal(g, t) for g, t in zip(graphed, state, strict=True)
+        )  # fmt: skip
+    return ok
+
+
+def profile_device_us(calls: dict[str, Callable[[], object]], out: dict[str, Any], log: RunLog,
+                      top: int | None = None) -> None:  # fmt: skip
+    """Device microseconds per kernel of each named call (torch profiler over 3 calls after one warm-up: which launch
+    the time goes to), longest first (the `top` longest), into `out[name]`, each said on `log`."""
+    from torch.profiler import ProfilerActivity, profile
+
+    for name, fn in calls.items():
+        fn()
+        sync()
+        with profile(activities=[ProfilerActivity.CUDA]) as prof:
+            for _ in range(3):
+                fn()
+            sync()
+        per = {e.key: e.device_time_total / 3 for e in prof.key_averages() if e.device_time_total > 0}
+        out[name] = {k: round(v, 1) for k, v in sorted(per.items(), key=lambda kv: -kv[1])[:top]}
+        log.say(f"profile {name} (device us per call): {json.dumps(out[name])}")
+
+
+def cu_seqlens(lens: Sequence[int], device: torch.device) -> torch.Tensor:
+    """`[N+1]` int32 boundaries of packed sequences of lengths `lens`."""
+    return torch.tensor([0, *itertools.accumulate(lens)], dtype=torch.int32, device=device)
 
 
 def rel_err(out: torch.Tensor, ref: torch.Tensor) -> float:
@@ -150,6 +241,41 @@ def script_device(smoke: bool, script: str) -> torch.device | None:
         print(f"{script} needs a CUDA GPU (or --smoke)", file=sys.stderr)
         return None
     return torch.device("cuda")
+
+
+def script_args(argv: list[str] | None, doc: str, name: str, *flags: tuple[str, str | None]
+                ) -> tuple[argparse.Namespace, torch.device | None]:  # fmt: skip
+    """A kernel check script's command line (`--out`, the folder for NAME.json; the switches `flags`, each (flag,
+    help); `--smoke`) parsed from `argv`, and its device (`script_device`: None when it cannot run)."""
+    ap = argparse.ArgumentParser(description=doc.split("\n\n")[0])
+    ap.add_argument("--out", default="docs/bench", help=f"folder for {name}.json")
+    for flag, what in flags:
+        ap.add_argument(flag, action="store_true", help=what)
+    ap.add_argument("--smoke", action="store_true", help="tiny sizes on the CPU under the Triton interpreter")
+    a = ap.parse_args(argv)
+    return a, script_device(a.smoke, f"kvfree.kernels.bench.{name}")
+
+
+def measure_hbm(res: dict[str, Any], device: torch.device, log: RunLog) -> None:
+    """`res["hbm_copy_GBps"]`: the device-to-device copy bandwidth in GB/s (`hbm_bandwidth`; 1 without a GPU)."""
+    res["hbm_copy_GBps"] = (hbm_bandwidth(device) or 1e9) / 1e9
+    log.say(f"{res['device']}: HBM copy {res['hbm_copy_GBps']:.0f} GB/s")
+
+
+def table_head(res: dict[str, Any]) -> list[str]:
+    """A check script's table's first lines: the device, versions and copy bandwidth; the checks passed."""
+    bad = [k for k, v in res["checks"].items() if not v.get("ok")]
+    return [f"{res['device']}  torch {res['torch']}  triton {res['triton']}  HBM copy {res['hbm_copy_GBps']:.0f} GB/s",
+            f"checks: {len(res['checks']) - len(bad)}/{len(res['checks'])} ok" + (f"  FAILED {bad}" if bad else "")]
+
+
+def run_script(steps: list[tuple[str, Callable[[], object]]], res: dict[str, Any], path: Path, log: RunLog,
+               table: Callable[[dict[str, Any]], str], device_type: str) -> int:  # fmt: skip
+    """`run_steps`, then the script's table and its goals (if any) printed; returns the exit status."""
+    status = run_steps(steps, res, path, log)
+    print(table(res), flush=True)
+    print_goals(res.get("goals", []), device_type)
+    return status
 
 
 def run_steps(steps: list[tuple[str, Callable[[], object]]], res: dict[str, Any], path: Path, log: RunLog) -> int:

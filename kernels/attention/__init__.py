@@ -5,7 +5,8 @@ read and write each session's KV cache and length in place in a pool, addressed 
 into a ring and the attention into a sliding window. `apply_rope` and `attend` are the plain math. Each op is its
 PyTorch reference (reference.py, the spec) and runs its Triton implementation on a GPU, dispatched by
 `kvfree.kernels.dispatch.Op`: decode in fused_recurrent.py (the cache rows read in place, flash-decoding splits, no
-read on the host), prefill in chunk.py (flash attention over the cached past read in place, then the new tokens).
+read on the host), prefill in chunk.py (flash attention over the cached past read in place, then the new tokens),
+whose loop over key blocks (online_softmax.py) B'MOJO-F's banded prefill shares.
 """
 
 import torch

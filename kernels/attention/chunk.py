@@ -18,9 +18,9 @@ ranges are cut in the program from the session's length and the block's place, s
 query of the program masks out (causality; with a window, keys older than the window of the block's first query),
 and only blocks that straddle a boundary (the window's edge, the diagonal, the end of the past) evaluate a mask: the
 bulk of the work is plain `q k^T` and `p v` tensor-core dots (bf16/fp16 operands, fp32 accumulation) in `for` loops
-that the compiler software-pipelines (the next blocks' loads in flight under this one's dots). Query heads sharing a
-KV head (grouped-query) re-read its blocks from L2. Nothing is read on the host beyond what the reference reads (the
-sessions' lengths, for the capacity check).
+that the compiler software-pipelines (the next blocks' loads in flight under this one's dots: online_softmax.py's
+`key_range`, which B'MOJO-F's prefill shares). Query heads sharing a KV head (grouped-query) re-read its blocks from
+L2. Nothing is read on the host beyond what the reference reads (the sessions' lengths, for the capacity check).
 """
 
 from __future__ import annotations
@@ -34,81 +34,10 @@ import triton.language as tl
 from .. import common
 from ..dispatch import chunk_metadata
 from ..launcher import launch_kernel
+from .online_softmax import LOG2E, key_range, prefill_config
 from .reference import PrefillPlan, plan_prefill, rope_cos_sin, store_prefill
 
 _INTERPRET = os.environ.get("TRITON_INTERPRET", "0") in ("1", "true", "True")
-LOG2E = 1.4426950408889634
-
-
-@triton.jit
-def _key_block(
-    acc, m_i, l_i, qv, qp, k_base, v_base, stride_k, stride_v, start, shift, kend, ring, window, scale, cols, m_cols,
-    BLOCK_N: tl.constexpr, RING: tl.constexpr, MASK: tl.constexpr, WINDOW: tl.constexpr, DPAD: tl.constexpr,
-    FP8: tl.constexpr, PREC: tl.constexpr, INTERP: tl.constexpr, WIDE: tl.constexpr,
-):  # fmt: skip
-    """Keys at positions start .. start+BLOCK_N-1 folded into the online softmax of the queries at positions `qp`.
-
-    A key's row is `(p % ring)` of a ring or `p - shift` (the cache's entry, or the packed token of the sequence).
-    MASK: some key of the block may be past `kend`, after a query (causality) or before its window: evaluate it.
-    """
-    kp = start + tl.arange(0, BLOCK_N)
-    row = kp % ring if RING else kp - shift
-    if WIDE:  # row offsets past 2**31 elements (a huge cache or chunk): 64-bit arithmetic, else 32-bit (cheaper)
-        row = row.to(tl.int64)
-    k_ptr = k_base + row[:, None] * stride_k + cols[None, :]
-    v_ptr = v_base + row[:, None] * stride_v + cols[None, :]
-    if MASK:
-        m_k = kp < kend
-        ld = m_k[:, None] & m_cols[None, :] if DPAD else m_k[:, None]
-        kb = tl.load(k_ptr, mask=ld, other=0.0)
-        vb = tl.load(v_ptr, mask=ld, other=0.0)
-    elif DPAD:
-        kb = tl.load(k_ptr, mask=m_cols[None, :], other=0.0)
-        vb = tl.load(v_ptr, mask=m_cols[None, :], other=0.0)
-    else:
-        kb = tl.load(k_ptr)
-        vb = tl.load(v_ptr)
-    if INTERP:  # the interpreter's bf16 dots are wrong (triton 3.6): fp32 operands
-        kb = kb.to(tl.float32)
-        vb = vb.to(tl.float32)
-    elif FP8:  # e4m3 widens exactly to the queries' dtype, in registers
-        kb = kb.to(qv.dtype)
-        vb = vb.to(qv.dtype)
-    s = tl.dot(qv, tl.trans(kb), input_precision=PREC)  # [BLOCK_M, BLOCK_N], fp32
-    if MASK:
-        ok = (kp[None, :] <= qp[:, None]) & m_k[None, :]
-        if WINDOW:
-            ok = ok & (kp[None, :] > qp[:, None] - window)
-        s = tl.where(ok, s, float("-inf"))
-    # scale > 0 (log2(e) / sqrt(D), times k_scale): max(s) * scale = max(s * scale), one multiply per row.
-    m_new = tl.maximum(m_i, tl.max(s, 1) * scale)
-    p = tl.exp2(s * scale - m_new[:, None])
-    alpha = tl.exp2(m_i - m_new)
-    l_i = l_i * alpha + tl.sum(p, 1)
-    acc = tl.dot(p.to(vb.dtype), vb, acc * alpha[:, None], input_precision=PREC)
-    return acc, m_new, l_i
-
-
-@triton.jit
-def _key_range(
-    acc, m_i, l_i, qv, qp, k_base, v_base, stride_k, stride_v, lo, hi, shift, kend, ring, window, scale, cols, m_cols,
-    BLOCK_N: tl.constexpr, RING: tl.constexpr, MASK: tl.constexpr, WINDOW: tl.constexpr, DPAD: tl.constexpr,
-    FP8: tl.constexpr, PREC: tl.constexpr, INTERP: tl.constexpr, WIDE: tl.constexpr,
-):  # fmt: skip
-    """`_key_block` for the blocks starting at lo, lo + BLOCK_N, ... below hi."""
-    if INTERP:  # the interpreter (triton 3.6, numpy >= 2.4) cannot take range() of a loaded scalar
-        start = lo
-        while start < hi:
-            acc, m_i, l_i = _key_block(acc, m_i, l_i, qv, qp, k_base, v_base, stride_k, stride_v, start, shift, kend,
-                                       ring, window, scale, cols, m_cols, BLOCK_N, RING, MASK, WINDOW, DPAD, FP8, PREC,
-                                       INTERP, WIDE)  # fmt: skip
-            start += BLOCK_N
-    else:  # a `for` loop, so that the compiler pipelines the next blocks' loads under this one's dots
-        for start in range(lo, hi, BLOCK_N):
-            acc, m_i, l_i = _key_block(acc, m_i, l_i, qv, qp, k_base, v_base, stride_k, stride_v, start, shift, kend,
-                                       ring, window, scale, cols, m_cols, BLOCK_N, RING, MASK, WINDOW, DPAD, FP8, PREC,
-                                       INTERP, WIDE)  # fmt: skip
-    return acc, m_i, l_i
 
 
 @triton.jit
@@ -160,18 +89,18 @@ def _prefill_kernel(
         lo = tl.minimum(tl.maximum(n + j0 - window + 1, 0), n)  # (kept in [0, n]: no negative division below)
         edge = tl.minimum(tl.maximum(n + j0 + BLOCK_M - window, lo), n)
         mid = lo + tl.cdiv(edge - lo, BLOCK_N) * BLOCK_N
-        acc, m_i, l_i = _key_range(acc, m_i, l_i, qv, qp, kc, vc, stride_kc_t, stride_vc_t, lo, mid, 0, n, window,
-                                   window, past_scale, cols, m_cols, BLOCK_N, True, True, True, DPAD, FP8, PREC,
-                                   INTERP, WIDE)  # fmt: skip
+        acc, m_i, l_i = key_range(acc, m_i, l_i, qv, qp, kc, vc, stride_kc_t, stride_vc_t, lo, mid, 0, n, window,
+                                  window, 0, past_scale, cols, m_cols, BLOCK_N, True, True, True, DPAD, FP8, PREC,
+                                  INTERP, WIDE)  # fmt: skip
     else:
         mid = 0
     full = mid + tl.maximum(n - mid, 0) // BLOCK_N * BLOCK_N
-    acc, m_i, l_i = _key_range(acc, m_i, l_i, qv, qp, kc, vc, stride_kc_t, stride_vc_t, mid, full, 0, n, window,
-                               window, past_scale, cols, m_cols, BLOCK_N, WINDOW, False, WINDOW, DPAD, FP8, PREC,
-                               INTERP, WIDE)  # fmt: skip
-    acc, m_i, l_i = _key_range(acc, m_i, l_i, qv, qp, kc, vc, stride_kc_t, stride_vc_t, full, n, 0, n, window,
-                               window, past_scale, cols, m_cols, BLOCK_N, WINDOW, True, WINDOW, DPAD, FP8, PREC,
-                               INTERP, WIDE)  # fmt: skip
+    acc, m_i, l_i = key_range(acc, m_i, l_i, qv, qp, kc, vc, stride_kc_t, stride_vc_t, mid, full, 0, n, window,
+                              window, 0, past_scale, cols, m_cols, BLOCK_N, WINDOW, False, WINDOW, DPAD, FP8, PREC,
+                              INTERP, WIDE)  # fmt: skip
+    acc, m_i, l_i = key_range(acc, m_i, l_i, qv, qp, kc, vc, stride_kc_t, stride_vc_t, full, n, 0, n, window,
+                              window, 0, past_scale, cols, m_cols, BLOCK_N, WINDOW, True, WINDOW, DPAD, FP8, PREC,
+                              INTERP, WIDE)  # fmt: skip
     if FP8:  # and v: the past's weighted sum of v8, times v_scale, before the new (unquantized) values join it
         acc = acc * tl.load(v_scale + slot * stride_sc + i_kh)
 
@@ -185,18 +114,18 @@ def _prefill_kernel(
         lo2 = n + tl.maximum(j0 - window + 1, 0) // BLOCK_N * BLOCK_N
         edge2 = tl.minimum(tl.maximum(n + j0 + BLOCK_M - window, lo2), diag)
         mid2 = lo2 + tl.cdiv(edge2 - lo2, BLOCK_N) * BLOCK_N
-        acc, m_i, l_i = _key_range(acc, m_i, l_i, qv, qp, kn, vn, stride_kt, stride_vt, lo2, mid2, n, kend, 1,
-                                   window, qk_scale, cols, m_cols, BLOCK_N, False, True, True, DPAD, False, PREC,
-                                   INTERP, WIDE)  # fmt: skip
+        acc, m_i, l_i = key_range(acc, m_i, l_i, qv, qp, kn, vn, stride_kt, stride_vt, lo2, mid2, n, kend, 1,
+                                  window, 0, qk_scale, cols, m_cols, BLOCK_N, False, True, True, DPAD, False, PREC,
+                                  INTERP, WIDE)  # fmt: skip
     else:
         mid2 = n
     hi = n + tl.minimum(j0 + BLOCK_M, t_n)
-    acc, m_i, l_i = _key_range(acc, m_i, l_i, qv, qp, kn, vn, stride_kt, stride_vt, mid2, diag, n, kend, 1, window,
-                               qk_scale, cols, m_cols, BLOCK_N, False, False, WINDOW, DPAD, False, PREC,
-                               INTERP, WIDE)  # fmt: skip
-    acc, m_i, l_i = _key_range(acc, m_i, l_i, qv, qp, kn, vn, stride_kt, stride_vt, diag, hi, n, kend, 1, window,
-                               qk_scale, cols, m_cols, BLOCK_N, False, True, WINDOW, DPAD, False, PREC,
-                               INTERP, WIDE)  # fmt: skip
+    acc, m_i, l_i = key_range(acc, m_i, l_i, qv, qp, kn, vn, stride_kt, stride_vt, mid2, diag, n, kend, 1, window,
+                              0, qk_scale, cols, m_cols, BLOCK_N, False, False, WINDOW, DPAD, False, PREC,
+                              INTERP, WIDE)  # fmt: skip
+    acc, m_i, l_i = key_range(acc, m_i, l_i, qv, qp, kn, vn, stride_kt, stride_vt, diag, hi, n, kend, 1, window,
+                              0, qk_scale, cols, m_cols, BLOCK_N, False, True, WINDOW, DPAD, False, PREC,
+                              INTERP, WIDE)  # fmt: skip
 
     # Every real query sees itself, so l > 0 on its row; rows past the sequence's end are not stored.
     out = acc / tl.where(l_i > 0, l_i, 1.0)[:, None]
@@ -266,17 +195,6 @@ def rotate(q: torch.Tensor, k: torch.Tensor, plan: PrefillPlan, theta: float) ->
     return outs[0], outs[1]
 
 
-def _config(dtype: torch.dtype, D: int) -> tuple[int, int, int, int]:
-    """(BLOCK_M, BLOCK_N, num_warps, num_stages) for queries of `dtype` and head dim D."""
-    if _INTERPRET:  # small blocks: the tests' short sequences cross block boundaries
-        return 16, 16, 4, 1
-    if dtype == torch.float32:  # IEEE fp32 dots: no tensor cores to feed, registers are the limit
-        return 32, 32, 4 if D <= 64 else 8, 2
-    # bf16/fp16 (sm_90, compiled ahead for these: no spills in the loops, K/V loads pipelined through cp.async): 64 KB
-    # of shared memory and 255 registers a program at D=64 (two per SM), 128 KB at D=128 (one).
-    return 128, 64, 4 if D <= 64 else 8, 3
-
-
 def prefill_attention(
     q: torch.Tensor,
     k: torch.Tensor,
@@ -314,11 +232,7 @@ def prefill_attention(
     """
     T, Hq, D = q.shape
     Hkv = k.shape[1]
-    bm, bn, warps, stages = _config(q.dtype, D)
-    bm, bn = block_m or bm, block_n or bn
-    warps, stages = num_warps or warps, num_stages or stages
-    if bm % bn:
-        raise ValueError(f"block_n={bn} must divide block_m={bm}")
+    bm, bn, warps, stages = prefill_config(q.dtype, D, block_m, block_n, num_warps, num_stages)
     out = common.output_buffer((T, Hq, D), q.dtype, q.device)
     blocks, _, n_blocks = chunk_metadata(cu, bm, q.device)
     if n_blocks == 0:

@@ -24,9 +24,6 @@ Writes DIR/attention.json, prints a short table last, and exits 1 when a check f
 
 from __future__ import annotations
 
-import argparse
-import dataclasses
-import itertools
 import json
 import os
 import subprocess
@@ -41,12 +38,13 @@ import torch.nn.functional as F
 from kvfree.kernels.benchmarking import (
     Goal,
     RunLog,
+    bench,
+    cu_seqlens,
     environment,
-    median_ms,
-    print_goals,
+    goal_rows,
     rel_err,
-    run_steps,
-    script_device,
+    run_script,
+    script_args,
     sync,
     untouched_equal,
 )
@@ -93,11 +91,6 @@ RUN = RunLog()
 say = RUN.say
 
 
-def bench(fn: Callable[[], object], dev: torch.device, rep: int = 100) -> float:
-    """Median milliseconds of `fn()` (`benchmarking.median_ms`: do_bench on a GPU, a host clock for --smoke)."""
-    return median_ms(fn, dev, rep_ms=rep)
-
-
 def make_case(shape: tuple[int, int, int], lens: list[int], past: list[int], window: int | None, dtype: torch.dtype,
               dev: torch.device, gen: torch.Generator) -> dict:  # fmt: skip
     """Packed q, k, v of `lens` tokens (standing for rotated projections), a pool of N + 2 rows (a full cache sized
@@ -112,7 +105,7 @@ def make_case(shape: tuple[int, int, int], lens: list[int], past: list[int], win
     slots = torch.randperm(N + 2, generator=gen, device=dev)[:N].to(torch.int32)
     length = torch.zeros(N + 2, dtype=torch.int64, device=dev)
     length[slots.long()] = torch.tensor(past, device=dev)
-    cu = torch.tensor([0, *itertools.accumulate(lens)], dtype=torch.int32, device=dev)
+    cu = cu_seqlens(lens, dev)
     plan = plan_prefill(q, length, slots, cu, cu.tolist(), k_cache, window)
     return {"q": q, "k": k, "v": v, "k_cache": k_cache, "v_cache": v_cache, "length": length, "slots": slots,
             "cu": cu, "plan": plan, "window": window}  # fmt: skip
@@ -389,13 +382,8 @@ def table(res: dict) -> str:
 
 
 def main(argv: list[str] | None = None) -> int:
-    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument("--out", default="docs/bench", help="folder for attention.json")
-    ap.add_argument("--skip-e2e", action="store_true", help="skip the end-to-end model prefill")
-    ap.add_argument("--smoke", action="store_true", help="tiny sizes on the CPU under the Triton interpreter")
-    a = ap.parse_args(argv)
     global SZ
-    dev = script_device(a.smoke, "kvfree.kernels.bench.attention")
+    a, dev = script_args(argv, __doc__, "attention", ("--skip-e2e", "skip the end-to-end model prefill"))
     if dev is None:
         return 2
     if a.smoke:
@@ -411,19 +399,8 @@ def main(argv: list[str] | None = None) -> int:
     steps = [("checks", lambda: check_correctness(dev, res)), ("timing", lambda: time_kernels(dev, res))]
     if not a.skip_e2e:
         steps.append(("end_to_end", lambda: time_end_to_end(dev, res)))
-
-    def goals() -> None:
-        res["goals"] = []
-        for g in GOALS:
-            value = res["goals_values"].get(g.metric)
-            judged = value is not None and dev.type == g.device
-            res["goals"].append({**dataclasses.asdict(g), "value": value, "met": g.met(value) if judged else None})
-
-    steps.append(("goals", goals))
-    status = run_steps(steps, res, out_dir / "attention.json", RUN)
-    print(table(res), flush=True)
-    print_goals(res.get("goals", []), dev.type)
-    return status
+    steps.append(("goals", lambda: res.update(goals=goal_rows(GOALS, res["goals_values"], dev.type))))
+    return run_script(steps, res, out_dir / "attention.json", RUN, table, dev.type)
 
 
 if __name__ == "__main__":

@@ -24,9 +24,7 @@ Writes DIR/bmojo.json, prints a short table last, and exits 1 when a check fails
 
 from __future__ import annotations
 
-import argparse
 import contextlib
-import itertools
 import json
 import sys
 from collections.abc import Callable, Iterator
@@ -37,14 +35,18 @@ import torch
 from kvfree.kernels import common
 from kvfree.kernels.benchmarking import (
     RunLog,
+    cu_seqlens,
+    decode_timings,
     environment,
-    graph_per_call_ms,
-    hbm_bandwidth,
+    graph_matches_eager,
+    measure_hbm,
     median_ms,
+    profile_device_us,
     rel_err,
-    run_steps,
-    script_device,
+    run_script,
+    script_args,
     sync,
+    table_head,
     untouched_equal,
 )
 from kvfree.kernels.common import poisoned_outputs
@@ -203,7 +205,7 @@ def check_correctness(dev: torch.device, res: dict) -> None:
 
         lens = SZ["check_lens"]
         T = sum(lens)
-        cu = torch.tensor([0, *itertools.accumulate(lens)], dtype=torch.int32, device=dev)
+        cu = cu_seqlens(lens, dev)
         p = make_pools(dev, gen, dtype, positions(dev, gen, SZ["pool"]))
         ref = {n: x.to(f64) if n in KV else x.clone() for n, x in p.items()}
         before = {n: x.clone() for n, x in p.items()}
@@ -223,7 +225,6 @@ def check_correctness(dev: torch.device, res: dict) -> None:
     if dev.type == "cuda":  # the decode step inside a CUDA graph, replayed on new inputs, twice (boundaries move)
         B = SZ["check_B"]
         p = make_pools(dev, gen, torch.bfloat16, positions(dev, gen, SZ["pool"]))
-        p2 = {n: x.clone() for n, x in p.items()}
         idx = torch.randperm(SZ["pool"], generator=gen, device=dev)[:B].to(torch.int32)
 
         def new_inputs() -> list[torch.Tensor]:
@@ -232,21 +233,8 @@ def check_correctness(dev: torch.device, res: dict) -> None:
                       for _ in range(2)), torch.randn(B, s["D"], generator=gen, device=dev)]  # fmt: skip
 
         inp = new_inputs()
-        fused_recurrent.fused_recurrent_bmojo(*inp, *fields(p2), idx, fading, s["taps"])  # compiled before capture
-        for n in p2:
-            p2[n].copy_(p[n])
-        graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(graph):
-            o_graph = fused_recurrent.fused_recurrent_bmojo(*inp, *fields(p2), idx, fading, s["taps"])
-        for n in p2:
-            p2[n].copy_(p[n])
-        ok = True
-        for _ in range(3):
-            for x, new in zip(inp, new_inputs(), strict=True):
-                x.copy_(new)
-            graph.replay()
-            o_eager = fused_recurrent.fused_recurrent_bmojo(*inp, *fields(p), idx, fading, s["taps"])
-            ok = ok and bool(torch.equal(o_graph, o_eager)) and all(torch.equal(p[n], p2[n]) for n in FIELDS)
+        ok = graph_matches_eager(lambda st: fused_recurrent.fused_recurrent_bmojo(*inp, *st, idx, fading, s["taps"]),
+                                 fields(p), inp, new_inputs, replays=3)  # fmt: skip
         res["checks"]["decode_cuda_graph"] = {"ok": ok, "equal_to_eager": ok}
         say(f"check decode graph replay equals eager (3 steps): {ok}")
 
@@ -274,20 +262,12 @@ def time_decode(dev: torch.device, res: dict) -> None:
         k, v = (torch.randn(B, s["Hkv"], s["dh"], generator=gen, device=dev).to(torch.bfloat16) for _ in range(2))
         y = torch.randn(B, s["D"], generator=gen, device=dev)
         args = (q, k, v, y, *fields(p), idx, fading, s["taps"])
-        floor_us = state_bytes(B) / res["hbm_copy_GBps"] / 1e3
-        ms = median_ms(lambda args=args: fused_recurrent.fused_recurrent_bmojo(*args), dev, rep_ms=200)
-        row = {"floor_us": floor_us, "fading_weights_us": weight_bytes / res["hbm_copy_GBps"] / 1e3,
-               "triton_us": ms * 1e3, "over_floor": ms * 1e3 / floor_us}  # fmt: skip
-        row["reference_us"] = median_ms(lambda args=args: reference.fused_recurrent_bmojo(*args), dev, rep_ms=50) * 1e3
-        if dev.type == "cuda":
-            row["triton_graph_per_step_us"] = graph_per_call_ms(
-                lambda args=args: fused_recurrent.fused_recurrent_bmojo(*args)
-            ) * 1e3  # fmt: skip
-        sweep = {}
-        for bn, ns in SZ["decode_sweep"]:
-            fn = lambda args=args, bn=bn, ns=ns: fused_recurrent.launch(*args, block_n=bn, num_splits=ns)  # noqa: E731
-            sweep[f"BN{bn}_S{ns or 'auto'}"] = median_ms(fn, dev, rep_ms=100) * 1e3
-        row["sweep_us"] = sweep
+        sweep = {f"BN{bn}_S{ns or 'auto'}": lambda args=args, bn=bn, ns=ns: fused_recurrent.launch(
+            *args, block_n=bn, num_splits=ns) for bn, ns in SZ["decode_sweep"]}  # fmt: skip
+        row = decode_timings(lambda args=args: fused_recurrent.fused_recurrent_bmojo(*args),
+                             lambda args=args: reference.fused_recurrent_bmojo(*args), sweep, state_bytes(B),
+                             res["hbm_copy_GBps"], dev)  # fmt: skip
+        row["fading_weights_us"] = weight_bytes / res["hbm_copy_GBps"] / 1e3
         res["decode"][f"B{B}"] = row
         say(f"decode B={B}: {json.dumps(row)}")
 
@@ -301,7 +281,7 @@ def time_prefill(dev: torch.device, res: dict) -> None:
     for lens in SZ["prefill_lens"]:
         T = sum(lens)
         tag = f"B1_T{T}" if len(lens) == 1 else f"{len(lens)}x{lens[0]}"
-        cu = torch.tensor([0, *itertools.accumulate(lens)], dtype=torch.int32, device=dev)
+        cu = cu_seqlens(lens, dev)
         cu_cpu = cu.tolist()
         idx = torch.arange(len(lens), dtype=torch.int32, device=dev)
         q = torch.randn(T, s["Hq"], s["dh"], generator=gen, device=dev).to(torch.bfloat16)
@@ -337,8 +317,6 @@ def time_prefill(dev: torch.device, res: dict) -> None:
 def profile_kernels(dev: torch.device, res: dict) -> None:
     """Device time per kernel of one default prefill (B=1 T=16384) and one decode step at the largest batch (torch
     profiler, a few calls after warm-up): which launch the time goes to."""
-    from torch.profiler import ProfilerActivity, profile
-
     from kvfree.kernels.bmojo import chunk, fused_recurrent
 
     s = SZ["shape"]
@@ -354,7 +332,7 @@ def profile_kernels(dev: torch.device, res: dict) -> None:
         torch.randn(B, h, s["dh"], generator=gen, device=dev).to(torch.bfloat16) for h in (s["Hq"], s["Hkv"], s["Hkv"])
     ]
     y_dec = torch.randn(B, s["D"], generator=gen, device=dev)
-    cu = torch.tensor([0, T], dtype=torch.int32, device=dev)
+    cu = cu_seqlens([T], dev)
     one = torch.zeros(1, dtype=torch.int32, device=dev)
     idx = torch.randperm(SZ["pool"], generator=gen, device=dev)[:B].to(torch.int32)
     calls = {
@@ -363,25 +341,12 @@ def profile_kernels(dev: torch.device, res: dict) -> None:
         ),
         "decode": lambda: fused_recurrent.fused_recurrent_bmojo(*dec, y_dec, *fields(p), idx, fading, s["taps"]),
     }
-    for name, fn in calls.items():
-        fn()
-        sync()
-        with profile(activities=[ProfilerActivity.CUDA]) as prof:
-            for _ in range(3):
-                fn()
-            sync()
-        per = {e.key: e.device_time_total / 3 for e in prof.key_averages() if e.device_time_total > 0}
-        res["profile"][name] = {k: round(v, 1) for k, v in sorted(per.items(), key=lambda kv: -kv[1])[:15]}
-        say(f"profile {name} (device us per call): {json.dumps(res['profile'][name])}")
+    profile_device_us(calls, res["profile"], RUN, top=15)
 
 
 def table(res: dict) -> str:
     nan = float("nan")
-    lines = [f"{res['device']}  torch {res['torch']}  triton {res['triton']}  HBM copy {res['hbm_copy_GBps']:.0f} GB/s"]
-    bad = [k for k, v in res["checks"].items() if not v.get("ok")]
-    lines.append(
-        f"checks: {len(res['checks']) - len(bad)}/{len(res['checks'])} ok" + (f"  FAILED {bad}" if bad else "")
-    )
+    lines = table_head(res)
     for k, v in res["checks"].items():
         if "o_rel" in v:
             worst = max(x for n, x in v.items() if n.endswith("_rel"))
@@ -403,12 +368,8 @@ def table(res: dict) -> str:
 
 
 def main(argv: list[str] | None = None) -> int:
-    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument("--out", default="docs/bench", help="folder for bmojo.json")
-    ap.add_argument("--smoke", action="store_true", help="tiny sizes on the CPU under the Triton interpreter")
-    a = ap.parse_args(argv)
     global SZ
-    dev = script_device(a.smoke, "kvfree.kernels.bench.bmojo")
+    a, dev = script_args(argv, __doc__, "bmojo")
     if dev is None:
         return 2
     if a.smoke:
@@ -419,8 +380,7 @@ def main(argv: list[str] | None = None) -> int:
                    "checks": f"decode B={SZ['check_B']}; prefill lens {SZ['check_lens']}"},
         "checks": {}, "decode": {}, "prefill": {}, "profile": {}, "errors": [],
     }  # fmt: skip
-    res["hbm_copy_GBps"] = (hbm_bandwidth(dev) or 1e9) / 1e9
-    say(f"{res['device']}: HBM copy {res['hbm_copy_GBps']:.0f} GB/s")
+    measure_hbm(res, dev, RUN)
     steps = [
         ("checks", lambda: check_correctness(dev, res)),
         ("decode", lambda: time_decode(dev, res)),
@@ -428,9 +388,7 @@ def main(argv: list[str] | None = None) -> int:
     ]
     if dev.type == "cuda":
         steps.append(("profile", lambda: profile_kernels(dev, res)))
-    status = run_steps(steps, res, Path(a.out) / "bmojo.json", RUN)
-    print(table(res), flush=True)
-    return status
+    return run_script(steps, res, Path(a.out) / "bmojo.json", RUN, table, dev.type)
 
 
 if __name__ == "__main__":

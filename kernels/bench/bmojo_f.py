@@ -23,12 +23,8 @@ Writes DIR/bmojo_f.json, prints a short table last, and exits 1 when a check fai
 
 from __future__ import annotations
 
-import argparse
-import dataclasses
-import itertools
 import json
 import sys
-from collections.abc import Callable
 from pathlib import Path
 
 import torch
@@ -36,15 +32,18 @@ import torch
 from kvfree.kernels.benchmarking import (
     Goal,
     RunLog,
+    bench,
+    cu_seqlens,
     environment,
+    goal_rows,
+    graph_matches_eager,
     graph_per_call_ms,
-    hbm_bandwidth,
-    median_ms,
-    print_goals,
+    measure_hbm,
     rel_err,
-    run_steps,
-    script_device,
+    run_script,
+    script_args,
     sync,
+    table_head,
     untouched_equal,
 )
 from kvfree.kernels.common import poisoned_outputs
@@ -86,11 +85,6 @@ GOALS = [
 ]  # fmt: skip
 RUN = RunLog()
 say = RUN.say
-
-
-def bench(fn: Callable[[], object], dev: torch.device, rep: int = 100) -> float:
-    """Median milliseconds of `fn()` (`benchmarking.median_ms`: do_bench on a GPU, a host clock for --smoke)."""
-    return median_ms(fn, dev, rep_ms=rep)
 
 
 def make_pools(S: int, dtype: torch.dtype, dev: torch.device, gen: torch.Generator) -> dict[str, torch.Tensor]:
@@ -157,7 +151,7 @@ def check_correctness(dev: torch.device, res: dict) -> None:
         pools = make_pools(N + 2, dtype, dev, gen)
         idx = torch.randperm(N + 2, generator=gen, device=dev)[:N].to(torch.int32)
         pools["length"][idx.long()] = torch.tensor(past, device=dev)
-        cu = torch.tensor([0, *itertools.accumulate(lens)], dtype=torch.int32, device=dev)
+        cu = cu_seqlens(lens, dev)
         inp = inputs(sum(lens), dtype, dev, gen)
         before = {n: t.clone() for n, t in pools.items()}
         ref = {n: t.to(f64) if t.is_floating_point() else t.clone() for n, t in pools.items()}
@@ -179,21 +173,10 @@ def check_correctness(dev: torch.device, res: dict) -> None:
         pools["length"].copy_(torch.randint(0, 5 * W, (B,), generator=gen, device=dev))
         idx = torch.randperm(B, generator=gen, device=dev).to(torch.int32)
         inp = inputs(B, torch.bfloat16, dev, gen)
-        start = {n: t.clone() for n, t in pools.items()}
-        fused_recurrent.fused_recurrent_bmojo_f_attention(*inp, *state_of(pools), idx, W, scale)  # compile first
-        for n, t in pools.items():
-            t.copy_(start[n])
-        graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(graph):
-            o_graph = fused_recurrent.fused_recurrent_bmojo_f_attention(*inp, *state_of(pools), idx, W, scale)
-        for n, t in pools.items():
-            t.copy_(start[n])
-        for t, new in zip(inp, inputs(B, torch.bfloat16, dev, gen), strict=True):
-            t.copy_(new)
-        graph.replay()
-        eager = {n: t.clone() for n, t in start.items()}
-        o_eager = fused_recurrent.fused_recurrent_bmojo_f_attention(*inp, *state_of(eager), idx, W, scale)
-        ok = bool(torch.equal(o_graph, o_eager)) and all(torch.equal(pools[n], eager[n]) for n in pools)
+        ok = graph_matches_eager(
+            lambda st: fused_recurrent.fused_recurrent_bmojo_f_attention(*inp, *st, idx, W, scale), state_of(pools),
+            inp, lambda: inputs(B, torch.bfloat16, dev, gen),
+        )  # fmt: skip
         res["checks"]["decode_cuda_graph"] = {"ok": ok, "equal_to_eager": ok}
         say(f"check decode graph replay equals eager: {ok}")
 
@@ -250,7 +233,7 @@ def time_prefill(dev: torch.device, res: dict) -> None:
     gen = torch.Generator(device=dev).manual_seed(3)
     for tag, (lens, past) in SZ["prefill"].items():
         T, N = sum(lens), len(lens)
-        cu = torch.tensor([0, *itertools.accumulate(lens)], dtype=torch.int32, device=dev)
+        cu = cu_seqlens(lens, dev)
         cu_cpu = tuple(cu.tolist())
         pools = make_pools(N, torch.bfloat16, dev, gen)
         idx = torch.arange(N, device=dev, dtype=torch.int32)
@@ -284,11 +267,8 @@ def time_prefill(dev: torch.device, res: dict) -> None:
 
 
 def table(res: dict) -> str:
-    lines = [f"{res['device']}  torch {res['torch']}  triton {res['triton']}  HBM copy {res['hbm_copy_GBps']:.0f} GB/s",
-             f"shape {res['shapes']['op']}"]  # fmt: skip
-    bad = [k for k, v in res["checks"].items() if not v.get("ok")]
-    n_ok = len(res["checks"]) - len(bad)
-    lines.append(f"checks: {n_ok}/{len(res['checks'])} ok" + (f"  FAILED {bad}" if bad else ""))
+    lines = table_head(res)
+    lines.insert(1, f"shape {res['shapes']['op']}")
     for k, v in res["checks"].items():
         if "o_rel" in v:
             lines.append(f"  {k:22s} o {v['o_rel']:.1e} (tol {v['tol']:.0e})  rings/length equal {v['state_equal']}  "
@@ -313,12 +293,8 @@ def table(res: dict) -> str:
 
 
 def main(argv: list[str] | None = None) -> int:
-    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument("--out", default="docs/bench", help="folder for bmojo_f.json")
-    ap.add_argument("--smoke", action="store_true", help="tiny sizes on the CPU under the Triton interpreter")
-    a = ap.parse_args(argv)
     global SZ
-    dev = script_device(a.smoke, "kvfree.kernels.bench.bmojo_f")
+    a, dev = script_args(argv, __doc__, "bmojo_f")
     if dev is None:
         return 2
     if a.smoke:
@@ -331,26 +307,14 @@ def main(argv: list[str] | None = None) -> int:
                                for k, v in SZ["prefill"].items()}},
         "checks": {}, "decode": {}, "prefill": {}, "goals_values": {}, "errors": [],
     }  # fmt: skip
-    res["hbm_copy_GBps"] = (hbm_bandwidth(dev) or 1e9) / 1e9
-    say(f"{res['device']}: HBM copy {res['hbm_copy_GBps']:.0f} GB/s")
+    measure_hbm(res, dev, RUN)
     steps = [
         ("checks", lambda: check_correctness(dev, res)),
         ("decode", lambda: time_decode(dev, res)),
         ("prefill", lambda: time_prefill(dev, res)),
+        ("goals", lambda: res.update(goals=goal_rows(GOALS, res["goals_values"], dev.type))),
     ]
-
-    def goals() -> None:
-        res["goals"] = []
-        for g in GOALS:
-            value = res["goals_values"].get(g.metric)
-            judged = value is not None and dev.type == g.device
-            res["goals"].append({**dataclasses.asdict(g), "value": value, "met": g.met(value) if judged else None})
-
-    steps.append(("goals", goals))
-    status = run_steps(steps, res, Path(a.out) / "bmojo_f.json", RUN)
-    print(table(res), flush=True)
-    print_goals(res.get("goals", []), dev.type)
-    return status
+    return run_script(steps, res, Path(a.out) / "bmojo_f.json", RUN, table, dev.type)
 
 
 if __name__ == "__main__":

@@ -23,13 +23,9 @@ Writes DIR/gdn.json, prints a short table last, and exits 1 when a check fails.
 
 from __future__ import annotations
 
-import argparse
-import dataclasses
-import itertools
 import json
 import sys
 import time
-from collections.abc import Callable
 from pathlib import Path
 
 import torch
@@ -38,15 +34,19 @@ import torch.nn.functional as F
 from kvfree.kernels.benchmarking import (
     Goal,
     RunLog,
+    bench,
+    cu_seqlens,
+    decode_timings,
     environment,
-    graph_per_call_ms,
-    hbm_bandwidth,
-    median_ms,
-    print_goals,
+    goal_rows,
+    graph_matches_eager,
+    measure_hbm,
+    profile_device_us,
     rel_err,
-    run_steps,
-    script_device,
+    run_script,
+    script_args,
     sync,
+    table_head,
     untouched_equal,
 )
 from kvfree.kernels.common import poisoned_outputs
@@ -101,11 +101,6 @@ say = RUN.say
 rel = rel_err
 
 
-def bench(fn: Callable[[], object], dev: torch.device, rep: int = 100) -> float:
-    """Median milliseconds of `fn()` (`benchmarking.median_ms`: do_bench on a GPU, a host clock for --smoke)."""
-    return median_ms(fn, dev, rep_ms=rep)
-
-
 def gdn_inputs(n: int, dtype: torch.dtype, dev: torch.device, gen: torch.Generator) -> list[torch.Tensor]:
     """Op inputs for n tokens as the mixer hands them over: L2-normalised q and k and values in `dtype`, fp32 log
     decays in [-0.2, 0] scaled per head (memories of a few to a few hundred tokens), fp32 write strengths in (0, 1)."""
@@ -125,10 +120,6 @@ def pool(dev: torch.device, gen: torch.Generator, n: int) -> tuple[torch.Tensor,
     idx = torch.randperm(SZ["pool"], generator=gen, device=dev)[:n].to(torch.int32)
     s[idx[1::3].long()] = 0
     return s, idx
-
-
-def cu_of(lens: list[int], dev: torch.device) -> torch.Tensor:
-    return torch.tensor([0, *itertools.accumulate(lens)], dtype=torch.int32, device=dev)
 
 
 def check_row(o: torch.Tensor, o_ref: torch.Tensor, s: torch.Tensor, s_ref: torch.Tensor, s0: torch.Tensor,
@@ -166,7 +157,7 @@ def check_correctness(dev: torch.device, res: dict) -> None:
         say(f"check decode {name}: {json.dumps(row)}")
 
         lens = SZ["check_lens"]
-        cu = cu_of(lens, dev)
+        cu = cu_seqlens(lens, dev)
         inp = gdn_inputs(sum(lens), dtype, dev, gen)
         s, idx = pool(dev, gen, len(lens))
         s_ref, s0 = s.to(f64), s.clone()
@@ -182,18 +173,8 @@ def check_correctness(dev: torch.device, res: dict) -> None:
         B = SZ["check_B"]
         inp = gdn_inputs(B, torch.bfloat16, dev, gen)
         s, idx = pool(dev, gen, B)
-        s2 = s.clone()
-        fused_recurrent.fused_recurrent_gdn(*inp, s2, idx, scale)  # compiled before capture
-        s2.copy_(s)
-        graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(graph):
-            o_graph = fused_recurrent.fused_recurrent_gdn(*inp, s2, idx, scale)
-        s2.copy_(s)
-        for t, new in zip(inp, gdn_inputs(B, torch.bfloat16, dev, gen), strict=True):
-            t.copy_(new)
-        graph.replay()
-        o_eager = fused_recurrent.fused_recurrent_gdn(*inp, s, idx, scale)
-        ok = torch.equal(o_graph, o_eager) and torch.equal(s, s2)
+        ok = graph_matches_eager(lambda st: fused_recurrent.fused_recurrent_gdn(*inp, *st, idx, scale), [s], inp,
+                                 lambda: gdn_inputs(B, torch.bfloat16, dev, gen))  # fmt: skip
         res["checks"]["decode_cuda_graph"] = {"ok": ok, "equal_to_eager": ok}
         say(f"check decode graph replay equals eager: {ok}")
 
@@ -211,21 +192,13 @@ def time_decode(dev: torch.device, res: dict) -> None:
         args = (*inp, s, idx, scale)
         # The state read and written once, plus q, k, v in, o out (bf16) and g, beta (fp32).
         moved = B * H * (D * Dv * 4 * 2 + (2 * D + 2 * Dv) * 2 + 8)
-        floor_us = moved / res["hbm_copy_GBps"] / 1e3
-        ms = bench(lambda args=args: fused_recurrent.fused_recurrent_gdn(*args), dev, rep=200)
-        row = {"floor_us": floor_us, "triton_us": ms * 1e3, "over_floor": ms * 1e3 / floor_us,
-               "GBps": moved / ms / 1e6}  # fmt: skip
-        row["reference_us"] = bench(lambda args=args: reference.fused_recurrent_gdn(*args), dev, rep=50) * 1e3
-        if B == 1 and dev.type == "cuda":
-            row["triton_graph_per_step_us"] = graph_per_call_ms(
-                lambda args=args: fused_recurrent.fused_recurrent_gdn(*args)
-            ) * 1e3  # fmt: skip
-        sweep = {}
-        for bv, nw in SZ["decode_sweep"]:
-            fn = lambda args=args, bv=bv, nw=nw: fused_recurrent.launch(*args, block_v=bv, num_warps=nw)  # noqa: E731
-            sweep[f"BV{bv}_w{nw}"] = bench(fn, dev, rep=100) * 1e3
-        row["sweep_us"] = sweep
-        row["best_sweep_over_floor"] = min(sweep.values()) / floor_us
+        sweep = {f"BV{bv}_w{nw}": lambda args=args, bv=bv, nw=nw: fused_recurrent.launch(
+            *args, block_v=bv, num_warps=nw) for bv, nw in SZ["decode_sweep"]}  # fmt: skip
+        row = decode_timings(lambda args=args: fused_recurrent.fused_recurrent_gdn(*args),
+                             lambda args=args: reference.fused_recurrent_gdn(*args), sweep, moved,
+                             res["hbm_copy_GBps"], dev, graph=B == 1)  # fmt: skip
+        row["GBps"] = moved / row["triton_us"] / 1e3
+        row["best_sweep_over_floor"] = min(row["sweep_us"].values()) / row["floor_us"]
         res["decode"][f"B{B}"] = row
         say(f"decode B={B}: {json.dumps(row)}")
     res["goals_values"]["decode_B256_over_floor"] = res["decode"].get("B256", {}).get("over_floor")
@@ -245,7 +218,7 @@ def time_prefill(dev: torch.device, res: dict) -> None:
     for lens in SZ["prefill_lens"]:
         T = sum(lens)
         tag = f"B1_T{T}" if len(lens) == 1 else f"{len(lens)}x{lens[0]}"
-        cu = cu_of(lens, dev)
+        cu = cu_seqlens(lens, dev)
         cu_cpu = cu.tolist()
         idx = torch.randperm(SZ["pool"], generator=gen, device=dev)[: len(lens)].to(torch.int32)
         for dtype in (torch.bfloat16, torch.float32):
@@ -271,7 +244,7 @@ def time_prefill(dev: torch.device, res: dict) -> None:
             del inp
     for n in SZ["reference_lens"]:
         inp = gdn_inputs(n, torch.bfloat16, dev, gen)
-        cu = cu_of([n], dev)
+        cu = cu_seqlens([n], dev)
         idx = torch.zeros(1, dtype=torch.int32, device=dev)
         ms = bench(lambda inp=inp, cu=cu, idx=idx, n=n: reference.chunk_gdn(
             *inp, s, idx, cu, scale, 64, cu_seqlens_cpu=[0, n]), dev, rep=50)  # fmt: skip
@@ -284,8 +257,6 @@ def time_prefill(dev: torch.device, res: dict) -> None:
 def profile_kernels(dev: torch.device, res: dict) -> None:
     """Device time per kernel of one default prefill (B=1 T=16384, bf16) and one decode step at the largest batch
     (torch profiler, a few calls after warm-up): which launch the time goes to."""
-    from torch.profiler import ProfilerActivity, profile
-
     from kvfree.kernels.gdn import chunk, fused_recurrent
 
     H, D, Dv = SZ["HDV"]
@@ -294,7 +265,7 @@ def profile_kernels(dev: torch.device, res: dict) -> None:
     T = SZ["prefill_lens"][0][0]
     B = max(SZ["decode_batches"])
     pre = gdn_inputs(T, torch.bfloat16, dev, gen)
-    cu = cu_of([T], dev)
+    cu = cu_seqlens([T], dev)
     one = torch.zeros(1, dtype=torch.int32, device=dev)
     dec = gdn_inputs(B, torch.bfloat16, dev, gen)
     idx = torch.randperm(SZ["pool"], generator=gen, device=dev)[:B].to(torch.int32)
@@ -302,16 +273,7 @@ def profile_kernels(dev: torch.device, res: dict) -> None:
         "prefill": lambda: chunk.chunk_gdn(*pre, s, one, cu, D**-0.5, 64, cu_seqlens_cpu=[0, T]),
         "decode": lambda: fused_recurrent.fused_recurrent_gdn(*dec, s, idx, D**-0.5),
     }
-    for name, fn in calls.items():
-        fn()
-        sync()
-        with profile(activities=[ProfilerActivity.CUDA]) as prof:
-            for _ in range(3):
-                fn()
-            sync()
-        per = {e.key: e.device_time_total / 3 for e in prof.key_averages() if e.device_time_total > 0}
-        res["profile"][name] = {k: round(v, 1) for k, v in sorted(per.items(), key=lambda kv: -kv[1])}
-        say(f"profile {name} (device us per call): {json.dumps(res['profile'][name])}")
+    profile_device_us(calls, res["profile"], RUN)
 
 
 def time_fla(dev: torch.device, res: dict) -> None:
@@ -335,7 +297,7 @@ def time_fla(dev: torch.device, res: dict) -> None:
         tag = f"B1_T{T}" if N == 1 else f"{N}x{lens[0]}"
         q, k, v, g, beta = gdn_inputs(T, torch.bfloat16, dev, gen)
         h0 = torch.randn(N, H, D, Dv, generator=gen, device=dev) * 0.5
-        cu = cu_of(lens, dev)
+        cu = cu_seqlens(lens, dev)
         packed = {"cu_seqlens": cu.long(), "cu_seqlens_cpu": cu.cpu().long()} if N > 1 else {}
 
         def fla_chunk(q=q, k=k, v=v, g=g, beta=beta, h0=h0, packed=packed):
@@ -385,10 +347,7 @@ def time_fla(dev: torch.device, res: dict) -> None:
 
 def table(res: dict) -> str:
     nan = float("nan")
-    lines = [f"{res['device']}  torch {res['torch']}  triton {res['triton']}  HBM copy {res['hbm_copy_GBps']:.0f} GB/s"]
-    bad = [k for k, v in res["checks"].items() if not v.get("ok")]
-    n_ok = len(res["checks"]) - len(bad)
-    lines.append(f"checks: {n_ok}/{len(res['checks'])} ok" + (f"  FAILED {bad}" if bad else ""))
+    lines = table_head(res)
     for k, v in res["checks"].items():
         if "o_rel" in v:
             lines.append(f"  {k:34s} o {v['o_rel']:.1e}  s {v['s_rel']:.1e}  untouched {v['untouched_equal']}")
@@ -419,13 +378,8 @@ def table(res: dict) -> str:
 
 
 def main(argv: list[str] | None = None) -> int:
-    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument("--out", default="docs/bench", help="folder for gdn.json")
-    ap.add_argument("--skip-fla", action="store_true")
-    ap.add_argument("--smoke", action="store_true", help="tiny sizes on the CPU under the Triton interpreter")
-    a = ap.parse_args(argv)
     global SZ
-    dev = script_device(a.smoke, "kvfree.kernels.bench.gdn")
+    a, dev = script_args(argv, __doc__, "gdn", ("--skip-fla", None))
     if dev is None:
         return 2
     if a.smoke:
@@ -439,8 +393,7 @@ def main(argv: list[str] | None = None) -> int:
                    "checks": f"decode B={SZ['check_B']}; prefill lens {SZ['check_lens']}"},
         "checks": {}, "decode": {}, "prefill": {}, "profile": {}, "anchors": {}, "goals_values": {}, "errors": [],
     }  # fmt: skip
-    res["hbm_copy_GBps"] = (hbm_bandwidth(dev) or 1e9) / 1e9
-    say(f"{res['device']}: HBM copy {res['hbm_copy_GBps']:.0f} GB/s")
+    measure_hbm(res, dev, RUN)
     steps = [
         ("checks", lambda: check_correctness(dev, res)),
         ("decode", lambda: time_decode(dev, res)),
@@ -450,19 +403,8 @@ def main(argv: list[str] | None = None) -> int:
         steps.append(("profile", lambda: profile_kernels(dev, res)))
     if not a.skip_fla:
         steps.append(("fla", lambda: time_fla(dev, res)))
-
-    def goals() -> None:
-        res["goals"] = []
-        for g in GOALS:
-            value = res["goals_values"].get(g.metric)
-            judged = value is not None and dev.type == g.device
-            res["goals"].append({**dataclasses.asdict(g), "value": value, "met": g.met(value) if judged else None})
-
-    steps.append(("goals", goals))
-    status = run_steps(steps, res, Path(a.out) / "gdn.json", RUN)
-    print(table(res), flush=True)
-    print_goals(res.get("goals", []), dev.type)
-    return status
+    steps.append(("goals", lambda: res.update(goals=goal_rows(GOALS, res["goals_values"], dev.type))))
+    return run_script(steps, res, Path(a.out) / "gdn.json", RUN, table, dev.type)
 
 
 if __name__ == "__main__":

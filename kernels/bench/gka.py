@@ -19,12 +19,9 @@ Writes DIR/gka.json, prints a short table last, and exits 1 when a check fails.
 
 from __future__ import annotations
 
-import argparse
-import itertools
 import json
 import sys
 import time
-from collections.abc import Callable
 from pathlib import Path
 
 import torch
@@ -32,14 +29,18 @@ import torch.nn.functional as F
 
 from kvfree.kernels.benchmarking import (
     RunLog,
+    bench,
+    cu_seqlens,
+    decode_timings,
     environment,
-    graph_per_call_ms,
-    hbm_bandwidth,
-    median_ms,
+    graph_matches_eager,
+    measure_hbm,
+    profile_device_us,
     rel_err,
-    run_steps,
-    script_device,
+    run_script,
+    script_args,
     sync,
+    table_head,
     untouched_equal,
 )
 from kvfree.kernels.common import poisoned_outputs
@@ -73,11 +74,6 @@ SZ = REAL
 RUN = RunLog()
 say = RUN.say
 rel = rel_err
-
-
-def bench(fn: Callable[[], object], dev: torch.device, rep: int = 100) -> float:
-    """Median milliseconds of `fn()` (`benchmarking.median_ms`: do_bench on a GPU, a host clock for --smoke)."""
-    return median_ms(fn, dev, rep_ms=rep)
 
 
 def gka_inputs(n: int, dtype: torch.dtype, dev: torch.device, gen: torch.Generator) -> list[torch.Tensor]:
@@ -138,7 +134,7 @@ def check_correctness(dev: torch.device, res: dict) -> None:
         say(f"check decode {name}: {json.dumps(row)}")
 
         lens = SZ["check_lens"]
-        cu = torch.tensor([0, *itertools.accumulate(lens)], dtype=torch.int32, device=dev)
+        cu = cu_seqlens(lens, dev)
         inp = gka_inputs(sum(lens), dtype, dev, gen)
         h, s, idx = pools(dev, gen, len(lens))
         h_ref, s_ref = h.to(f64), s.to(f64)
@@ -155,20 +151,8 @@ def check_correctness(dev: torch.device, res: dict) -> None:
         B = SZ["check_B"]
         inp = gka_inputs(B, torch.bfloat16, dev, gen)
         h, s, idx = pools(dev, gen, B)
-        h2, s2 = h.clone(), s.clone()
-        fused_recurrent.fused_recurrent_gka(*inp, h2, s2, idx, RIDGE, ITERS, scale)  # compiled before capture
-        h2.copy_(h)
-        s2.copy_(s)
-        graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(graph):
-            o_graph = fused_recurrent.fused_recurrent_gka(*inp, h2, s2, idx, RIDGE, ITERS, scale)
-        h2.copy_(h)
-        s2.copy_(s)
-        for t, new in zip(inp, gka_inputs(B, torch.bfloat16, dev, gen), strict=True):
-            t.copy_(new)
-        graph.replay()
-        o_eager = fused_recurrent.fused_recurrent_gka(*inp, h, s, idx, RIDGE, ITERS, scale)
-        ok = torch.equal(o_graph, o_eager) and torch.equal(h, h2) and torch.equal(s, s2)
+        ok = graph_matches_eager(lambda st: fused_recurrent.fused_recurrent_gka(*inp, *st, idx, RIDGE, ITERS, scale),
+                                 [h, s], inp, lambda: gka_inputs(B, torch.bfloat16, dev, gen))  # fmt: skip
         res["checks"]["decode_cuda_graph"] = {"ok": ok, "equal_to_eager": ok}
         say(f"check decode graph replay equals eager: {ok}")
 
@@ -185,20 +169,12 @@ def time_decode(dev: torch.device, res: dict) -> None:
         idx = torch.randperm(SZ["pool"], generator=gen, device=dev)[:B].to(torch.int32)
         args = (*inp, h, s, idx, RIDGE, ITERS, scale)
         state_bytes = B * He * (D * D + D * Dv) * 4 * 2
-        floor_us = state_bytes / res["hbm_copy_GBps"] / 1e3
-        ms = bench(lambda args=args: fused_recurrent.fused_recurrent_gka(*args), dev, rep=200)
-        row = {"floor_us": floor_us, "triton_us": ms * 1e3, "over_floor": ms * 1e3 / floor_us,
-               "state_GBps": state_bytes / ms / 1e6}  # fmt: skip
-        row["reference_us"] = bench(lambda args=args: reference.fused_recurrent_gka(*args), dev, rep=50) * 1e3
-        if B == 1 and dev.type == "cuda":
-            row["triton_graph_per_step_us"] = graph_per_call_ms(
-                lambda args=args: fused_recurrent.fused_recurrent_gka(*args)
-            ) * 1e3  # fmt: skip
-        sweep = {}
-        for bv, nw in SZ["decode_sweep"]:
-            fn = lambda args=args, bv=bv, nw=nw: fused_recurrent.launch(*args, block_v=bv, num_warps=nw)  # noqa: E731
-            sweep[f"BV{bv}_w{nw}"] = bench(fn, dev, rep=100) * 1e3
-        row["sweep_us"] = sweep
+        sweep = {f"BV{bv}_w{nw}": lambda args=args, bv=bv, nw=nw: fused_recurrent.launch(
+            *args, block_v=bv, num_warps=nw) for bv, nw in SZ["decode_sweep"]}  # fmt: skip
+        row = decode_timings(lambda args=args: fused_recurrent.fused_recurrent_gka(*args),
+                             lambda args=args: reference.fused_recurrent_gka(*args), sweep, state_bytes,
+                             res["hbm_copy_GBps"], dev, graph=B == 1)  # fmt: skip
+        row["state_GBps"] = state_bytes / row["triton_us"] / 1e3
         res["decode"][f"B{B}"] = row
         say(f"decode B={B}: {json.dumps(row)}")
 
@@ -213,7 +189,7 @@ def time_prefill(dev: torch.device, res: dict) -> None:
     for lens in SZ["prefill_lens"]:
         T = sum(lens)
         tag = f"B1_T{T}" if len(lens) == 1 else f"{len(lens)}x{lens[0]}"
-        cu = torch.tensor([0, *itertools.accumulate(lens)], dtype=torch.int32, device=dev)
+        cu = cu_seqlens(lens, dev)
         cu_cpu = cu.tolist()
         idx = torch.randperm(SZ["pool"], generator=gen, device=dev)[: len(lens)].to(torch.int32)
         for dtype in (torch.bfloat16, torch.float32):
@@ -242,7 +218,7 @@ def time_prefill(dev: torch.device, res: dict) -> None:
             del inp
     for n in SZ["reference_lens"]:
         inp = gka_inputs(n, torch.bfloat16, dev, gen)
-        cu = torch.tensor([0, n], dtype=torch.int32, device=dev)
+        cu = cu_seqlens([n], dev)
         idx = torch.zeros(1, dtype=torch.int32, device=dev)
         ms = bench(lambda inp=inp, cu=cu, idx=idx, n=n: reference.chunk_gka(
             *inp, h, s, idx, cu, RIDGE, ITERS, scale, 64, cu_seqlens_cpu=[0, n]), dev, rep=50)  # fmt: skip
@@ -255,8 +231,6 @@ def time_prefill(dev: torch.device, res: dict) -> None:
 def profile_kernels(dev: torch.device, res: dict) -> None:
     """Device time per kernel of one default prefill (B=1 T=16384, bf16) and one decode step at the largest batch
     (torch profiler, a few calls after warm-up): which launch the time goes to."""
-    from torch.profiler import ProfilerActivity, profile
-
     from kvfree.kernels.gka import chunk, fused_recurrent
 
     He, D, Dv = SZ["HDV"]
@@ -265,7 +239,7 @@ def profile_kernels(dev: torch.device, res: dict) -> None:
     T = SZ["prefill_lens"][0][0]
     B = max(SZ["decode_batches"])
     pre = gka_inputs(T, torch.bfloat16, dev, gen)
-    cu = torch.tensor([0, T], dtype=torch.int32, device=dev)
+    cu = cu_seqlens([T], dev)
     one = torch.zeros(1, dtype=torch.int32, device=dev)
     dec = gka_inputs(B, torch.bfloat16, dev, gen)
     idx = torch.randperm(SZ["pool"], generator=gen, device=dev)[:B].to(torch.int32)
@@ -273,16 +247,7 @@ def profile_kernels(dev: torch.device, res: dict) -> None:
         "prefill": lambda: chunk.chunk_gka(*pre, h, s, one, cu, RIDGE, ITERS, D**-0.5, 64, cu_seqlens_cpu=[0, T]),
         "decode": lambda: fused_recurrent.fused_recurrent_gka(*dec, h, s, idx, RIDGE, ITERS, D**-0.5),
     }
-    for name, fn in calls.items():
-        fn()
-        sync()
-        with profile(activities=[ProfilerActivity.CUDA]) as prof:
-            for _ in range(3):
-                fn()
-            sync()
-        per = {e.key: e.device_time_total / 3 for e in prof.key_averages() if e.device_time_total > 0}
-        res["profile"][name] = {k: round(v, 1) for k, v in sorted(per.items(), key=lambda kv: -kv[1])}
-        say(f"profile {name} (device us per call): {json.dumps(res['profile'][name])}")
+    profile_device_us(calls, res["profile"], RUN)
 
 
 def time_fla(dev: torch.device, res: dict) -> None:
@@ -325,10 +290,7 @@ HMF_DECODE_US = {1: 30.7, 64: 193.0, 256: 646.4}
 
 def table(res: dict) -> str:
     nan = float("nan")
-    lines = [f"{res['device']}  torch {res['torch']}  triton {res['triton']}  HBM copy {res['hbm_copy_GBps']:.0f} GB/s"]
-    bad = [k for k, v in res["checks"].items() if not v.get("ok")]
-    n_ok = len(res["checks"]) - len(bad)
-    lines.append(f"checks: {n_ok}/{len(res['checks'])} ok" + (f"  FAILED {bad}" if bad else ""))
+    lines = table_head(res)
     for k, v in res["checks"].items():
         if "o_rel" in v:
             lines.append(f"  {k:22s} o {v['o_rel']:.1e}  h {v['h_rel']:.1e}  s {v['s_rel']:.1e}  "
@@ -356,13 +318,8 @@ def table(res: dict) -> str:
 
 
 def main(argv: list[str] | None = None) -> int:
-    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument("--out", default="docs/bench", help="folder for gka.json")
-    ap.add_argument("--skip-fla", action="store_true")
-    ap.add_argument("--smoke", action="store_true", help="tiny sizes on the CPU under the Triton interpreter")
-    a = ap.parse_args(argv)
     global SZ
-    dev = script_device(a.smoke, "kvfree.kernels.bench.gka")
+    a, dev = script_args(argv, __doc__, "gka", ("--skip-fla", None))
     if dev is None:
         return 2
     if a.smoke:
@@ -376,8 +333,7 @@ def main(argv: list[str] | None = None) -> int:
                    "checks": f"decode B={SZ['check_B']}; prefill lens {SZ['check_lens']}"},
         "checks": {}, "decode": {}, "prefill": {}, "profile": {}, "anchors": {}, "errors": [],
     }  # fmt: skip
-    res["hbm_copy_GBps"] = (hbm_bandwidth(dev) or 1e9) / 1e9
-    say(f"{res['device']}: HBM copy {res['hbm_copy_GBps']:.0f} GB/s")
+    measure_hbm(res, dev, RUN)
     steps = [
         ("checks", lambda: check_correctness(dev, res)),
         ("decode", lambda: time_decode(dev, res)),
@@ -387,9 +343,7 @@ def main(argv: list[str] | None = None) -> int:
         steps.append(("profile", lambda: profile_kernels(dev, res)))
     if not a.skip_fla:
         steps.append(("fla", lambda: time_fla(dev, res)))
-    status = run_steps(steps, res, Path(a.out) / "gka.json", RUN)
-    print(table(res), flush=True)
-    return status
+    return run_script(steps, res, Path(a.out) / "gka.json", RUN, table, dev.type)
 
 
 if __name__ == "__main__":

@@ -19,7 +19,6 @@ Writes DIR/lattice.json, prints a short table last, and exits 1 when a check fai
 
 from __future__ import annotations
 
-import argparse
 import itertools
 import json
 import sys
@@ -30,14 +29,17 @@ import torch.nn.functional as F
 
 from kvfree.kernels.benchmarking import (
     RunLog,
+    cu_seqlens,
     environment,
+    graph_matches_eager,
     graph_per_call_ms,
-    hbm_bandwidth,
+    measure_hbm,
     median_ms,
     rel_err,
-    run_steps,
-    script_device,
+    run_script,
+    script_args,
     sync,
+    table_head,
     untouched_equal,
 )
 from kvfree.kernels.common import poisoned_outputs
@@ -98,7 +100,7 @@ def check_correctness(dev: torch.device, res: dict) -> None:
     gen = torch.Generator(device=dev).manual_seed(1)
     tol = {torch.float32: 1e-4, torch.bfloat16: 1e-2}
     lens = SZ["check_lens"]
-    cu = torch.tensor([0, *itertools.accumulate(lens)], dtype=torch.int32, device=dev)
+    cu = cu_seqlens(lens, dev)
     for dtype, forget in itertools.product((torch.float32, torch.bfloat16), (False, True)):
         name = f"{str(dtype).removeprefix('torch.')}{'_mu' if forget else ''}"
         for op, n in (("decode", SZ["check_B"]), ("prefill", sum(lens))):
@@ -124,18 +126,8 @@ def check_correctness(dev: torch.device, res: dict) -> None:
         B = SZ["check_B"]
         inp = lattice_inputs(B, torch.bfloat16, dev, gen)
         pool, idx = make_pool(dev, gen, B)
-        pool2 = pool.clone()
-        fused_recurrent.fused_recurrent_lattice(*inp, pool2, idx)  # compiled before capture
-        pool2.copy_(pool)
-        graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(graph):
-            y_graph = fused_recurrent.fused_recurrent_lattice(*inp, pool2, idx)
-        pool2.copy_(pool)
-        for t, new in zip(inp[:4], lattice_inputs(B, torch.bfloat16, dev, gen)[:4], strict=True):
-            t.copy_(new)
-        graph.replay()
-        y_eager = fused_recurrent.fused_recurrent_lattice(*inp, pool, idx)
-        ok = torch.equal(y_graph, y_eager) and torch.equal(pool, pool2)
+        ok = graph_matches_eager(lambda st: fused_recurrent.fused_recurrent_lattice(*inp, *st, idx), [pool], inp[:4],
+                                 lambda: lattice_inputs(B, torch.bfloat16, dev, gen)[:4])  # fmt: skip
         res["checks"]["decode_cuda_graph"] = {"ok": ok, "equal_to_eager": ok}
         say(f"check decode graph replay equals eager: {ok}")
 
@@ -170,7 +162,7 @@ def time_op(dev: torch.device, res: dict) -> None:
 
     for lens in [*SZ["prefill_lens"], SZ["reference_lens"]]:
         T = sum(lens)
-        cu = torch.tensor([0, *itertools.accumulate(lens)], dtype=torch.int32, device=dev)
+        cu = cu_seqlens(lens, dev)
         cu_cpu = cu.tolist()
         idx = torch.randperm(SZ["pool"], generator=gen, device=dev)[: len(lens)].to(torch.int32)
         inp = lattice_inputs(T, torch.bfloat16, dev, gen)
@@ -193,10 +185,7 @@ def time_op(dev: torch.device, res: dict) -> None:
 
 
 def table(res: dict) -> str:
-    lines = [f"{res['device']}  torch {res['torch']}  triton {res['triton']}  HBM copy {res['hbm_copy_GBps']:.0f} GB/s"]
-    bad = [k for k, v in res["checks"].items() if not v.get("ok")]
-    n_ok = len(res["checks"]) - len(bad)
-    lines.append(f"checks: {n_ok}/{len(res['checks'])} ok" + (f"  FAILED {bad}" if bad else ""))
+    lines = table_head(res)
     for k, v in res["checks"].items():
         if "y_rel" in v:
             lines.append(f"  {k:22s} y {v['y_rel']:.1e}  S {v['state_rel']:.1e}  untouched {v['untouched_equal']}")
@@ -214,12 +203,8 @@ def table(res: dict) -> str:
 
 
 def main(argv: list[str] | None = None) -> int:
-    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument("--out", default="docs/bench", help="folder for lattice.json")
-    ap.add_argument("--smoke", action="store_true", help="tiny sizes on the CPU under the Triton interpreter")
-    a = ap.parse_args(argv)
     global SZ
-    dev = script_device(a.smoke, "kvfree.kernels.bench.lattice")
+    a, dev = script_args(argv, __doc__, "lattice")
     if dev is None:
         return 2
     if a.smoke:
@@ -233,15 +218,12 @@ def main(argv: list[str] | None = None) -> int:
                    "checks": f"decode B={SZ['check_B']}; prefill lens {SZ['check_lens']}"},
         "checks": {}, "decode": {}, "prefill": {}, "errors": [],
     }  # fmt: skip
-    res["hbm_copy_GBps"] = (hbm_bandwidth(dev) or 1e9) / 1e9
-    say(f"{res['device']}: HBM copy {res['hbm_copy_GBps']:.0f} GB/s")
+    measure_hbm(res, dev, RUN)
     steps = [
         ("checks", lambda: check_correctness(dev, res)),
         ("op", lambda: time_op(dev, res)),
     ]
-    status = run_steps(steps, res, Path(a.out) / "lattice.json", RUN)
-    print(table(res), flush=True)
-    return status
+    return run_script(steps, res, Path(a.out) / "lattice.json", RUN, table, dev.type)
 
 
 if __name__ == "__main__":

@@ -19,7 +19,6 @@ Writes DIR/kernels.json and prints a short table last; exits 1 when a check fail
 from __future__ import annotations
 
 import argparse
-import itertools
 import json
 import sys
 import time
@@ -30,6 +29,7 @@ import torch.nn.functional as F
 
 from kvfree.kernels.benchmarking import (
     RunLog,
+    cu_seqlens,
     environment,
     hbm_bandwidth,
     median_ms,
@@ -102,10 +102,6 @@ def empty_cache() -> None:
         torch.cuda.empty_cache()
 
 
-def cu_of(lens: list[int], dev) -> torch.Tensor:
-    return torch.tensor([0, *itertools.accumulate(lens)], dtype=torch.int32, device=dev)
-
-
 def ssd_inputs(T: int, H: int, P: int, N: int, G: int, dtype: torch.dtype, dev, gen) -> dict:
     """Layer-like inputs: x, B, C as strided views of one activation (as the layer splits them), raw dt."""
     xbc = torch.randn(T, H * P + 2 * G * N, generator=gen, device=dev).to(dtype)
@@ -150,7 +146,7 @@ def check_correctness(dev, res: dict) -> None:
 def _check_all(dev, res, cc, cf, cr, mc, mf, mr) -> None:
     gen = torch.Generator(device=dev).manual_seed(1234)
     lens = SZ["check_lens"]
-    cu = cu_of(lens, dev)
+    cu = cu_seqlens(lens, dev)
     cu_cpu = cu.tolist()
     T = sum(lens)
     for name, H, P, N, G, dtype, chunk, lim in SZ["check_ssd"]:
@@ -278,7 +274,7 @@ def time_prefill(dev, res: dict, budget_s: float) -> None:
     for G, lens, chunks, optional in SZ["prefill_plan"]:
         T = sum(lens)
         inp = ssd_inputs(T, H, P, N, G, torch.bfloat16, dev, gen)
-        cu = cu_of(lens, dev)
+        cu = cu_seqlens(lens, dev)
         cu_cpu = cu.tolist()
         idx = torch.randperm(POOL, generator=gen, device=dev)[: len(lens)].to(torch.int32)
         tag = f"G{G}_{f'B1_T{T}' if len(lens) == 1 else f'{len(lens)}x{lens[0]}'}"
@@ -317,7 +313,7 @@ def time_conv(dev, res: dict) -> None:
     pool = torch.randn(POOL, K - 1, Cw, generator=gen, device=dev).bfloat16()
     for lens in SZ["conv_lens"]:
         x = torch.randn(sum(lens), Cw, generator=gen, device=dev).bfloat16()
-        cu = cu_of(lens, dev)
+        cu = cu_seqlens(lens, dev)
         idx = torch.randperm(POOL, generator=gen, device=dev)[: len(lens)].to(torch.int32)
         cu_cpu = cu.tolist()
         ms = bench(lambda x=x, cu=cu, idx=idx, cu_cpu=cu_cpu: cc.chunk_causal_conv1d(

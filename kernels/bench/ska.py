@@ -27,9 +27,7 @@ Writes DIR/ska.json, prints a short table last, and exits 1 when a check fails.
 
 from __future__ import annotations
 
-import argparse
 import functools
-import itertools
 import json
 import sys
 from pathlib import Path
@@ -38,13 +36,15 @@ import torch
 
 from kvfree.kernels.benchmarking import (
     RunLog,
+    cu_seqlens,
     environment,
-    hbm_bandwidth,
+    measure_hbm,
     median_ms,
     rel_err,
-    run_steps,
-    script_device,
+    run_script,
+    script_args,
     sync,
+    table_head,
     untouched_equal,
 )
 from kvfree.kernels.common import poisoned_outputs
@@ -120,7 +120,7 @@ def filled_pool(dev: torch.device, gen: torch.Generator, acc: torch.dtype, n: in
     pool.pos[idx.long()] = 0
     for name in ("G", "M", "C", "z_prev", "m", "J"):
         getattr(pool, name)[idx.long()] = 0
-    cu = torch.tensor([0, *itertools.accumulate(lens)], dtype=torch.int32, device=dev)
+    cu = cu_seqlens(lens, dev)
     z, q, v = ska_inputs(sum(lens), dev, gen)
     kw = op_kw(dev)
     reference.chunk_ska(z, q, v, pool, idx, cu, **kw, cu_seqlens_cpu=cu.tolist())
@@ -176,7 +176,7 @@ def check_correctness(dev: torch.device, res: dict) -> None:
         lens = SZ["check_lens"]
         pool, idx = filled_pool(dev, gen, acc, len(lens))
         want, before = f64_stats(pool), clone(pool)
-        cu = torch.tensor([0, *itertools.accumulate(lens)], dtype=torch.int32, device=dev)
+        cu = cu_seqlens(lens, dev)
         z, q, v = ska_inputs(sum(lens), dev, gen, dtype)
         with poisoned_outputs():
             y = chunk.chunk_ska(z, q, v, pool, idx, cu, **kw, cu_seqlens_cpu=cu.tolist())
@@ -301,7 +301,7 @@ def time_prefill(dev: torch.device, res: dict) -> None:
         for lens in SZ["prefill_lens"]:
             T = sum(lens)
             tag = f"{acc_name}_B1_T{T}" if len(lens) == 1 else f"{acc_name}_{len(lens)}x{lens[0]}"
-            cu = torch.tensor([0, *itertools.accumulate(lens)], dtype=torch.int32, device=dev)
+            cu = cu_seqlens(lens, dev)
             cu_cpu = cu.tolist()
             idx = torch.randperm(SZ["pool"], generator=gen, device=dev)[: len(lens)].to(torch.int32)
             z, q, v = ska_inputs(T, dev, gen)
@@ -372,11 +372,7 @@ def drift(dev: torch.device, res: dict) -> None:
 
 
 def table(res: dict) -> str:
-    lines = [f"{res['device']}  torch {res['torch']}  triton {res['triton']}  HBM copy {res['hbm_copy_GBps']:.0f} GB/s"]
-    bad = [k for k, v in res["checks"].items() if not v.get("ok")]
-    lines.append(
-        f"checks: {len(res['checks']) - len(bad)}/{len(res['checks'])} ok" + (f"  FAILED {bad}" if bad else "")
-    )
+    lines = table_head(res)
     for k, v in res["checks"].items():
         if "y_rel" in v:
             worst = max((x for n, x in v.items() if n.endswith("_rel")), default=float("nan"))
@@ -398,13 +394,8 @@ def table(res: dict) -> str:
 
 
 def main(argv: list[str] | None = None) -> int:
-    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument("--out", default="docs/bench", help="folder for ska.json")
-    ap.add_argument("--smoke", action="store_true", help="tiny sizes on the CPU under the Triton interpreter")
-    ap.add_argument("--skip-drift", action="store_true")
-    a = ap.parse_args(argv)
     global SZ
-    dev = script_device(a.smoke, "kvfree.kernels.bench.ska")
+    a, dev = script_args(argv, __doc__, "ska", ("--skip-drift", None))
     if dev is None:
         return 2
     if a.smoke:
@@ -418,8 +409,7 @@ def main(argv: list[str] | None = None) -> int:
                    "drift": f"{SZ['drift_T']} tokens, one session"},
         "checks": {}, "decode": {}, "prefill": {}, "drift": {}, "errors": [],
     }  # fmt: skip
-    res["hbm_copy_GBps"] = (hbm_bandwidth(dev) or 1e9) / 1e9
-    say(f"{res['device']}: HBM copy {res['hbm_copy_GBps']:.0f} GB/s")
+    measure_hbm(res, dev, RUN)
     steps = [
         ("checks", lambda: check_correctness(dev, res)),
         ("decode", lambda: time_decode(dev, res)),
@@ -427,9 +417,7 @@ def main(argv: list[str] | None = None) -> int:
     ]
     if not a.skip_drift:
         steps.append(("drift", lambda: drift(dev, res)))
-    status = run_steps(steps, res, Path(a.out) / "ska.json", RUN)
-    print(table(res), flush=True)
-    return status
+    return run_script(steps, res, Path(a.out) / "ska.json", RUN, table, dev.type)
 
 
 if __name__ == "__main__":

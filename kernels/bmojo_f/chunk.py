@@ -14,7 +14,8 @@ chunk (`k_ctx` entry p % W, `k_fade` entry p % 2W, read where they lie in the po
 packed keys. Key ranges are cut so that no block is loaded that every query of the program masks out (the band of
 the block's first query to that of its last, positions >= 0), and only the blocks at a band's two edges and at the
 ring/chunk seam evaluate a mask: the bulk is plain `q k^T` and `p v` tensor-core dots (bf16/fp16 operands, fp32
-accumulation) on pipelined `for` loops. No score matrix is built: a query's work is its 2W keys, whatever T is.
+accumulation) on pipelined `for` loops (attention's, `kvfree.kernels.attention.online_softmax.key_range`, given the
+band). No score matrix is built: a query's work is its 2W keys, whatever T is.
 
 The rings are written after every program has read them (a ring entry the chunk overwrites may still be in an earlier
 query's band): `_ring_write_kernel`, one program per (query block, KV head), stores each sequence's last W in-context
@@ -31,78 +32,12 @@ import triton
 import triton.language as tl
 
 from .. import common
+from ..attention.online_softmax import LOG2E, key_range, prefill_config
 from ..dispatch import chunk_metadata, host_cu_seqlens
 from ..launcher import launch_kernel
+from .reference import check_rings
 
 _INTERPRET = os.environ.get("TRITON_INTERPRET", "0") in ("1", "true", "True")
-LOG2E = 1.4426950408889634
-
-
-@triton.jit
-def _key_block(
-    acc, m_i, l_i, qv, qp, k_base, v_base, stride_k, stride_v, start, shift, kend, ring, lo_off, hi_off, scale, cols,
-    m_cols, BLOCK_N: tl.constexpr, RING: tl.constexpr, MASK: tl.constexpr, DPAD: tl.constexpr, PREC: tl.constexpr,
-    INTERP: tl.constexpr,
-):  # fmt: skip
-    """Keys at positions start .. start+BLOCK_N-1 folded into the online softmax of the queries at positions `qp`.
-
-    A key's row is `p % ring` of a ring or `p - shift` (its offset in the packed sequence). MASK: some key of the
-    block may be at or past `kend`, or outside a query's band [qp - lo_off, qp - hi_off]: evaluate it.
-    """
-    kp = start + tl.arange(0, BLOCK_N)
-    row = kp % ring if RING else kp - shift
-    k_ptr = k_base + row[:, None] * stride_k + cols[None, :]
-    v_ptr = v_base + row[:, None] * stride_v + cols[None, :]
-    if MASK:
-        m_k = kp < kend
-        ld = m_k[:, None] & m_cols[None, :] if DPAD else m_k[:, None]
-        kb = tl.load(k_ptr, mask=ld, other=0.0)
-        vb = tl.load(v_ptr, mask=ld, other=0.0)
-    elif DPAD:
-        kb = tl.load(k_ptr, mask=m_cols[None, :], other=0.0)
-        vb = tl.load(v_ptr, mask=m_cols[None, :], other=0.0)
-    else:
-        kb = tl.load(k_ptr)
-        vb = tl.load(v_ptr)
-    if INTERP:  # the interpreter's bf16 dots are wrong (triton 3.6): fp32 operands
-        kb = kb.to(tl.float32)
-        vb = vb.to(tl.float32)
-    else:  # rings in another dtype than the queries: widened or narrowed in registers
-        kb = kb.to(qv.dtype)
-        vb = vb.to(qv.dtype)
-    s = tl.dot(qv, tl.trans(kb), input_precision=PREC)  # [BLOCK_M, BLOCK_N], fp32
-    if MASK:
-        ok = (kp[None, :] >= qp[:, None] - lo_off) & (kp[None, :] <= qp[:, None] - hi_off) & m_k[None, :]
-        s = tl.where(ok, s, float("-inf"))
-    # scale > 0 (log2(e) / sqrt(D)): max(s) * scale = max(s * scale), one multiply per row.
-    m_new = tl.maximum(m_i, tl.max(s, 1) * scale)
-    p = tl.exp2(s * scale - m_new[:, None])
-    alpha = tl.exp2(m_i - m_new)
-    l_i = l_i * alpha + tl.sum(p, 1)
-    acc = tl.dot(p.to(vb.dtype), vb, acc * alpha[:, None], input_precision=PREC)
-    return acc, m_new, l_i
-
-
-@triton.jit
-def _key_range(
-    acc, m_i, l_i, qv, qp, k_base, v_base, stride_k, stride_v, lo, hi, shift, kend, ring, lo_off, hi_off, scale,
-    cols, m_cols, BLOCK_N: tl.constexpr, RING: tl.constexpr, MASK: tl.constexpr, DPAD: tl.constexpr,
-    PREC: tl.constexpr, INTERP: tl.constexpr,
-):  # fmt: skip
-    """`_key_block` for the blocks starting at lo, lo + BLOCK_N, ... below hi."""
-    if INTERP:  # the interpreter (triton 3.6, numpy >= 2.4) cannot take range() of a loaded scalar
-        start = lo
-        while start < hi:
-            acc, m_i, l_i = _key_block(acc, m_i, l_i, qv, qp, k_base, v_base, stride_k, stride_v, start, shift, kend,
-                                       ring, lo_off, hi_off, scale, cols, m_cols, BLOCK_N, RING, MASK, DPAD, PREC,
-                                       INTERP)  # fmt: skip
-            start += BLOCK_N
-    else:  # a `for` loop, so that the compiler pipelines the next blocks' loads under this one's dots
-        for start in range(lo, hi, BLOCK_N):
-            acc, m_i, l_i = _key_block(acc, m_i, l_i, qv, qp, k_base, v_base, stride_k, stride_v, start, shift, kend,
-                                       ring, lo_off, hi_off, scale, cols, m_cols, BLOCK_N, RING, MASK, DPAD, PREC,
-                                       INTERP)  # fmt: skip
-    return acc, m_i, l_i
 
 
 @triton.jit
@@ -120,19 +55,19 @@ def _source(
         ub = tl.minimum(f1, b)
         mid = tl.minimum(a + tl.cdiv(tl.maximum(ua - a, 0), BLOCK_N) * BLOCK_N, b)
         full = mid + tl.maximum(ub - mid, 0) // BLOCK_N * BLOCK_N
-        acc, m_i, l_i = _key_range(acc, m_i, l_i, qv, qp, k_base, v_base, stride_k, stride_v, a, mid, shift, b, ring,
-                                   lo_off, hi_off, scale, cols, m_cols, BLOCK_N, RING, True, DPAD, PREC,
-                                   INTERP)  # fmt: skip
-        acc, m_i, l_i = _key_range(acc, m_i, l_i, qv, qp, k_base, v_base, stride_k, stride_v, mid, full, shift, b,
-                                   ring, lo_off, hi_off, scale, cols, m_cols, BLOCK_N, RING, False, DPAD, PREC,
-                                   INTERP)  # fmt: skip
-        acc, m_i, l_i = _key_range(acc, m_i, l_i, qv, qp, k_base, v_base, stride_k, stride_v, full, b, shift, b,
-                                   ring, lo_off, hi_off, scale, cols, m_cols, BLOCK_N, RING, True, DPAD, PREC,
-                                   INTERP)  # fmt: skip
+        acc, m_i, l_i = key_range(acc, m_i, l_i, qv, qp, k_base, v_base, stride_k, stride_v, a, mid, shift, b, ring,
+                                  lo_off, hi_off, scale, cols, m_cols, BLOCK_N, RING, True, True, DPAD, True, PREC,
+                                  INTERP, False)  # fmt: skip
+        acc, m_i, l_i = key_range(acc, m_i, l_i, qv, qp, k_base, v_base, stride_k, stride_v, mid, full, shift, b,
+                                  ring, lo_off, hi_off, scale, cols, m_cols, BLOCK_N, RING, False, True, DPAD, True,
+                                  PREC, INTERP, False)  # fmt: skip
+        acc, m_i, l_i = key_range(acc, m_i, l_i, qv, qp, k_base, v_base, stride_k, stride_v, full, b, shift, b,
+                                  ring, lo_off, hi_off, scale, cols, m_cols, BLOCK_N, RING, True, True, DPAD, True,
+                                  PREC, INTERP, False)  # fmt: skip
     else:
-        acc, m_i, l_i = _key_range(acc, m_i, l_i, qv, qp, k_base, v_base, stride_k, stride_v, a, b, shift, b, ring,
-                                   lo_off, hi_off, scale, cols, m_cols, BLOCK_N, RING, True, DPAD, PREC,
-                                   INTERP)  # fmt: skip
+        acc, m_i, l_i = key_range(acc, m_i, l_i, qv, qp, k_base, v_base, stride_k, stride_v, a, b, shift, b, ring,
+                                  lo_off, hi_off, scale, cols, m_cols, BLOCK_N, RING, True, True, DPAD, True, PREC,
+                                  INTERP, False)  # fmt: skip
     return acc, m_i, l_i
 
 
@@ -142,11 +77,12 @@ def _band(
     lo_off, hi_off, scale, cols, m_cols, BLOCK_N: tl.constexpr, EDGES: tl.constexpr, DPAD: tl.constexpr,
     PREC: tl.constexpr, INTERP: tl.constexpr,
 ):  # fmt: skip
-    """One band (query i sees keys i - lo_off .. i - hi_off) for the queries at positions qs .. qe: keys before the
-    chunk (positions [0, n)) from the ring, then the chunk's own (positions [n, n + t_n))."""
-    u0 = qs - lo_off  # the keys some query sees: [u0, u1)
+    """One band (query i sees keys i - lo_off + 1 .. i - hi_off: `key_block`'s band (i - lo_off, i - hi_off]) for the
+    queries at positions qs .. qe: keys before the chunk (positions [0, n)) from the ring, then the chunk's own
+    (positions [n, n + t_n))."""
+    u0 = qs - lo_off + 1  # the keys some query sees: [u0, u1)
     u1 = qe - hi_off + 1
-    f0 = qe - lo_off  # the keys every query sees: [f0, f1)
+    f0 = qe - lo_off + 1  # the keys every query sees: [f0, f1)
     f1 = qs - hi_off + 1
     acc, m_i, l_i = _source(acc, m_i, l_i, qv, qp, r_k, r_v, stride_rk, stride_rv, tl.maximum(u0, 0),
                             tl.minimum(u1, n), f0, f1, 0, ring, lo_off, hi_off, scale, cols, m_cols, BLOCK_N, True,
@@ -211,7 +147,7 @@ def _prefill_kernel(
                           v_ctx + slot * stride_vc_s + i_kh * stride_vc_h, stride_kc_t, stride_vc_t, W,
                           k + bos.to(tl.int64) * stride_kt + i_kh * stride_kh,
                           v + bos.to(tl.int64) * stride_vt + i_kh * stride_vh, stride_kt, stride_vt,
-                          W - 1, 0, qk_scale, cols, m_cols, BLOCK_N, EDGES, DPAD, PREC, INTERP)  # fmt: skip
+                          W, 0, qk_scale, cols, m_cols, BLOCK_N, EDGES, DPAD, PREC, INTERP)  # fmt: skip
     # The fading band, keys i-2W+1 .. i-W, scored by qf (loaded now: one query tile in registers at a time).
     qfv = tl.load(qf + tok[:, None] * stride_qft + i_h * stride_qfh + cols[None, :], mask=m_q, other=0.0)
     if INTERP:
@@ -221,7 +157,7 @@ def _prefill_kernel(
                           v_fade + slot * stride_vf_s + i_kh * stride_vf_h, stride_kf_t, stride_vf_t, 2 * W,
                           kf + bos.to(tl.int64) * stride_kft + i_kh * stride_kfh,
                           vf + bos.to(tl.int64) * stride_vft + i_kh * stride_vfh, stride_kft, stride_vft,
-                          2 * W - 1, W, qk_scale, cols, m_cols, BLOCK_N, EDGES, DPAD, PREC, INTERP)  # fmt: skip
+                          2 * W, W, qk_scale, cols, m_cols, BLOCK_N, EDGES, DPAD, PREC, INTERP)  # fmt: skip
 
     # Every real query sees itself, so l > 0 on its row; rows past the sequence's end are not stored.
     out = acc / tl.where(l_i > 0, l_i, 1.0)[:, None]
@@ -273,15 +209,17 @@ def _ring_write_kernel(
         tl.store(length + slot, n64 + t_n)
 
 
-def _config(dtype: torch.dtype, D: int) -> tuple[int, int, int, int]:
-    """(BLOCK_M, BLOCK_N, num_warps, num_stages) for queries of `dtype` and head dim D."""
-    if _INTERPRET:  # small blocks: the tests' short sequences and windows cross block boundaries
-        return 16, 16, 4, 1
-    if dtype == torch.float32:  # IEEE fp32 dots: no tensor cores to feed, registers are the limit
-        return 64, 32, 4, 2
-    if D <= 64:
-        return 128, 64, 4, 3
-    return 128, 64, 8, 3
+def ring_strides(*rings: torch.Tensor) -> tuple[int, ...]:
+    """The ring pools' strides (session, entry, KV head), in the kernels' argument order (k_ctx, v_ctx, k_fade,
+    v_fade)."""
+    return tuple(s for ring in rings for s in ring.stride()[:3])
+
+
+def sessions(length: torch.Tensor, state_indices: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """(the sessions' pool rows, int32 or int64 as given, else int64; their lengths before the step, a copy taken
+    before the kernels that write `length`)."""
+    idx = state_indices if state_indices.dtype in (torch.int32, torch.int64) else state_indices.to(torch.int64)
+    return idx, length.index_select(0, idx)
 
 
 def launch(
@@ -308,39 +246,31 @@ def launch(
     num_stages: int | None = None,
     edges: bool | None = None,
 ) -> torch.Tensor:
-    """`chunk_bmojo_f_attention` with the launch configuration open (the bench's sweep): BLOCK_M, BLOCK_N (dividing
-    BLOCK_M), warps and pipeline stages of the attention kernel; `edges` (default: compiled, not interpreted) masks
-    only the blocks at the bands' edges, else every block."""
+    """Triton `kvfree.kernels.bmojo_f.chunk_bmojo_f_attention` (same arguments and result; see its docstring), with
+    the launch configuration open (the bench's sweep): BLOCK_M, BLOCK_N (dividing BLOCK_M), warps and pipeline stages
+    of the attention kernel; `edges` (default: compiled, not interpreted) masks only the blocks at the bands' edges,
+    else every block."""
     T, Hq, D = q.shape
     Hkv, W = k.shape[1], window
-    if k_ctx.shape[1] != W or k_fade.shape[1] != 2 * W:
-        raise ValueError(f"window={W}: the rings must hold {W} and {2 * W} entries, got {k_ctx.shape[1]} and "
-                         f"{k_fade.shape[1]}")  # fmt: skip
+    check_rings(k_ctx, k_fade, W)
     cu = host_cu_seqlens(cu_seqlens, cu_seqlens_cpu, T)
-    bm, bn, warps, stages = _config(q.dtype, D)
-    bm, bn = block_m or bm, block_n or bn
-    warps, stages = num_warps or warps, num_stages or stages
-    if bm % bn:
-        raise ValueError(f"block_n={bn} must divide block_m={bm}")
+    # fp32 queries: IEEE fp32 dots over (at most) 2W keys a query, 64-row query blocks at 4 warps.
+    bm, bn, warps, stages = prefill_config(q.dtype, D, block_m, block_n, num_warps, num_stages, fp32=(64, 32, 4, 2))
     out = common.output_buffer((T, Hq, D), q.dtype, q.device)
     blocks, _, n_blocks = chunk_metadata(cu, bm, q.device)
     if n_blocks == 0:
         return out
-    idx = state_indices if state_indices.dtype in (torch.int32, torch.int64) else state_indices.to(torch.int64)
-    past = length.index_select(0, idx)  # read by both launches; the second writes `length`
+    idx, past = sessions(length, state_indices)  # past: read by both launches; the second writes `length`
     cu_dev = cu_seqlens.to(device=q.device, dtype=torch.int32)
     q, k, v, qf, kf, vf = (t if t.stride(-1) == 1 else t.contiguous() for t in (q, k, v, qf, kf, vf))
     block_d = max(16, common.next_power_of_2(D))
-    ring_strides = (
-        k_ctx.stride(0), k_ctx.stride(1), k_ctx.stride(2), v_ctx.stride(0), v_ctx.stride(1), v_ctx.stride(2),
-        k_fade.stride(0), k_fade.stride(1), k_fade.stride(2), v_fade.stride(0), v_fade.stride(1), v_fade.stride(2),
-    )  # fmt: skip
+    rings = ring_strides(k_ctx, v_ctx, k_fade, v_fade)
     new_strides = (k.stride(0), k.stride(1), v.stride(0), v.stride(1), kf.stride(0), kf.stride(1), vf.stride(0),
                    vf.stride(1))  # fmt: skip
     launch_kernel(_prefill_kernel, (n_blocks * Hq,),
         q, k, v, qf, kf, vf, k_ctx, v_ctx, k_fade, v_fade, out, past, idx, cu_dev, blocks,
         q.stride(0), q.stride(1), qf.stride(0), qf.stride(1), *new_strides, out.stride(0), out.stride(1),
-        *ring_strides, scale * LOG2E, W, n_blocks,
+        *rings, scale * LOG2E, W, n_blocks,
         HQ=Hq, G=Hq // Hkv, D=D, BLOCK_D=block_d, BLOCK_M=bm, BLOCK_N=bn,
         EDGES=not _INTERPRET if edges is None else edges,
         # fp32 queries: IEEE fp32 dots, not tf32. The interpreter is always told "ieee" (it mishandles "tf32").
@@ -349,30 +279,10 @@ def launch(
     )  # fmt: skip
     launch_kernel(_ring_write_kernel, (n_blocks, Hkv),
         k, v, kf, vf, k_ctx, v_ctx, k_fade, v_fade, past, idx, cu_dev, blocks, length, *new_strides,
-        *ring_strides, W, D=D, BLOCK_D=block_d, BLOCK_M=bm,
+        *rings, W, D=D, BLOCK_D=block_d, BLOCK_M=bm,
     )  # fmt: skip
     return out
 
 
-def chunk_bmojo_f_attention(
-    q: torch.Tensor,
-    k: torch.Tensor,
-    v: torch.Tensor,
-    qf: torch.Tensor,
-    kf: torch.Tensor,
-    vf: torch.Tensor,
-    k_ctx: torch.Tensor,
-    v_ctx: torch.Tensor,
-    k_fade: torch.Tensor,
-    v_fade: torch.Tensor,
-    length: torch.Tensor,
-    state_indices: torch.Tensor,
-    cu_seqlens: torch.Tensor,
-    window: int,
-    scale: float,
-    *,
-    cu_seqlens_cpu: torch.Tensor | list[int] | tuple[int, ...] | None = None,
-) -> torch.Tensor:
-    """Triton `kvfree.kernels.bmojo_f.chunk_bmojo_f_attention` (same arguments and result; see its docstring)."""
-    return launch(q, k, v, qf, kf, vf, k_ctx, v_ctx, k_fade, v_fade, length, state_indices, cu_seqlens, window, scale,
-                  cu_seqlens_cpu=cu_seqlens_cpu)  # fmt: skip
+# The op (the reference's arguments and result) is `launch` at its default configuration.
+chunk_bmojo_f_attention = launch

@@ -33,6 +33,8 @@ import triton.language as tl
 
 from .. import common
 from ..launcher import launch_kernel
+from .chunk import ring_strides, sessions
+from .reference import check_rings
 
 _INTERPRET = os.environ.get("TRITON_INTERPRET", "0") in ("1", "true", "True")
 LOG2E = 1.4426950408889634
@@ -224,13 +226,12 @@ def launch(
     num_warps: int | None = None,
     num_stages: int | None = None,
 ) -> torch.Tensor:
-    """`fused_recurrent_bmojo_f_attention` with the launch configuration open (the bench's sweep): `splits` of the
-    key axis (None: by the batch and the GPU), BLOCK_N, warps and pipeline stages."""
+    """Triton `kvfree.kernels.bmojo_f.fused_recurrent_bmojo_f_attention` (same arguments and result; see its
+    docstring), with the launch configuration open (the bench's sweep): `splits` of the key axis (None: by the batch
+    and the GPU), BLOCK_N, warps and pipeline stages."""
     B, Hq, D = q.shape
     Hkv, W = k.shape[1], window
-    if k_ctx.shape[1] != W or k_fade.shape[1] != 2 * W:
-        raise ValueError(f"window={W}: the rings must hold {W} and {2 * W} entries, got {k_ctx.shape[1]} and "
-                         f"{k_fade.shape[1]}")  # fmt: skip
+    check_rings(k_ctx, k_fade, W)
     dev = q.device
     bn = block_n or (16 if _INTERPRET else 64)
     n_splits, split_len = _splits(B, Hkv, W, dev, bn)
@@ -240,8 +241,7 @@ def launch(
     out = common.output_buffer((B, Hq, D), q.dtype, dev)
     if B == 0:
         return out
-    idx = state_indices if state_indices.dtype in (torch.int32, torch.int64) else state_indices.to(torch.int64)
-    past = length.index_select(0, idx)  # read by every program; `length` is written in the launch
+    idx, past = sessions(length, state_indices)  # past: read by every program; `length` is written in the launch
     split = n_splits > 1
     if split:
         o_part = common.output_buffer((B, Hq, n_splits, D), torch.float32, dev)
@@ -261,9 +261,7 @@ def launch(
         q, k, v, qf, kf, vf, k_ctx, v_ctx, k_fade, v_fade, past, idx, length, out, o_part, m_part, l_part,
         q.stride(0), q.stride(1), qf.stride(0), qf.stride(1), k.stride(0), k.stride(1), v.stride(0), v.stride(1),
         kf.stride(0), kf.stride(1), vf.stride(0), vf.stride(1),
-        k_ctx.stride(0), k_ctx.stride(1), k_ctx.stride(2), v_ctx.stride(0), v_ctx.stride(1), v_ctx.stride(2),
-        k_fade.stride(0), k_fade.stride(1), k_fade.stride(2), v_fade.stride(0), v_fade.stride(1), v_fade.stride(2),
-        out.stride(0), out.stride(1), pb, ph, ps,
+        *ring_strides(k_ctx, v_ctx, k_fade, v_fade), out.stride(0), out.stride(1), pb, ph, ps,
         scale * LOG2E, W, split_len,
         G=Hq // Hkv, BLOCK_G=max(16, common.next_power_of_2(Hq // Hkv)), D=D,
         BLOCK_D=max(16, common.next_power_of_2(D)), BLOCK_N=bn, SPLIT=split,
@@ -279,22 +277,5 @@ def launch(
     return out
 
 
-def fused_recurrent_bmojo_f_attention(
-    q: torch.Tensor,
-    k: torch.Tensor,
-    v: torch.Tensor,
-    qf: torch.Tensor,
-    kf: torch.Tensor,
-    vf: torch.Tensor,
-    k_ctx: torch.Tensor,
-    v_ctx: torch.Tensor,
-    k_fade: torch.Tensor,
-    v_fade: torch.Tensor,
-    length: torch.Tensor,
-    state_indices: torch.Tensor,
-    window: int,
-    scale: float,
-) -> torch.Tensor:
-    """Triton `kvfree.kernels.bmojo_f.fused_recurrent_bmojo_f_attention` (same arguments and result; see its
-    docstring)."""
-    return launch(q, k, v, qf, kf, vf, k_ctx, v_ctx, k_fade, v_fade, length, state_indices, window, scale)
+# The op (the reference's arguments and result) is `launch` at its default configuration.
+fused_recurrent_bmojo_f_attention = launch

@@ -123,6 +123,14 @@ def bmojo_f_attention(
     return _attend_bands(q, qf, kc, vc, kff, vff, past, W, scale).to(q.dtype)
 
 
+def check_rings(k_ctx: torch.Tensor, k_fade: torch.Tensor, window: int) -> None:
+    """Raises ValueError unless the rings hold W in-context and 2W fading entries a session (the ops' check)."""
+    W = window
+    if k_ctx.shape[1] != W or k_fade.shape[1] != 2 * W:
+        raise ValueError(f"window={W}: the rings must hold {W} and {2 * W} entries, got {k_ctx.shape[1]} and "
+                         f"{k_fade.shape[1]}")  # fmt: skip
+
+
 def _ring_keys(ring: torch.Tensor, rows: torch.Tensor, first: torch.Tensor, count: int) -> torch.Tensor:
     """`count` ring entries per session from position `first` `[N]` on, in position order -> `[N, count, Hkv, D]`;
     positions below 0 read as zeros (they hold nothing of the session's; a new session's ring may hold stale rows)."""
@@ -207,9 +215,7 @@ def chunk_bmojo_f_attention(
         rings receive each sequence's last W (resp. 2W) keys and values and length grows by T_i.
     """
     W = window
-    if k_ctx.shape[1] != W or k_fade.shape[1] != 2 * W:
-        raise ValueError(f"window={W}: the rings must hold {W} and {2 * W} entries, got {k_ctx.shape[1]} and "
-                         f"{k_fade.shape[1]}")  # fmt: skip
+    check_rings(k_ctx, k_fade, W)
     cu = host_cu_seqlens(cu_seqlens, cu_seqlens_cpu, q.shape[0])
     idx = state_indices.to(torch.int64)
     past_all = length.index_select(0, idx)
