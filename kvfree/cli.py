@@ -351,7 +351,7 @@ def build_parser() -> argparse.ArgumentParser:
         required=True,
         choices=["hf-mamba2", "hf-qwen3", "hmf"],
         help="source format: hf-mamba2 / hf-qwen3 = a Hugging Face Mamba2ForCausalLM / Qwen3ForCausalLM directory; "
-        "hmf = a hybrid-model-factory hybrid_qwen3 directory (Qwen3 with GKA or SWA layers)",
+        "hmf = a hybrid-model-factory hybrid_qwen3 directory (Qwen3 with SWA, GKA, GDN, Mamba-2 or B'MOJO-F layers)",
     )
     p.add_argument("src", type=Path)
     p.add_argument("dst", type=Path)
