@@ -105,78 +105,70 @@ def _check_derived(raw: dict[str, Any], derived: dict[str, Any], section: str, w
                 raise CheckpointError(f"{where}: {section}.{key} is {got!r} but the model's shape implies {want!r}")
 
 
-def gka_config(hf: dict[str, Any], attention: dict[str, Any], where: Path) -> dict[str, Any]:
-    """Our `gka` sub-config from hmf's `gka_config` (plus the vLLM plugin's `gka_overrides`) and the attention
-    shape the GKA layers were primed from: query heads = attention heads, key and value heads = KV heads."""
-    raw = hf.get("gka_config") or {}
+def _grouped_heads_config(
+    raw: Any, section: str, defaults: dict[str, Any], flags: tuple[str, ...], hf: dict[str, Any],
+    attention: dict[str, Any], where: Path,
+) -> tuple[dict[str, Any], dict[str, Any]]:  # fmt: skip
+    """What hmf's GKA and GDN sub-configs share: the section checked (an object, its derived head shape agreeing with
+    the attention it was primed from, no unknown key, `flags` booleans), merged over `defaults`; and our config's
+    head shape (query heads = attention heads, key and value heads = KV heads), short-conv width and low-rank k/v
+    expansion. Returns (the merged hmf section, our sub-config so far)."""
     if not isinstance(raw, dict):
-        raise CheckpointError(f"{where}: gka_config must be an object, got {raw!r}")
-    raw = raw | (hf.get("gka_overrides") or {})
+        raise CheckpointError(f"{where}: {section} must be an object, got {raw!r}")
+    raw = dict(raw)
     # hmf saves the derived head shape beside the user keys; they must agree with the attention it was primed from.
     Hq, Hkv = attention["num_heads"], attention["num_kv_heads"]
     _check_derived(raw, {"hidden_size": hf.get("hidden_size"), "head_dim": attention["head_dim"], "num_q_heads": Hq,
-                         "num_k_heads": Hkv, "num_v_heads": Hkv}, "gka_config", where)  # fmt: skip
-    unknown = sorted(set(raw) - set(GKA_DEFAULTS))
+                         "num_k_heads": Hkv, "num_v_heads": Hkv}, section, where)  # fmt: skip
+    unknown = sorted(set(raw) - set(defaults))
     if unknown:
-        raise CheckpointError(f"{where}: unknown gka_config key {unknown[0]!r} (known: {sorted(GKA_DEFAULTS)})")
-    c = GKA_DEFAULTS | raw
-    for key in _GKA_FLAGS:
+        raise CheckpointError(f"{where}: unknown {section} key {unknown[0]!r} (known: {sorted(defaults)})")
+    c = defaults | raw
+    for key in flags:
         hf_common.flag(c, key, where)
+    out = {
+        "num_heads": max(Hq, Hkv), "head_dim": attention["head_dim"], "num_q_heads": Hq, "num_k_heads": Hkv,
+        "num_v_heads": Hkv, "conv_kernel": hf_common.positive_int(c, "conv_size", where),
+        "norm_eps": float(hf_common.positive_number(c, "norm_eps", where)), "use_gate": c["use_gate"],
+    }  # fmt: skip
+    # hmf applies the low-rank expansion only where some head count is expanded; elsewhere its weights go unused.
+    if c["kv_proj_rank"] is not None and Hkv < out["num_heads"]:
+        out["kv_proj_rank"] = hf_common.positive_int(c, "kv_proj_rank", where)
+        out["kv_learnable_residual"] = c["kv_learnable_residual"]
+    return c, out
+
+
+def gka_config(hf: dict[str, Any], attention: dict[str, Any], where: Path) -> dict[str, Any]:
+    """Our `gka` sub-config from hmf's `gka_config` (plus the vLLM plugin's `gka_overrides`) and the attention
+    shape the GKA layers were primed from."""
+    raw = hf.get("gka_config") or {}
+    raw = raw | (hf.get("gka_overrides") or {}) if isinstance(raw, dict) else raw
+    c, out = _grouped_heads_config(raw, "gka_config", GKA_DEFAULTS, _GKA_FLAGS, hf, attention, where)
     if c["solver_type"] != "chebyshev":
         raise CheckpointError(f"{where}: gka_config.solver_type is {c['solver_type']!r}; only 'chebyshev' exists")
     num_iter = c["num_iter"]
     if not isinstance(num_iter, int) or isinstance(num_iter, bool) or num_iter < 0:
         raise CheckpointError(f"{where}: gka_config.num_iter must be an integer >= 0, got {num_iter!r}")
-    out = {
-        "num_heads": max(Hq, Hkv), "head_dim": attention["head_dim"], "num_q_heads": Hq, "num_k_heads": Hkv,
-        "num_v_heads": Hkv, "conv_kernel": hf_common.positive_int(c, "conv_size", where),
-        "chunk_size": hf_common.positive_int(c, "chunk_size", where), "num_iter": max(num_iter, 1),
-        "use_solver": num_iter > 0, "ridge_strength": float(hf_common.positive_number(c, "ridge_strength", where)),
-        "norm_eps": float(hf_common.positive_number(c, "norm_eps", where)),
-    }  # fmt: skip
+    out |= {"chunk_size": hf_common.positive_int(c, "chunk_size", where), "num_iter": max(num_iter, 1),
+            "use_solver": num_iter > 0, "ridge_strength": float(hf_common.positive_number(c, "ridge_strength", where))}
     # use_forgetting_gate_kk = false: the key covariance never decays while the state does (hmf: gk = None).
-    for key in ("use_v_conv", "use_beta_gate", "use_alpha_connection", "use_gate", "gla_rescale",
-                "use_forgetting_gate", "use_forgetting_gate_kk"):  # fmt: skip
+    for key in ("use_v_conv", "use_beta_gate", "use_alpha_connection", "gla_rescale", "use_forgetting_gate",
+                "use_forgetting_gate_kk"):  # fmt: skip
         out[key] = c[key]
-    # hmf applies the low-rank expansion only where some head count is expanded; elsewhere its weights go unused.
-    if c["kv_proj_rank"] is not None and Hkv < out["num_heads"]:
-        out["kv_proj_rank"] = hf_common.positive_int(c, "kv_proj_rank", where)
-        out["kv_learnable_residual"] = c["kv_learnable_residual"]
     return out
 
 
 def gdn_config(hf: dict[str, Any], attention: dict[str, Any], where: Path) -> dict[str, Any]:
     """Our `gdn` sub-config from hmf's `gdn_config` and the attention shape the GDN layers were primed from (hmf's
-    `_construct_from_transformer`): query heads = attention heads, key and value heads = KV heads."""
-    raw = hf.get("gdn_config") or {}
-    if not isinstance(raw, dict):
-        raise CheckpointError(f"{where}: gdn_config must be an object, got {raw!r}")
-    raw = dict(raw)
-    Hq, Hkv = attention["num_heads"], attention["num_kv_heads"]
-    _check_derived(raw, {"hidden_size": hf.get("hidden_size"), "head_dim": attention["head_dim"], "num_q_heads": Hq,
-                         "num_k_heads": Hkv, "num_v_heads": Hkv}, "gdn_config", where)  # fmt: skip
-    unknown = sorted(set(raw) - set(GDN_DEFAULTS))
-    if unknown:
-        raise CheckpointError(f"{where}: unknown gdn_config key {unknown[0]!r} (known: {sorted(GDN_DEFAULTS)})")
-    c = GDN_DEFAULTS | raw
-    for key in ("use_gate", "use_short_conv", "allow_neg_eigval", "conv_bias", "kv_learnable_residual"):
-        hf_common.flag(c, key, where)
+    `_construct_from_transformer`)."""
+    flags = ("use_gate", "use_short_conv", "allow_neg_eigval", "conv_bias", "kv_learnable_residual")
+    c, out = _grouped_heads_config(hf.get("gdn_config") or {}, "gdn_config", GDN_DEFAULTS, flags, hf, attention, where)
     if not c["use_short_conv"]:
         raise CheckpointError(f"{where}: gdn_config.use_short_conv = false (q, k, v without their short convs) is "
                               "not supported")  # fmt: skip
     if c["conv_bias"]:
         raise CheckpointError(f"{where}: gdn_config.conv_bias = true (biased short convs) is not supported")
-    out = {
-        "num_heads": max(Hq, Hkv), "head_dim": attention["head_dim"], "num_q_heads": Hq, "num_k_heads": Hkv,
-        "num_v_heads": Hkv, "conv_kernel": hf_common.positive_int(c, "conv_size", where),
-        "norm_eps": float(hf_common.positive_number(c, "norm_eps", where)), "use_gate": c["use_gate"],
-        "allow_neg_eigval": c["allow_neg_eigval"],
-    }  # fmt: skip
-    # As for GKA: the low-rank expansion runs only where some head count is expanded.
-    if c["kv_proj_rank"] is not None and Hkv < out["num_heads"]:
-        out["kv_proj_rank"] = hf_common.positive_int(c, "kv_proj_rank", where)
-        out["kv_learnable_residual"] = c["kv_learnable_residual"]
-    return out
+    return out | {"allow_neg_eigval": c["allow_neg_eigval"]}
 
 
 def mamba2_config(hf: dict[str, Any], attention: dict[str, Any], where: Path) -> dict[str, Any]:

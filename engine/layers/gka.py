@@ -70,7 +70,17 @@ class GKAMixer(GroupedHeadsMixer):
         self.alpha_proj = nn.Linear(hidden_size, cfg.num_heads, bias=True) if cfg.use_alpha_connection else None
         self._make_output(hidden_size)
         self.scale = cfg.head_dim**-0.5 if cfg.gla_rescale else 1.0
+        # The op's parameters, fixed for the layer's life: ridge strength a, Chebyshev steps r, the output scale and
+        # whether H decays (without the forget gate g = 0 and H does not decay either way: the default kernels).
+        self.op_params = {"ridge": cfg.ridge_strength, "num_iter": cfg.num_iter, "scale": self.scale,
+                          "decay_h": cfg.use_forgetting_gate_kk or not cfg.use_forgetting_gate}  # fmt: skip
         self.reset_parameters()
+
+    def weight_splits(self) -> dict[str, Split]:
+        splits = super().weight_splits()
+        if self.alpha_proj is not None:
+            splits |= {"alpha_proj.weight": Split(), "alpha_proj.bias": Split()}
+        return splits
 
     def state_specs(self, max_context: int) -> dict[str, StateSpec]:
         c = self.cfg
@@ -109,13 +119,6 @@ class GKAMixer(GroupedHeadsMixer):
             alpha = torch.ones_like(g)  # without the alpha-connection, the pure ridge solution
         return q.to(x.dtype), k.to(x.dtype), v.to(x.dtype), g, alpha
 
-    def _op_params(self) -> dict:
-        """The op's parameters: ridge strength a, Chebyshev steps r, the output scale and whether H decays."""
-        c = self.cfg
-        # Without the forget gate g = 0 and H does not decay either way: the default (decay_h) kernels serve it.
-        decay_h = c.use_forgetting_gate_kk or not c.use_forgetting_gate
-        return {"ridge": c.ridge_strength, "num_iter": c.num_iter, "scale": self.scale, "decay_h": decay_h}
-
     # -- training path: whole sequences from given states -----------------------------------------------------
     def _mix(
         self, x: torch.Tensor, conv_tail: torch.Tensor, h: torch.Tensor, s: torch.Tensor
@@ -124,7 +127,7 @@ class GKAMixer(GroupedHeadsMixer):
         conv_in, v = self._project(x)
         conv_out, tail = self.conv(conv_in, conv_tail)
         q, k, v, g, alpha = self._op_inputs(F.silu(conv_out), v, x)
-        o, h, s = gka_chunked(q, k, v, g, alpha, h, s, **self._op_params(), chunk_size=self.cfg.chunk_size)
+        o, h, s = gka_chunked(q, k, v, g, alpha, h, s, **self.op_params, chunk_size=self.cfg.chunk_size)
         return self._out(o, x), tail, h, s
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
@@ -140,7 +143,7 @@ class GKAMixer(GroupedHeadsMixer):
         conv_in, v = self._project(x)
         q, k, v, g, alpha = self._op_inputs(self.conv.prefill(conv_in, state["conv"], batch, activation="silu"), v, x)
         o = chunk_gka(
-            q, k, v, g, alpha, state["h"], state["s"], batch.state_indices, batch.cu_seqlens, **self._op_params(),
+            q, k, v, g, alpha, state["h"], state["s"], batch.state_indices, batch.cu_seqlens, **self.op_params,
             chunk_size=self.cfg.chunk_size, cu_seqlens_cpu=batch.cu_seqlens_cpu,
         )  # fmt: skip
         return self._out(o, x)
@@ -148,6 +151,6 @@ class GKAMixer(GroupedHeadsMixer):
     def decode(self, x: torch.Tensor, state: dict[str, torch.Tensor], batch: StepBatch) -> torch.Tensor:
         conv_in, v = self._project(x)
         q, k, v, g, alpha = self._op_inputs(self.conv.decode(conv_in, state["conv"], batch, activation="silu"), v, x)
-        o = fused_recurrent_gka(q, k, v, g, alpha, state["h"], state["s"], batch.state_indices, **self._op_params())
+        o = fused_recurrent_gka(q, k, v, g, alpha, state["h"], state["s"], batch.state_indices, **self.op_params)
         return self._out(o, x)
 

@@ -114,6 +114,7 @@ class GroupedHeadsMixer(Mixer):
         self.v_proj = nn.Linear(hidden_size, cfg.v_heads * Dv, bias=False)
         self.qk_split = [cfg.q_heads * D, cfg.k_heads * D]
         self.conv_dim = sum(self.qk_split) + (cfg.v_heads * Dv if cfg.conv_v else 0)
+        self.qkv_split = [*self.qk_split, cfg.v_heads * Dv]  # the conv output's parts when it covers v
         self.conv = ShortConv(self.conv_dim, cfg.conv_kernel, bias=False)
         self.proj_k = self.proj_v = None
         self.k_rep = self.v_rep = None
@@ -171,12 +172,10 @@ class GroupedHeadsMixer(Mixer):
             "v_proj.weight": Split(replicas=(rv,)), "conv.weight": dataclasses.replace(self._conv_split(), axis=0),
             "a_proj.weight": heads, "A_log": heads, "dt_bias": heads, "o_proj.weight": ROW,
         }  # fmt: skip
-        for name in ("b_proj", "alpha_proj"):
-            module = getattr(self, name, None)
-            if module is not None:
-                splits[f"{name}.weight"] = heads
-                if module.bias is not None:
-                    splits[f"{name}.bias"] = heads
+        if self.b_proj is not None:
+            splits["b_proj.weight"] = heads
+            if self.b_proj.bias is not None:
+                splits["b_proj.bias"] = heads
         if self.g_proj is not None:
             splits["g_proj.weight"] = heads
         return splits
@@ -218,7 +217,7 @@ class GroupedHeadsMixer(Mixer):
         """The activated conv output `[..., conv_dim]` and the raw v (without the v conv) -> q, k `[..., He, D]`,
         v `[..., He, Dv]` in the activation dtype (the head expansion runs there, as hmf's)."""
         if v is None:
-            q, k, v = conv_out.split([*self.qk_split, conv_out.shape[-1] - sum(self.qk_split)], dim=-1)
+            q, k, v = conv_out.split(self.qkv_split, dim=-1)
         else:
             q, k = conv_out.split(self.qk_split, dim=-1)
         c = self.cfg
