@@ -34,7 +34,7 @@ from kvfree.engine.bench import check_graph_tokens
 from kvfree.engine.config import ModelConfig
 from kvfree.engine.cuda_graphs import DecodeGraphs
 from kvfree.engine.loader import load_model
-from kvfree.engine.model import HybridLM
+from kvfree.engine.model import KV_CACHE_DTYPES, HybridLM
 from kvfree.engine.model_runner import graph_blockers
 from kvfree.engine.ranks import free_address
 from kvfree.engine.state_pool import StatePool
@@ -210,7 +210,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--memory-fraction", type=float, default=0.6, help="share of free GPU memory for the pool")
     ap.add_argument("--max-sessions", type=int, default=1024)
     ap.add_argument("--tensor-parallel-size", "-tp", type=int, default=1, help="GPUs the model is split among")
-    ap.add_argument("--kv-cache-dtype", choices=["auto", "fp8"], default="auto", help="the attention KV cache's dtype")
+    ap.add_argument("--kv-cache-dtype", choices=sorted(KV_CACHE_DTYPES), default="auto",
+                    help="the attention KV cache's dtype")  # fmt: skip
     ap.add_argument("--profile", action="store_true", help="also profile a few decode steps at each context")
     ap.add_argument("--enforce-eager", action="store_true", help="time eager decode (default: a CUDA graph)")
     ap.add_argument("--ttft", action="store_true",

@@ -28,6 +28,22 @@ def state_math(fn: F) -> F:
     return wrapper  # type: ignore[return-value]
 
 
+def work_dtype(*tensors: torch.Tensor) -> torch.dtype:
+    """A reference's state-math dtype: fp32, or fp64 when any of `tensors` is fp64 (the tests' float64 runs)."""
+    dtype = torch.float32
+    for t in tensors:
+        dtype = torch.promote_types(dtype, t.dtype)
+    return dtype
+
+
+def to_chunks(x: torch.Tensor, chunk: int) -> torch.Tensor:
+    """`[B, T, H, *rest]` -> `[B, H, nc, chunk, *rest]`, zero-padding T up to a multiple of `chunk`."""
+    B, T = x.shape[:2]
+    pad = (-T) % chunk
+    x = torch.nn.functional.pad(x, (0, 0) * (x.dim() - 2) + (0, pad))
+    return x.view(B, (T + pad) // chunk, chunk, *x.shape[2:]).movedim(3, 1)
+
+
 def cdiv(a: int, b: int) -> int:
     """`ceil(a / b)` of ints, as `triton.cdiv`, in plain Python: Triton's is a constexpr function whose call from the
     host costs a few microseconds (its arguments unwrapped), a third of a small op's host work when a wrapper makes

@@ -35,7 +35,7 @@ from .. import common
 from ..dispatch import chunk_metadata
 from ..launcher import launch_kernel
 from .online_softmax import LOG2E, key_range, prefill_config
-from .reference import PrefillPlan, plan_prefill, rope_cos_sin, store_prefill
+from .reference import PrefillPlan, check_fp8_scales, plan_prefill, rope_cos_sin, store_prefill
 
 _INTERPRET = os.environ.get("TRITON_INTERPRET", "0") in ("1", "true", "True")
 
@@ -238,9 +238,7 @@ def prefill_attention(
     if n_blocks == 0:
         return out
     q, k, v = (t if t.stride(-1) == 1 else t.contiguous() for t in (q, k, v))
-    fp8 = k_scale is not None
-    if fp8 and (v_scale is None or k_scale.stride() != v_scale.stride() or k_scale.stride(1) != 1):
-        raise ValueError("an fp8 cache needs k_scale and v_scale pools [S, Hkv], contiguous along Hkv")
+    fp8 = check_fp8_scales(k_scale, v_scale)
     # The largest row offset the key loads compute: an entry of a pool row, or a token of the packed chunk.
     wide = max(k_cache.shape[1] * max(k_cache.stride(1), v_cache.stride(1)), T * max(k.stride(0), v.stride(0))) >= 2**31
     launch_kernel(_prefill_kernel, (n_blocks, Hq),

@@ -24,7 +24,7 @@ import triton.language as tl
 
 from .. import common
 from ..launcher import launch_kernel
-from .reference import _check_capacity, _entries, append_token
+from .reference import _check_capacity, _entries, append_token, check_fp8_scales
 
 _INTERPRET = os.environ.get("TRITON_INTERPRET", "0") in ("1", "true", "True")
 
@@ -112,13 +112,11 @@ def decode_attention(
     splits = max(1, min(common.cdiv(max_used, 256), common.cdiv(4 * sms, B * Hkv)))
     split_len = common.cdiv(common.cdiv(max(max_used, 1), splits), BLOCK_N) * BLOCK_N
     splits = common.cdiv(max(max_used, 1), split_len)
-    o_part = torch.empty(B, Hq, splits, D, device=q.device, dtype=torch.float32)
-    m_part = torch.empty(B, Hq, splits, device=q.device, dtype=torch.float32)
-    l_part = torch.empty_like(m_part)
+    o_part = common.output_buffer((B, Hq, splits, D), torch.float32, q.device)
+    m_part = common.output_buffer((B, Hq, splits), torch.float32, q.device)
+    l_part = common.output_buffer((B, Hq, splits), torch.float32, q.device)
     q = q.contiguous()
-    fp8 = k_scale is not None
-    if fp8 and (v_scale is None or k_scale.stride() != v_scale.stride() or k_scale.stride(1) != 1):
-        raise ValueError("an fp8 cache needs k_scale and v_scale pools [S, Hkv], contiguous along Hkv")
+    fp8 = check_fp8_scales(k_scale, v_scale)
     launch_kernel(_decode_attention_kernel, (B, Hkv, splits),
         q, k_cache, v_cache, used, slots, o_part, m_part, l_part, k_scale if fp8 else q, v_scale if fp8 else q,
         q.stride(0), q.stride(1), k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
@@ -159,6 +157,7 @@ def fused_recurrent_attention(
     _check_capacity(k_cache, C, window)  # only a ring of the wrong size can fail here
     entry = n.clamp(max=C - 1) if window is None else _entries(n, window)
     q = append_token(q, k, v, k_cache, v_cache, idx, n, entry, rope_theta, k_scale, v_scale)
-    out = decode_attention(q, k_cache, v_cache, (n + 1).clamp(max=C), idx, C, k_scale, v_scale)
-    length.index_copy_(0, idx, n + 1)
+    after = n + 1
+    out = decode_attention(q, k_cache, v_cache, after.clamp(max=C), idx, C, k_scale, v_scale)
+    length.index_copy_(0, idx, after)
     return out

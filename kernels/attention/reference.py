@@ -403,6 +403,15 @@ def fused_recurrent_attention(
     return out
 
 
+def check_fp8_scales(k_scale: torch.Tensor | None, v_scale: torch.Tensor | None) -> bool:
+    """Whether the cache is fp8 (scales given); ValueError unless both scale pools are `[S, Hkv]`, alike and contiguous
+    along Hkv (what the Triton kernels index)."""
+    fp8 = k_scale is not None
+    if fp8 and (v_scale is None or k_scale.stride() != v_scale.stride() or k_scale.stride(1) != 1):
+        raise ValueError("an fp8 cache needs k_scale and v_scale pools [S, Hkv], contiguous along Hkv")
+    return fp8
+
+
 def append_token(
     q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
     idx: torch.Tensor, n: torch.Tensor, entry: torch.Tensor, rope_theta: float,

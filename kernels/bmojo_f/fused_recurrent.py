@@ -32,12 +32,12 @@ import triton
 import triton.language as tl
 
 from .. import common
+from ..attention.online_softmax import LOG2E
 from ..launcher import launch_kernel
 from .chunk import ring_strides, sessions
 from .reference import check_rings
 
 _INTERPRET = os.environ.get("TRITON_INTERPRET", "0") in ("1", "true", "True")
-LOG2E = 1.4426950408889634
 
 
 @triton.jit

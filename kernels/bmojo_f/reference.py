@@ -27,16 +27,12 @@ import math
 
 import torch
 
-from kvfree.kernels.common import state_math
+from kvfree.kernels.common import state_math, work_dtype
 from kvfree.kernels.dispatch import host_cu_seqlens, padded_groups
 
 # Queries per step of the banded attention: the score tensors of one step hold about this many elements (a 16K
 # prompt at W=2048 and 32 heads would otherwise need 4 GB of scores per key set).
 _SCORE_BUDGET = 1 << 26
-
-
-def _work_dtype(q: torch.Tensor) -> torch.dtype:
-    return torch.promote_types(q.dtype, torch.float32)
 
 
 def _attend_bands(
@@ -67,7 +63,7 @@ def _attend_bands(
     """
     N, Tm, Hq, D = q.shape
     Hkv = kc.shape[2]
-    G, W, f = Hq // Hkv, window, _work_dtype(q)
+    G, W, f = Hq // Hkv, window, work_dtype(q)
     # step queries read step + W - 1 entries of each set: step (step + W) 2 N Hq scores within the budget.
     cap = _SCORE_BUDGET // (2 * N * Hq)
     step = max(1, min(Tm, (math.isqrt(W * W + 4 * cap) - W) // 2))
@@ -267,7 +263,7 @@ def fused_recurrent_bmojo_f_attention(
         positions n - W and n - 2W: outside its bands, so reading and writing do not overlap.
     """
     B, Hq, D = q.shape
-    Hkv, W, f = k.shape[1], window, _work_dtype(q)
+    Hkv, W, f = k.shape[1], window, work_dtype(q)
     idx = state_indices.to(torch.int64)
     n = length.index_select(0, idx)
     kc = torch.cat([_ring_keys(k_ctx, idx, n - W + 1, W - 1).to(f), k[:, None].to(f)], 1)  # [B, W, Hkv, D]

@@ -308,20 +308,18 @@ def _chunk_len(chunk_size: int) -> int:
 def launch(
     q, k, v, g, beta, state, state_indices, cu_seqlens, scale, chunk_size=64, *, cu_seqlens_cpu=None,
     block_v: int | None = None, warps_pass: int | None = None, block_o: int | None = None,
-    warps_out: int | None = None, warps_wy: int | None = None, precision: str | None = None,
-    chunk_len: int | None = None, num_stages: int | None = None,
+    warps_out: int | None = None, warps_wy: int | None = None, num_stages: int | None = None,
 ) -> torch.Tensor:  # fmt: skip
-    """`chunk_gdn` with the chunk length, block shapes, warps and dot precision open (for the device sweep).
+    """`chunk_gdn` with the block shapes, warps and pipelining open (for the device sweep).
 
     block_v, warps_pass: the state pass's value columns per program and warps; block_o, warps_out: the output
-    launch's; warps_wy: the W/U launch's; num_stages: the state pass's software pipelining of its loads; precision:
-    the dots' on fp32 operands."""
+    launch's; warps_wy: the W/U launch's; num_stages: the state pass's software pipelining of its loads."""
     check_shapes(q, k, v, g, beta, state)
     T, H, D = q.shape
     Dv = v.shape[-1]
     cu = host_cu_seqlens(cu_seqlens, cu_seqlens_cpu, T)
     nseq = len(cu) - 1
-    L = chunk_len or _chunk_len(chunk_size)
+    L = _chunk_len(chunk_size)
     chunk_indices, chunk_offsets, NC = chunk_metadata(cu, L, q.device)
     dev = q.device
     o = common.output_buffer((T, H, Dv), q.dtype, dev)
@@ -331,7 +329,7 @@ def launch(
     dt = q.dtype if low else torch.float32  # the dot operands', W's, U''s and the chunk-start states' dtype
     # Dots on fp32 operands: tf32 beside bf16 inputs (whose own rounding is coarser), about fp32 ("tf32x3") for fp32
     # inputs; bf16 operands ignore it. The interpreter computes every dot in fp32 whatever it is told.
-    prec = "ieee" if INTERPRET else precision or ("tf32" if low else "tf32x3")
+    prec = "ieee" if INTERPRET else ("tf32" if low else "tf32x3")
     if k.dtype != dt or v.dtype != dt:
         k, v = k.to(dt), v.to(dt)  # one dtype for the dots (q, k, v differ only in unusual callers)
     BD = max(16, common.next_power_of_2(D))

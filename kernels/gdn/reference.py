@@ -27,18 +27,9 @@ State math runs in fp32, or in fp64 when the inputs are fp64 (used by the tests)
 from __future__ import annotations
 
 import torch
-import torch.nn.functional as F
 
-from kvfree.kernels.common import state_math
+from kvfree.kernels.common import state_math, to_chunks, work_dtype
 from kvfree.kernels.dispatch import host_cu_seqlens, padded_groups
-
-
-def _work_dtype(*tensors: torch.Tensor) -> torch.dtype:
-    """fp32 state math, or fp64 when any input is fp64."""
-    dtype = torch.float32
-    for t in tensors:
-        dtype = torch.promote_types(dtype, t.dtype)
-    return dtype
 
 
 @state_math
@@ -60,7 +51,7 @@ def gdn_step(
     Returns:
         o: `[B, H, Dv]`; the new state `[B, H, D, Dv]` (fp32, or fp64 for fp64 inputs).
     """
-    f = _work_dtype(q, state)
+    f = work_dtype(q, state)
     q, k, v, beta = q.to(f), k.to(f), v.to(f), beta.to(f)
     s = torch.exp(g.to(f))[..., None, None] * state.to(f)
     # Products by broadcasting and sums (not matmul), so that the update is bitwise independent of the batch.
@@ -86,16 +77,8 @@ def gdn_recurrent(
     for t in range(q.shape[1]):
         o, state = gdn_step(q[:, t], k[:, t], v[:, t], g[:, t], beta[:, t], state, scale)
         outs.append(o)
-    f = _work_dtype(q, state)
+    f = work_dtype(q, state)
     return (torch.stack(outs, 1) if outs else q.new_zeros(*q.shape[:-1], v.shape[-1], dtype=f)), state.to(f)
-
-
-def _to_chunks(x: torch.Tensor, chunk: int) -> torch.Tensor:
-    """`[B, T, H, *rest]` -> `[B, H, nc, chunk, *rest]`, zero-padding T up to a multiple of `chunk`."""
-    B, T = x.shape[:2]
-    pad = (-T) % chunk
-    x = F.pad(x, (0, 0) * (x.dim() - 2) + (0, pad))
-    return x.view(B, (T + pad) // chunk, chunk, *x.shape[2:]).movedim(3, 1)
 
 
 @state_math
@@ -122,15 +105,15 @@ def gdn_chunked(
     """
     B, T, H, _ = q.shape
     Dv = v.shape[-1]
-    f = _work_dtype(q, state)
+    f = work_dtype(q, state)
     s = state.to(f)
     if T == 0:
         return q.new_zeros(B, 0, H, Dv, dtype=f), s
     C = chunk_size
     # Padding tokens have q = k = v = 0, beta = 0 and g = 0 (decay 1): they leave the state unchanged.
-    Q, K, V = (_to_chunks(t.to(f), C) for t in (q, k, v))  # [B, H, nc, C, D|Dv]
-    G = torch.cumsum(_to_chunks(g.to(f), C), dim=-1)  # [B, H, nc, C] cumulative log decay within each chunk
-    Bt = _to_chunks(beta.to(f), C).unsqueeze(-1)  # [B, H, nc, C, 1]
+    Q, K, V = (to_chunks(t.to(f), C) for t in (q, k, v))  # [B, H, nc, C, D|Dv]
+    G = torch.cumsum(to_chunks(g.to(f), C), dim=-1)  # [B, H, nc, C] cumulative log decay within each chunk
+    Bt = to_chunks(beta.to(f), C).unsqueeze(-1)  # [B, H, nc, C, 1]
     lower = torch.ones(C, C, dtype=torch.bool, device=q.device).tril()
     # exp(G_i - G_j) on and below the diagonal; the exponent is masked before exp (above it, it may be large).
     decay = torch.exp((G.unsqueeze(-1) - G.unsqueeze(-2)).masked_fill(~lower, float("-inf")))
@@ -187,7 +170,7 @@ def chunk_gdn(
     T, H, _ = q.shape
     Dv = v.shape[-1]
     cu = host_cu_seqlens(cu_seqlens, cu_seqlens_cpu, T)
-    f = _work_dtype(q, state)
+    f = work_dtype(q, state)
     o = q.new_zeros(T, H, Dv, dtype=f)
     idx = state_indices.to(torch.int64)
     # Sequences of similar length share one padded call (padding leaves states unchanged, see gdn_chunked).

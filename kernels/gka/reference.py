@@ -33,9 +33,8 @@ from __future__ import annotations
 from collections.abc import Callable
 
 import torch
-import torch.nn.functional as F
 
-from kvfree.kernels.common import state_math
+from kvfree.kernels.common import state_math, to_chunks, work_dtype
 from kvfree.kernels.dispatch import chunk_metadata, host_cu_seqlens, varlen_positions
 from kvfree.kernels.mamba2.reference import segsum
 
@@ -82,14 +81,6 @@ def chebyshev_solve(
     return x
 
 
-def _work_dtype(*tensors: torch.Tensor) -> torch.dtype:
-    """fp32 state math, or fp64 when any input is fp64."""
-    dtype = torch.float32
-    for t in tensors:
-        dtype = torch.promote_types(dtype, t.dtype)
-    return dtype
-
-
 @state_math
 def gka_step(
     q: torch.Tensor,
@@ -117,7 +108,7 @@ def gka_step(
     Returns:
         o: `[B, He, Dv]`; new h `[B, He, D, D]`; new s `[B, He, D, Dv]` (fp32, or fp64 for fp64 inputs).
     """
-    f = _work_dtype(q, h)
+    f = work_dtype(q, h)
     q, k, v, alpha = q.to(f), k.to(f), v.to(f), alpha.to(f)
     gamma = torch.exp(g.to(f))[..., None, None]
     # Outer products by broadcasting (not matmul) so the state update is bitwise independent of the batch.
@@ -128,15 +119,6 @@ def gka_step(
     s = gamma * s.to(f) + k.unsqueeze(-1) * v.unsqueeze(-2)
     o = scale * (qp.unsqueeze(-2) @ s).squeeze(-2)
     return o, h, s
-
-
-def _to_chunks(x: torch.Tensor, chunk: int) -> torch.Tensor:
-    """`[B, T, He, *rest]` -> `[B, He, nc, chunk, *rest]`, zero-padding T up to a multiple of `chunk`."""
-    B, T = x.shape[:2]
-    pad = (-T) % chunk
-    x = F.pad(x, (0, 0) * (x.dim() - 2) + (0, pad))
-    x = x.view(B, (T + pad) // chunk, chunk, *x.shape[2:])
-    return x.movedim(3, 1)
 
 
 def _decays(G: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -253,15 +235,15 @@ def gka_chunked(
     """
     B, T, He, D = q.shape
     Dv = v.shape[-1]
-    f = _work_dtype(q, h0)
+    f = work_dtype(q, h0)
     h0, s0 = h0.to(f), s0.to(f)
     if T == 0:
         return q.new_zeros(B, 0, He, Dv, dtype=f), h0, s0
     C = chunk_size
     # Padding tokens have k = v = q = 0 and g = 0 (decay 1): they leave the state unchanged and output zeros.
-    Q, K, V = (_to_chunks(t.to(f), C) for t in (q, k, v))  # [B, He, nc, C, D|Dv]
-    G = _to_chunks(g.to(f), C)  # [B, He, nc, C]
-    A = _to_chunks(alpha.to(f), C)
+    Q, K, V = (to_chunks(t.to(f), C) for t in (q, k, v))  # [B, He, nc, C, D|Dv]
+    G = to_chunks(g.to(f), C)  # [B, He, nc, C]
+    A = to_chunks(alpha.to(f), C)
     nc = Q.shape[2]
     dec_s, dec_h, dh, ds = _chunk_summaries(K, V, G, decay_h)
     H0, S0, h, s = _carry(dec_h[0][..., -1], dec_s[0][..., -1], dh, ds, h0, s0)
@@ -382,7 +364,7 @@ def chunk_gka(
     cu = host_cu_seqlens(cu_seqlens, cu_seqlens_cpu, T)
     if T == 0:
         return q.new_zeros(0, He, v.shape[-1])
-    f = _work_dtype(q, h)
+    f = work_dtype(q, h)
     idx = state_indices.to(torch.int64)
     h0, s0 = h.index_select(0, idx).to(f), s.index_select(0, idx).to(f)
     N = len(cu) - 1
