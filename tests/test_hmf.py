@@ -31,7 +31,9 @@ SERVED = ["gka_fp32", "gka_bf16", "gka_lowrank_fp32", "m2_fp32", "m2_bf16", "bmf
 TOLERANCE = {"fp32": 1e-4, "bf16": 2e-2}
 # hmf's B'MOJO-F runs in bf16 only (it casts inside), so there is no fp32 run to hold its bf16 fixtures to; with GKA
 # as the fading layer, hmf's bf16 GKA is itself 4.9% from its fp32 run (the gka fixtures), which bounds this one.
-FIXTURE_TOLERANCE = {"bmf_bf16": 5e-2}
+# GDN's fp32 layer is well conditioned (no solve): held tighter than the default, to what it gives (5.5e-7 through the
+# training forward on the CPU).
+FIXTURE_TOLERANCE = {"bmf_bf16": 5e-2, "gdn_fp32": 1e-5}
 # CI runs the PyTorch reference on the CPU; on a GPU machine the same fixtures also go through the Triton kernels.
 DEVICES = ["cpu"] + (["cuda"] if torch.cuda.is_available() else [])
 
