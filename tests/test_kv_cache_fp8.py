@@ -48,16 +48,25 @@ def test_an_fp8_cache_holds_a_quarter_of_an_fp32_one_and_its_answers_follow_the_
 
 
 def test_an_fp8_session_restores_into_an_fp8_pool_and_is_refused_by_an_unquantized_one(checkpoint):
-    """A session's state, scales included, moves to another fp8 pool and decodes on exactly as it would have; a
-    pool that keeps its cache unquantized refuses it, naming the setting."""
+    """A session's state, its (non-default) scales included, moves to another fp8 pool and decodes on exactly as it
+    would have; a pool that keeps its cache unquantized refuses it, naming the setting."""
     src, dst, other = _llm(checkpoint, "fp8"), _llm(checkpoint, "fp8"), _llm(checkpoint, "auto")
     slot = src.pool.alloc()
     ids = torch.tensor(PROMPTS[0])
     src.model.prefill(ids, src.pool.tensors, StepBatch.prefill([slot], [len(ids)], src.model.device))
+    # Scales away from the pools' 1.0 (as calibration would leave them), so that a restore that dropped or ignored
+    # them would decode differently.
+    scaled = [t for layer in src.pool.tensors for n, t in layer.items() if n.endswith("_scale")]
+    assert scaled
+    for t in scaled:
+        t[slot] = 0.5 + torch.rand(t[slot].shape, generator=torch.Generator().manual_seed(t.numel()))
     state = src.pool.export_packed(slot).wait()
-    assert any(e.name.endswith("k_scale") for e in state.entries)
     there = dst.pool.alloc()
     dst.pool.import_packed(there, state)
+    for layer_src, layer_dst in zip(src.pool.tensors, dst.pool.tensors, strict=True):
+        for n, t in layer_src.items():
+            if n.endswith("_scale"):
+                assert torch.equal(layer_dst[n][there], t[slot]), n
 
     def steps(llm: LLM, s: int) -> list[int]:
         token, out = torch.tensor([7]), []
