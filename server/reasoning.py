@@ -32,6 +32,15 @@ class ReasoningFormat:
             return cls(start, end)
         return None
 
+    def opening(self, text: str) -> str | None:
+        """How the start of a reply `text` stands: None while it may still become the start tag (only whitespace or
+        a prefix of the tag so far), else its text with leading whitespace dropped (which starts with the tag exactly
+        when the reply has a reasoning part)."""
+        body = text.lstrip()
+        if not body or (self.start.startswith(body) and body != self.start):
+            return None
+        return body
+
     def split(self, text: str) -> tuple[str | None, str]:
         """A whole reply -> (reasoning or None, content)."""
         body = text.lstrip()
@@ -63,8 +72,8 @@ class ReasoningStreamParser:
         out: list[Part] = []
         while True:
             if self._state == "start":
-                body = self._held.lstrip()
-                if not body or (self.fmt.start.startswith(body) and body != self.fmt.start):
+                body = self.fmt.opening(self._held)
+                if body is None:
                     return out  # not yet known whether the reply opens with the start tag
                 if body.startswith(self.fmt.start):
                     self._held, self._state = body[len(self.fmt.start) :], "reasoning"

@@ -624,8 +624,8 @@ class ReasoningTokens:
             self.tokens += 1
             text = self._text + self._detok.add(token_id)
             if self._state == "start":
-                body = text.lstrip()
-                if not body or (self.fmt.start.startswith(body) and body != self.fmt.start):
+                body = self.fmt.opening(text)
+                if body is None:
                     self._text = text  # not yet known whether the reply opens with the start tag
                     continue
                 if not body.startswith(self.fmt.start):
