@@ -77,8 +77,9 @@ class Op:
     `triton` names the implementation, `"module:function"` relative to `kvfree.kernels` (imported on the first call
     that runs it: Triton may be absent). Both are looked up in their modules on every call (two attribute reads), so
     that a test may replace either; `device_check` (default `use_triton`) may be replaced to force one op's kernel on.
-    `op.runs_triton(*args, **kwargs)` says which one a call would run: what a mixer asks to know whether its step can
-    be captured in a CUDA graph (the references may read the host).
+    `op.runs_triton(*args, **kwargs)` says which one a call would run. Before any call, an op package's
+    `decode_graph_safe` answers the same for a decode step (its Triton path reads nothing on the host, so the step can
+    be captured in a CUDA graph); it asks the op's `device_check`, so a forced kernel counts there too.
     """
 
     def __init__(self, reference: Callable[..., Any], triton: str, takes: Callable[..., bool] | None = None) -> None:

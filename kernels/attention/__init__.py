@@ -13,7 +13,7 @@ import torch
 
 from kvfree.kernels.attention import reference
 from kvfree.kernels.attention.reference import FP8, KVCacheFull, apply_rope, attend
-from kvfree.kernels.dispatch import Op, use_triton
+from kvfree.kernels.dispatch import Op
 
 __all__ = [
     "FP8", "KVCacheFull", "apply_rope", "attend", "chunk_attention", "decode_graph_safe", "fused_recurrent_attention",
@@ -41,4 +41,4 @@ fused_recurrent_attention = Op(
 def decode_graph_safe(device: torch.device, dtype: torch.dtype) -> bool:
     """Whether `fused_recurrent_attention` on `dtype` activations on `device` runs without a host sync (its Triton
     implementation), so that a decode step may be captured in a CUDA graph."""
-    return use_triton(device) and _kernel_dtype(dtype)
+    return fused_recurrent_attention.device_check(device) and _kernel_dtype(dtype)

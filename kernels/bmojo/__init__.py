@@ -15,7 +15,7 @@ from typing import Any
 
 import torch
 
-from ..dispatch import Op, use_triton
+from ..dispatch import Op
 from . import reference
 from .reference import (
     FadingKV,
@@ -44,7 +44,7 @@ __all__ = [
 def decode_graph_safe(device: torch.device, dtype: torch.dtype) -> bool:
     """Whether `fused_recurrent_bmojo` on activations of `dtype` on `device` runs without a host sync (the Triton
     path), so that a decode step may be captured in a CUDA graph."""
-    return dtype != torch.float64 and use_triton(device)
+    return dtype != torch.float64 and fused_recurrent_bmojo.device_check(device)
 
 
 def _below_fp64(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, y: torch.Tensor, t: torch.Tensor,

@@ -15,7 +15,7 @@ from typing import Any
 
 import torch
 
-from ..dispatch import Op, use_triton
+from ..dispatch import Op
 from . import reference
 from .reference import (
     MODES,
@@ -49,7 +49,7 @@ __all__ = [
 def decode_graph_safe(device: torch.device, dtype: torch.dtype, acc_dtype: torch.dtype) -> bool:
     """Whether `fused_recurrent_ska` on `dtype` inputs with `acc_dtype` accumulators on `device` runs without a host
     sync (its Triton implementation), so that a decode step may be captured in a CUDA graph."""
-    return use_triton(device) and _kernel_dtypes(dtype, acc_dtype)
+    return fused_recurrent_ska.device_check(device) and _kernel_dtypes(dtype, acc_dtype)
 
 
 def cholesky_fallback_count() -> int:
