@@ -23,6 +23,7 @@ pytest.importorskip("triton")
         ("kvfree.kernels.bench.gka", "gka.json"),
         ("kvfree.kernels.bench.bmojo", "bmojo.json"),
         ("kvfree.kernels.bench.lattice", "lattice.json"),
+        ("kvfree.kernels.bench.lattice_train", "lattice_train.json"),
         ("kvfree.kernels.bench.ska", "ska.json"),
         ("kvfree.kernels.bench.gdn", "gdn.json"),
         ("kvfree.kernels.bench.attention", "attention.json"),
