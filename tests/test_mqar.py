@@ -1,4 +1,4 @@
-"""MQAR generator (docs/design/ska.md §7.3) and the training/evaluation script."""
+"""MQAR generators (docs/design/ska.md §7.3's and Zoology's) and the training/evaluation scripts."""
 
 from __future__ import annotations
 
@@ -14,8 +14,19 @@ from kvfree.engine.model import HybridLM
 from kvfree.engine.sampling import SamplingParams
 from kvfree.training.evaluate import main as evaluate_main
 from kvfree.training.evaluate import reevaluate
-from kvfree.training.mqar import HALF, IGNORE, VOCAB, held_out, make_mqar
+from kvfree.training.mqar import (
+    HALF,
+    IGNORE,
+    TASKS,
+    VOCAB,
+    ZOOLOGY_VOCAB,
+    held_out,
+    make_mqar,
+    make_zoology_mqar,
+    zoology_held_out,
+)
 from kvfree.training.train import evaluate_batch, evaluate_cell, family_config, format_table, main
+from kvfree.training.train_all import parse_run
 
 
 @pytest.mark.parametrize(("M", "gap"), [(4, 64), (8, 0), (32, 100)])
@@ -50,12 +61,49 @@ def test_held_out_is_fixed_and_differs_from_training() -> None:
         make_mqar(65, 10, 1, torch.Generator())
 
 
-def test_evaluation_scores_a_perfect_oracle() -> None:
+@pytest.mark.parametrize(("M", "T"), [(4, 16), (8, 512), (64, 256)])
+def test_zoology_sequence_layout(M: int, T: int) -> None:
+    data = make_zoology_mqar(M, T, batch=16, gen=torch.Generator().manual_seed(1))
+    x, y = data.input_ids, data.targets
+    assert x.shape == y.shape == (16, T) and data.prefix_len == 2 * M
+    keys, values = x[:, 0 : 2 * M : 2], x[:, 1 : 2 * M : 2]
+    V = ZOOLOGY_VOCAB
+    assert ((keys >= 1) & (keys < V // 2)).all() and ((values >= V // 2) & (values < V)).all()
+    assert ((x >= 0) & (x < V)).all()
+    for row in range(16):
+        pairs = dict(zip(keys[row].tolist(), values[row].tolist(), strict=True))
+        assert len(pairs) == M and len(set(pairs.values())) == M  # distinct keys and values
+        pos = (y[row] != IGNORE).nonzero()[:, 0]
+        # M targets, each at a repeated key, at an even offset after the pairs, answered by the key's value
+        assert len(pos) == M and (pos >= 2 * M).all() and ((pos - 2 * M) % 2 == 0).all()
+        asked = x[row, pos].tolist()
+        assert sorted(asked) == sorted(pairs)
+        assert y[row, pos].tolist() == [pairs[k] for k in asked]
+    if T - 2 * M >= 16 * M:  # Query positions lean early (p(i) ∝ i^-0.99) where there is room to choose
+        offsets = torch.cat([(y[row] != IGNORE).nonzero()[:, 0] - 2 * M for row in range(16)])
+        assert (offsets < (T - 2 * M) // 4).float().mean() > 0.5
+
+
+def test_zoology_cells_must_fit_and_held_out_is_fixed() -> None:
+    with pytest.raises(ValueError, match=r"num_pairs must be in \[1, seq_len / 4\] = \[1, 128\]"):
+        make_zoology_mqar(129, 512, 1, torch.Generator())
+    with pytest.raises(ValueError, match="vocab 64 has 31 keys"):
+        make_zoology_mqar(32, 512, 1, torch.Generator(), vocab=64)
+    assert not TASKS["zoology"].fits(256, 512) and TASKS["zoology"].fits(128, 512) and TASKS["mqar"].fits(64, 0)
+    a, b = zoology_held_out(64, 512, 4), zoology_held_out(64, 512, 4)
+    assert torch.equal(a.input_ids, b.input_ids) and torch.equal(a.targets, b.targets)
+    assert not torch.equal(a.input_ids, zoology_held_out(64, 512, 4, index=1).input_ids)
+    assert not torch.equal(a.input_ids, make_zoology_mqar(64, 512, 4, torch.Generator().manual_seed(0)).input_ids)
+
+
+@pytest.mark.parametrize("task", ["mqar", "zoology"])
+def test_evaluation_scores_a_perfect_oracle(task: str) -> None:
     """evaluate_cell reaches 100% for a model that knows the answers, and ~chance for one that does not."""
 
-    model = HybridLM(family_config("mamba2")).eval()
-    M, gap = 4, 8
-    data = held_out(M, gap, 8, 0)
+    t = TASKS[task]
+    model = HybridLM(family_config("mamba2", width=32, vocab_size=max(261, t.vocab))).eval()
+    M, x = (4, 8) if task == "mqar" else (4, 24)
+    data = t.held_out(M, x, 8, 0)
     answers = {}
     for row in range(8):
         for k, v in zip(
@@ -73,9 +121,9 @@ def test_evaluation_scores_a_perfect_oracle() -> None:
         return logits + boost
 
     model.decode = decode
-    assert evaluate_cell(model, M, gap, sequences=8, batch=8) == 1.0
+    assert evaluate_cell(model, M, x, sequences=8, batch=8, task=t) == 1.0
     model.decode = real_decode
-    assert evaluate_cell(model, M, gap, sequences=8, batch=8) < 0.5
+    assert evaluate_cell(model, M, x, sequences=8, batch=8, task=t) < 0.5
 
 
 def test_train_script_writes_a_loadable_checkpoint_and_report(tmp_path) -> None:
@@ -115,6 +163,40 @@ def test_train_script_writes_a_loadable_checkpoint_and_report(tmp_path) -> None:
     model = load_model(out, device="cpu")
     assert model.config.layers == report["layers"]
     assert "| 4 | " in format_table(report["accuracy"], [2], [4])
+
+
+def test_train_script_runs_the_zoology_task_at_a_chosen_width(tmp_path, capsys) -> None:
+    out = tmp_path / "run"
+    args = ["--family", "mamba2", "--task", "zoology", "--width", "32", "--out", str(out), "--device", "cpu"]
+    args += ["--steps", "2", "--batch", "2", "--tokens-per-step", "32", "--train-pairs", "2", "4"]
+    args += ["--train-lengths", "16", "--eval-pairs", "2", "8", "--eval-lengths", "16", "24", "--eval-sequences", "2"]
+    with torch.inference_mode(False):
+        main(args + ["--eval-batch", "2"])
+    report = json.loads((out / "mqar.json").read_text())
+    assert report["task"] == "zoology" and report["width"] == 32 and report["train_lengths"] == [16]
+    # Cells whose pairs do not fit their length (4 M > T) are left out.
+    assert set(report["accuracy"]) == {"M=2,T=16", "M=2,T=24"}
+    assert report["state_bytes"] > 0 and report["state_bytes_per_token"] == 0  # Mamba-2 only: no KV cache
+    model = load_model(out, device="cpu")
+    assert model.config.hidden_size == 32 and model.config.vocab_size == ZOOLOGY_VOCAB
+    assert "| 24 | " in format_table(report["accuracy"], [2, 8], [16, 24], "T") and "| - |" in format_table(
+        report["accuracy"], [2, 8], [16, 24], "T"
+    )
+    with pytest.raises(SystemExit):  # a gap means nothing to the zoology task
+        main(args + ["--train-gaps", "64"])
+    # The re-scoring script reads the task and the scoring path from the report and gets the same answers.
+    evaluate_main([str(out), "--device", "cpu"])
+    printed = capsys.readouterr().out
+    assert "| T \\ pairs | 2 |" in printed and "largest difference from the report: 0.00 points over 2 cells" in printed
+
+
+def test_train_all_reads_family_lr_width_and_seed() -> None:
+    assert parse_run("mamba2:1e-3") == ("mamba2", 1e-3, None, None)
+    assert parse_run("mamba2-ska:3e-3:64") == ("mamba2-ska", 3e-3, 64, None)
+    assert parse_run("mamba2-gka:1e-3:256:2") == ("mamba2-gka", 1e-3, 256, 2)
+    for bad in ("mamba3:1e-3", "mamba2:fast", "mamba2:1e-3:wide", "mamba2:1e-3:64:1:9"):
+        with pytest.raises(Exception, match="run "):
+            parse_run(bad)
 
 
 # -- the trained checkpoints shipped in checkpoints/trained (BENCHMARKS.md, "MQAR") --------------------------------
@@ -169,7 +251,7 @@ def test_shipped_checkpoints_reproduce_their_reports(name: str) -> None:
     pairs = [4, 8, 16, 32]
     assert set(report["accuracy"]) == {f"M={M},gap={g}" for M in pairs for g in (64, 256, 1024, 4096)}
     # The first held-out batch of the report's M=8, gap=64 cell, through StatePool + prefill + decode on the CPU.
-    correct, total = evaluate_batch(model, num_pairs=8, gap=64, batch=report["eval_batch"], index=0)
+    correct, total = evaluate_batch(model, num_pairs=8, x=64, batch=report["eval_batch"], index=0)
     assert correct / total >= report["accuracy"]["M=8,gap=64"] - 0.01
 
 
@@ -199,3 +281,9 @@ def test_training_init_keeps_pytorch_defaults_and_the_mixers_own_inits() -> None
     again.init_weights(seed=0, std=None)
     first, second = model.state_dict(), again.state_dict()
     assert all(torch.equal(first[name], second[name]) for name in first)
+
+
+def test_forward_scoring_agrees_with_the_serving_path_on_a_trained_checkpoint() -> None:
+    model = load_model(TRAINED / "mqar-mamba2-ska", device="cpu", dtype="float32")
+    serving = evaluate_batch(model, 8, 64, 8, 0)
+    assert serving == evaluate_batch(model, 8, 64, 8, 0, forward=True) and serving[0] > 0.9 * serving[1]

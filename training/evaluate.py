@@ -5,8 +5,9 @@
 
 By default every cell of the report is scored on exactly the held-out sequences that `training/train.py` scored
 (the first `eval_sequences_per_cell` of the cell's fixed held-out stream, in batches of the report's `eval_batch`),
-through the same serving path (StatePool + prefill + teacher-forced decode). On another device the arithmetic
-differs in rounding only, so the table should match to within a few answers.
+of the report's task, through the path the report used (its `eval_path`: the serving path, StatePool + prefill +
+teacher-forced decode, or the training forward). On another device the arithmetic differs in rounding only, so the
+table should match to within a few answers. `--gaps` are the lengths of a `zoology` report.
 """
 
 from __future__ import annotations
@@ -20,7 +21,9 @@ from pathlib import Path
 import torch
 
 from kvfree.engine.loader import load_model
+from kvfree.training.mqar import TASKS
 from kvfree.training.train import evaluate_batch, format_table
+from kvfree.training.train_all import parse_cell
 
 
 def reevaluate(
@@ -38,18 +41,22 @@ def reevaluate(
     """
     report = json.loads((path / "mqar.json").read_text())
     reported: dict[str, float] = report["accuracy"]
-    cells = [tuple(int(part.split("=")[1]) for part in key.split(",")) for key in reported]
-    pairs = pairs or sorted({M for M, _ in cells})
-    gaps = gaps or sorted({g for _, g in cells})
+    task = TASKS[report.get("task", "mqar")]
+    forward = report.get("eval_path") == "forward"
+    cells = [parse_cell(key) for key in reported]
+    pairs = pairs or sorted({M for M, _, _ in cells})
+    gaps = gaps or sorted({x for _, _, x in cells})
     batch = report.get("eval_batch", 256)
     per_cell = report.get("eval_sequences_per_cell", {})
     model = load_model(path, device=device, dtype="float32")
     grid = {}
-    for g in gaps:
+    for x in gaps:
         for M in pairs:
-            key = f"M={M},gap={g}"
+            if not task.fits(M, x):
+                continue
+            key = task.key(M, x)
             n = sequences or per_cell.get(key, report["eval_sequences"])
-            scores = [evaluate_batch(model, M, g, min(batch, n), i) for i in range(math.ceil(n / batch))]
+            scores = [evaluate_batch(model, M, x, min(batch, n), i, task, forward) for i in range(math.ceil(n / batch))]
             grid[key] = sum(c for c, _ in scores) / sum(t for _, t in scores)
     exact = sequences is None
     return grid, {key: reported[key] for key in grid if key in reported and exact}
@@ -60,7 +67,7 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("checkpoint", type=Path, help="a directory written by training/train.py (with mqar.json)")
     parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     parser.add_argument("--pairs", type=int, nargs="+", help="numbers of pairs to score (default: the report's)")
-    parser.add_argument("--gaps", type=int, nargs="+", help="gaps to score (default: the report's)")
+    parser.add_argument("--gaps", type=int, nargs="+", help="gaps (zoology: lengths) to score (default: the report's)")
     parser.add_argument(
         "--sequences", type=int, help="held-out sequences per cell, rounded up to whole batches (default: the report's)"
     )
@@ -69,9 +76,9 @@ def main(argv: list[str] | None = None) -> None:
         parser.error(f"{args.checkpoint}: no mqar.json (not a checkpoint written by training/train.py)")
     start = time.perf_counter()
     grid, reported = reevaluate(args.checkpoint, args.device, args.pairs, args.gaps, args.sequences)
-    pairs = sorted({int(k.split(",")[0][2:]) for k in grid})
-    gaps = sorted({int(k.split("gap=")[1]) for k in grid})
-    print(format_table(grid, pairs, gaps))
+    cells = [parse_cell(key) for key in grid]
+    pairs, xs = sorted({M for M, _, _ in cells}), sorted({x for _, _, x in cells})
+    print(format_table(grid, pairs, xs, cells[0][1]))
     if reported:
         worst = max(abs(grid[k] - reported[k]) for k in reported)
         print(f"largest difference from the report: {100 * worst:.2f} points over {len(reported)} cells")
