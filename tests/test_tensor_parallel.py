@@ -233,3 +233,31 @@ def test_a_layer_whose_heads_do_not_divide_is_refused_by_name(tmp_path):
     low_rank = dict(HYBRID["gka"], kv_proj_rank=4)
     with pytest.raises(ValueError, match=r"layers.2 \(gka\): the low-rank k/v expansion \(kv_proj_rank\) reads every"):
         HybridLM(ModelConfig.from_dict(dict(HYBRID, gka=low_rank)), TensorParallel(rank=0, size=2))
+
+
+@pytest.mark.parametrize("shape", ["hmf_8b_gka", "hmf_32b_gka"])
+def test_hmf_shapes_split_among_eight_ranks_each_holding_an_eighth(shape: str) -> None:
+    """What a TP=8 run of `context_bench` builds (issue 34's shapes), checked without GPUs: every layer's heads divide
+    among 8 ranks, and each rank holds an eighth of the weights and of every session's state (8 KV heads: one each)."""
+    from pathlib import Path
+
+    from kvfree.checkpoints.hf_hmf import convert_config
+    from kvfree.engine.config import ModelConfig
+    from kvfree.engine.context_bench import SHAPES, random_model
+
+    label, hf_config = SHAPES[shape]
+    config = ModelConfig.from_dict(convert_config(hf_config, Path(label)))
+    meta = torch.device("meta")  # shapes without memory: the 32B model's weights would be 68 GB
+
+    def weights_and_state(tp: TensorParallel) -> tuple[int, int]:
+        model = random_model(config, meta, torch.bfloat16, tp)
+        specs = [spec for layer in model.layers for spec in layer.mixer.state_specs(16384).values()]
+        split = sum(torch.Size(spec.shape).numel() for spec in specs if spec.split is not None)  # not the counters
+        return sum(p.numel() for p in model.parameters()), split
+
+    whole_weights, whole_state = weights_and_state(TensorParallel())
+    for rank in (0, 7):
+        weights, state = weights_and_state(TensorParallel(rank=rank, size=8))
+        assert state * 8 == whole_state
+        # Norm weights are held whole by every rank: a little over an eighth, never more than 0.1% over.
+        assert whole_weights / 8 <= weights < 1.001 * whole_weights / 8
