@@ -1,12 +1,13 @@
-"""MQAR (multi-query associative recall), as specified in docs/design/ska.md §7.3.
+"""MQAR (multi-query associative recall): the task of docs/design/ska.md §7.3, and Zoology's (`make_zoology_mqar`).
 
-One sequence for (M pairs, gap), vocabulary V = 128 (keys in [0, 64), values in [64, 128)):
+ska.md's: one sequence for (M pairs, gap), vocabulary V = 128 (keys in [0, 64), values in [64, 128)):
 
     x = [k1 v1 ... kM vM]  +  gap filler tokens drawn from the key range  +  [k_p1 v_p1 ... k_pM v_pM]
 
 Every key is queried once, in a random order, each followed by its value. The model is scored at each query key:
 its next-token prediction, restricted to the MQAR vocabulary, must be the key's value. Training draws fresh
-sequences from one seed stream; evaluation uses a disjoint, fixed held-out stream per cell.
+sequences from one seed stream; evaluation uses a disjoint, fixed held-out stream per cell. A `Task` names a grid
+of cells (pairs by gap, or by length for Zoology's) and its held-out batches; `TASKS` holds both.
 """
 
 from __future__ import annotations
