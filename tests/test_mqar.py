@@ -179,6 +179,8 @@ def test_train_script_runs_the_zoology_task_at_a_chosen_width(tmp_path, capsys) 
     assert report["state_bytes"] > 0 and report["state_bytes_per_token"] == 0  # Mamba-2 only: no KV cache
     model = load_model(out, device="cpu")
     assert model.config.hidden_size == 32 and model.config.vocab_size == ZOOLOGY_VOCAB
+    # Over 8,192 ids the head is tied to the embedding by default (an untied one stayed at chance), and says so.
+    assert model.config.tie_word_embeddings and report["overrides"] == {"tie_word_embeddings": True}
     assert "| 24 | " in format_table(report["accuracy"], [2, 8], [16, 24], "T") and "| - |" in format_table(
         report["accuracy"], [2, 8], [16, 24], "T"
     )
