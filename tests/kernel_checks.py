@@ -77,11 +77,11 @@ def assert_mqar_scores_the_same(name: str, ops: ModuleType, monkeypatch, batch: 
     report = json.loads((TRAINED / name / "mqar.json").read_text())
     model = load_model(TRAINED / name, device=str(DEVICE))
     monkeypatch.setenv("KVFREE_KERNELS", "reference")
-    scores = {"reference": evaluate_batch(model, num_pairs=8, gap=64, batch=batch, index=0)}
+    scores = {"reference": evaluate_batch(model, num_pairs=8, x=64, batch=batch, index=0)}
     for obj in vars(ops).values():  # the package's ops (kernels/dispatch.py; its decode_graph_safe asks them too)
         if isinstance(obj, Op):
             monkeypatch.setattr(obj, "device_check", lambda device: True)
-    scores["triton"] = evaluate_batch(model, num_pairs=8, gap=64, batch=batch, index=0)
+    scores["triton"] = evaluate_batch(model, num_pairs=8, x=64, batch=batch, index=0)
     assert scores["triton"] == scores["reference"]
     correct, total = scores["triton"]
     assert total > 0 and correct / total >= report["accuracy"]["M=8,gap=64"] - 0.01
