@@ -21,9 +21,8 @@ from pathlib import Path
 import torch
 
 from kvfree.engine.loader import load_model
-from kvfree.training.mqar import TASKS
-from kvfree.training.train import evaluate_batch, format_table
-from kvfree.training.train_all import parse_cell
+from kvfree.training.mqar import TASKS, parse_cell
+from kvfree.training.train import evaluate_batch, grid_table
 
 
 def reevaluate(
@@ -76,9 +75,7 @@ def main(argv: list[str] | None = None) -> None:
         parser.error(f"{args.checkpoint}: no mqar.json (not a checkpoint written by training/train.py)")
     start = time.perf_counter()
     grid, reported = reevaluate(args.checkpoint, args.device, args.pairs, args.gaps, args.sequences)
-    cells = [parse_cell(key) for key in grid]
-    pairs, xs = sorted({M for M, _, _ in cells}), sorted({x for _, _, x in cells})
-    print(format_table(grid, pairs, xs, cells[0][1]))
+    print(grid_table(grid))
     if reported:
         worst = max(abs(grid[k] - reported[k]) for k in reported)
         print(f"largest difference from the report: {100 * worst:.2f} points over {len(reported)} cells")

@@ -130,8 +130,20 @@ class Task:
         return x >= self.tokens_per_pair * num_pairs
 
     def key(self, num_pairs: int, x: int) -> str:
-        """The cell's name in reports, e.g. "M=4,gap=64" or "M=64,T=512"."""
-        return f"M={num_pairs},{self.axis}={x}"
+        """The cell's name in reports (`cell_key`)."""
+        return cell_key(num_pairs, self.axis, x)
+
+
+def cell_key(num_pairs: int, axis: str, x: int) -> str:
+    """A cell's name in reports, e.g. "M=4,gap=64" or "M=64,T=512"; `parse_cell` reads it back."""
+    return f"M={num_pairs},{axis}={x}"
+
+
+def parse_cell(key: str) -> tuple[int, str, int]:
+    """A report's cell name "M=4,gap=64" -> (4, "gap", 64)."""
+    pairs, axis = key.split(",")
+    name, _, x = axis.partition("=")
+    return int(pairs.removeprefix("M=")), name, int(x)
 
 
 TASKS = {

@@ -32,7 +32,17 @@ from kvfree.engine.loader import save_model
 from kvfree.engine.model import HybridLM
 from kvfree.engine.state_pool import StatePool
 from kvfree.engine.step_batch import StepBatch
-from kvfree.training.mqar import IGNORE, TASKS, VOCAB, MQARBatch, Task, make_mqar, make_zoology_mqar
+from kvfree.training.mqar import (
+    IGNORE,
+    TASKS,
+    VOCAB,
+    MQARBatch,
+    Task,
+    cell_key,
+    make_mqar,
+    make_zoology_mqar,
+    parse_cell,
+)  # fmt: skip
 
 BYTE_VOCAB = 261
 HIDDEN = 128
@@ -174,9 +184,7 @@ def mqar_sampler(pairs: list[int], gaps: list[int], batch: int, tokens_per_step:
     """
 
     def sample(progress: float, gen: torch.Generator) -> tuple[torch.Tensor, torch.Tensor]:
-        opened = curriculum(progress)
-        open_pairs = pairs[: max(1, math.ceil(opened * len(pairs)))]
-        open_gaps = gaps[: max(1, math.ceil(opened * len(gaps)))]
+        open_pairs, open_gaps = opened(pairs, progress), opened(gaps, progress)
         gap = open_gaps[int(torch.multinomial(gap_weights(open_gaps), 1, generator=gen))]
         rows = batch_for(4 * max(open_pairs) + gap, tokens_per_step, batch)
         return mixed_batch(open_pairs, gap, rows, gen)
@@ -187,13 +195,13 @@ def mqar_sampler(pairs: list[int], gaps: list[int], batch: int, tokens_per_step:
 def zoology_sampler(pairs: list[int], lengths: list[int], batch: int, tokens_per_step: int, vocab: int) -> Sampler:
     """Batches of Zoology's MQAR (`make_zoology_mqar`): a step draws one length from `lengths`, then each row a
     number of pairs among the opened ones that fit it (4 M <= T); the curriculum opens `pairs` (sorted easiest
-    first) as `curriculum` says. At most `batch` rows and about `tokens_per_step` tokens."""
+    first) as `opened` says. At most `batch` rows and about `tokens_per_step` tokens."""
 
     def sample(progress: float, gen: torch.Generator) -> tuple[torch.Tensor, torch.Tensor]:
-        opened = pairs[: max(1, math.ceil(curriculum(progress) * len(pairs)))]
-        fitting = [T for T in lengths if 4 * opened[0] <= T]
+        open_pairs = opened(pairs, progress)
+        fitting = [T for T in lengths if 4 * open_pairs[0] <= T]
         T = fitting[int(torch.randint(len(fitting), (), generator=gen))]
-        fit = [M for M in opened if 4 * M <= T]
+        fit = [M for M in open_pairs if 4 * M <= T]
         rows = batch_for(T, tokens_per_step, batch)
         counts = torch.bincount(torch.randint(len(fit), (rows,), generator=gen), minlength=len(fit)).tolist()
         parts = [make_zoology_mqar(M, T, n, gen, vocab) for M, n in zip(fit, counts, strict=True) if n]
@@ -202,10 +210,10 @@ def zoology_sampler(pairs: list[int], lengths: list[int], batch: int, tokens_per
     return sample
 
 
-def curriculum(progress: float) -> float:
-    """The fraction of each (easiest-first) list of cells open at `progress` in [0, 1]: a quarter at the start, all
-    of them from halfway on."""
-    return min(1.0, 0.25 + 1.5 * progress)
+def opened(cells: list[int], progress: float) -> list[int]:
+    """The curriculum: the prefix of an easiest-first list of cells open at `progress` in [0, 1], a quarter of them
+    (at least one) at the start and all of them from halfway on."""
+    return cells[: max(1, math.ceil(min(1.0, 0.25 + 1.5 * progress) * len(cells)))]
 
 
 def train(
@@ -288,7 +296,8 @@ def score_batch(model: HybridLM, data: MQARBatch, vocab: int) -> tuple[int, int]
     slots = torch.tensor([pool.alloc() for _ in range(B)], device=model.device)
     prefix = data.prefix_len
     model.prefill(ids[:, :prefix].flatten(), pool.tensors, StepBatch.prefill(slots, [prefix] * B))
-    scored = (data.targets != IGNORE).any(dim=0).tolist()  # positions where some row has a target (host-side)
+    has_target = data.targets != IGNORE
+    scored = has_target.any(dim=0).tolist()  # positions where some row has a target (host-side)
     last = max(pos for pos, s in enumerate(scored) if s)  # the tokens after the last target need no decoding
     correct = torch.zeros((), dtype=torch.long, device=model.device)
     decode_batch = StepBatch.decode(slots)
@@ -296,7 +305,7 @@ def score_batch(model: HybridLM, data: MQARBatch, vocab: int) -> tuple[int, int]
         logits = model.decode(ids[:, pos], pool.tensors, decode_batch)
         if scored[pos]:
             correct += (logits[:, :vocab].argmax(-1) == targets[:, pos]).sum()
-    return int(correct), int((data.targets != IGNORE).sum())
+    return int(correct), int(has_target.sum())
 
 
 @torch.inference_mode()
@@ -366,9 +375,15 @@ def format_table(grid: dict[str, float], pairs: list[int], xs: list[int], axis: 
     not in `grid` (one that does not fit the task) is "-"."""
     lines = [f"| {axis} \\ pairs | " + " | ".join(str(M) for M in pairs) + " |", "|---" * (len(pairs) + 1) + "|"]
     for x in xs:
-        cells = [f"{100 * grid[key]:.1f}" if (key := f"M={M},{axis}={x}") in grid else "-" for M in pairs]
+        cells = [f"{100 * grid[key]:.1f}" if (key := cell_key(M, axis, x)) in grid else "-" for M in pairs]
         lines.append(f"| {x} | " + " | ".join(cells) + " |")
     return "\n".join(lines)
+
+
+def grid_table(grid: dict[str, float]) -> str:
+    """`format_table` of a report's grid, its pairs, gaps (or lengths) and axis read from the cells' names."""
+    cells = [parse_cell(key) for key in grid]
+    return format_table(grid, sorted({M for M, _, _ in cells}), sorted({x for _, _, x in cells}), cells[0][1])
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -399,7 +414,7 @@ def main(argv: list[str] | None = None) -> None:
         "--eval-path",
         choices=["serving", "forward"],
         help="serving: prefill + teacher-forced decode, as a server runs it (mqar's default); forward: the training "
-        "forward, the same function in one parallel pass (zoology's default: its rows decode 1,500+ tokens each)",
+        "forward, the same function in one parallel pass (zoology's default: its rows decode up to 1,536 tokens each)",
     )
     parser.add_argument("--eval-sequences", type=int, default=1024)
     parser.add_argument("--eval-batch", type=int, default=256)

@@ -22,7 +22,7 @@ from pathlib import Path
 
 import torch
 
-from kvfree.training.train import FAMILIES, format_table
+from kvfree.training.train import FAMILIES, grid_table
 
 # Run i goes to GPU i % (number of GPUs): on 4 GPUs with --per-gpu 2 the first two runs share their GPU with the
 # last two, so the runs that need the most steps (SKA, GKA) come third and fourth and train alone.
@@ -46,17 +46,10 @@ def parse_run(spec: str) -> tuple[str, float, int | None, int | None]:
         )
     try:
         lr = float(fields[0])
-        width, seed = (int(f) for f in (fields[1:] + ["-1", "-1"])[:2])
+        width, seed = (int(f) if f else None for f in (fields + ["", ""])[1:3])
     except ValueError:
         raise argparse.ArgumentTypeError(f"run {spec!r}: LR must be a number, WIDTH and SEED integers") from None
-    return family, lr, None if width < 0 else width, None if seed < 0 else seed
-
-
-def parse_cell(key: str) -> tuple[int, str, int]:
-    """A report's cell name "M=4,gap=64" -> (4, "gap", 64)."""
-    pairs, axis = key.split(",")
-    name, _, x = axis.partition("=")
-    return int(pairs.removeprefix("M=")), name, int(x)
+    return family, lr, width, seed
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -114,10 +107,7 @@ def main(argv: list[str] | None = None) -> int:
                 f"{r['train_seconds']:.0f} s, final train loss {last.get('loss', float('nan')):.3f}, "
                 f"mean held-out {100 * r['mean']:.1f}%"
             )
-            cells = [parse_cell(key) for key in r["accuracy"]]
-            pairs = sorted({M for M, _, _ in cells})
-            xs = sorted({x for _, _, x in cells})
-            print(format_table(r["accuracy"], pairs, xs, cells[0][1]))
+            print(grid_table(r["accuracy"]))
         summary[group] = runs[0]["run"]
     (args.out / "summary.json").write_text(json.dumps({"best": summary, "failed": failed}, indent=2) + "\n")
     if failed:
