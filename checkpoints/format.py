@@ -1,6 +1,6 @@
 """The native checkpoint: a directory holding
 
-    config.json             the ModelConfig (engine/config.py)
+    config.json             the ModelConfig (engine/model/config.py)
     model.safetensors       the weights, named as HybridLM's state_dict
     tokenizer.json          a `tokenizers` tokenizer
     tokenizer_config.json   special tokens and the Jinja chat template

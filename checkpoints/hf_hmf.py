@@ -12,7 +12,7 @@ kvfree mixers:
 | `SWA` | `swa` (the same with `swa_config.window_size`) | `swa` |
 | `GKA` | `gka` (Gated KalmaNet, `gka_config`) | `gka` with q/k/v head counts and low-rank k/v expansion |
 | `M2` | `mamba` (Mamba-2 primed from attention, `mamba2_config`) | `mamba2` with B/C norms, x and B expanded |
-| `BMF` | `bmojo_f` (`bmojo_attn` + `gka` or `mamba`, `bmojo_config`) | `bmojo_f` (engine/layers/bmojo_f.py) |
+| `BMF` | `bmojo_f` (`bmojo_attn` + `gka` or `mamba`, `bmojo_config`) | `bmojo_f` (engine/model/layers/bmojo_f.py) |
 | `GDN` | `gdn` (Gated DeltaNet, `gdn_config`) | `gdn` with q/k/v head counts and low-rank k/v expansion |
 
 hmf's training-stage layers (`GKA*`, `*DA`, ...: the attention-plus-recurrent pairs of layer-wise distillation) are
@@ -225,7 +225,7 @@ def bmojo_f_config(hf: dict[str, Any], attention: dict[str, Any], where: Path) -
 
 
 def convert_config(hf: dict[str, Any], src: Path) -> dict[str, Any]:
-    """Translate an hmf `HybridQwen3Config` dict into our `ModelConfig` dict (engine/config.py's schema)."""
+    """Translate an hmf `HybridQwen3Config` dict into our `ModelConfig` dict (engine/model/config.py's schema)."""
     where = src / CONFIG_FILE
     if hf.get("model_type") != "hybrid_qwen3":
         raise CheckpointError(

@@ -4,7 +4,7 @@ The HF directory holds `config.json` (with `model_type: "mamba2"`) and the weigh
 sharded safetensors listed in `model.safetensors.index.json`, or as `pytorch_model.bin` (optionally sharded with
 `pytorch_model.bin.index.json`). Our Mamba-2 mixer is laid out like HF's `Mamba2Mixer`, so converting is a renaming
 of tensors (plus dropping the conv weight's singleton channel axis) and a translation of the config into the schema
-of `engine/config.py`, written here as a plain dict because `checkpoints` must not import `engine`.
+of `engine/model/config.py`, written here as a plain dict because `checkpoints` must not import `engine`.
 
 Usage::
 
@@ -88,7 +88,7 @@ def _time_step_limit(hf: dict[str, Any], where: Path) -> list[float] | None:
 
 
 def convert_config(hf: dict[str, Any], src: Path) -> dict[str, Any]:
-    """Translate an HF `Mamba2Config` dict into our `ModelConfig` dict (engine/config.py's schema)."""
+    """Translate an HF `Mamba2Config` dict into our `ModelConfig` dict (engine/model/config.py's schema)."""
     where = src / CONFIG_FILE
     model_type = hf.get("model_type")
     if model_type != "mamba2":

@@ -112,7 +112,7 @@ def base_config(hf: dict[str, Any], where: Path) -> tuple[dict[str, Any], dict[s
 
 
 def convert_config(hf: dict[str, Any], src: Path) -> dict[str, Any]:
-    """Translate an HF `Qwen3Config` dict into our `ModelConfig` dict (engine/config.py's schema)."""
+    """Translate an HF `Qwen3Config` dict into our `ModelConfig` dict (engine/model/config.py's schema)."""
     where = src / CONFIG_FILE
     if hf.get("model_type") != "qwen3":
         raise CheckpointError(f"{where}: model_type is {hf.get('model_type')!r}, expected 'qwen3' (Qwen3ForCausalLM)")

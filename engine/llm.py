@@ -12,21 +12,21 @@ from typing import Any
 import torch
 
 from kvfree.checkpoints import default_checkpoint_path
-from kvfree.engine.grammar import GrammarCompiler
-from kvfree.engine.llm_engine import LLMEngine
-from kvfree.engine.loader import load_model
-from kvfree.engine.model import kv_cache_torch_dtype
-from kvfree.engine.model_runner import ModelRunner
-from kvfree.engine.ranks import RankSpec, Workers, free_address
-from kvfree.engine.sampling import SamplingParams
-from kvfree.engine.scheduler import Request, RequestOutput, Scheduler
-from kvfree.engine.sequence import Sequence, TokenLogprob
-from kvfree.engine.sessions import SessionManager
-from kvfree.engine.sharded_pool import ShardedStatePool
-from kvfree.engine.snapshot import model_fingerprint
-from kvfree.engine.state_pool import StatePool
-from kvfree.engine.tensor_parallel import ONE_RANK, TensorParallel
-from kvfree.engine.tokenizer import Tokenizer
+from kvfree.engine.core.model_runner import ModelRunner
+from kvfree.engine.core.sampling import SamplingParams
+from kvfree.engine.core.scheduler import Request, RequestOutput, Scheduler
+from kvfree.engine.core.sequence import Sequence, TokenLogprob
+from kvfree.engine.core.stepper import LLMEngine
+from kvfree.engine.model.hybrid_lm import kv_cache_torch_dtype
+from kvfree.engine.model.loader import load_model
+from kvfree.engine.model.tensor_parallel import ONE_RANK, TensorParallel
+from kvfree.engine.parallel.ranks import RankSpec, Workers, free_address
+from kvfree.engine.parallel.sharded_pool import ShardedStatePool
+from kvfree.engine.sessions.manager import SessionManager
+from kvfree.engine.state.pool import StatePool
+from kvfree.engine.state.snapshot import model_fingerprint
+from kvfree.engine.text.grammar import GrammarCompiler
+from kvfree.engine.text.tokenizer import Tokenizer
 
 Prompt = str | list[int]
 
@@ -59,9 +59,9 @@ class LLM:
             replays a graph captured at start-up, and prefill steps of all-Mamba-2 models replay one per token bucket).
         tensor_parallel_size: N > 1 splits every layer's heads among N processes, one per GPU (cuda:0 .. cuda:N-1;
             on the CPU, N processes joined by gloo): this process is rank 0 and starts the others
-            (engine/ranks.py, docs/design/tensor-parallel.md). `close()` ends them.
+            (engine/parallel/ranks.py, docs/design/tensor-parallel.md). `close()` ends them.
         kv_cache_dtype: "auto" (the activation dtype) or "fp8": attention layers keep their KV cache in e4m3 with a
-            scale per session and KV head, half a bf16 cache's bytes (engine/layers/attention.py).
+            scale per session and KV head, half a bf16 cache's bytes (engine/model/layers/attention.py).
     """
 
     def __init__(
@@ -109,7 +109,7 @@ class LLM:
 
     @property
     def fingerprint(self) -> str:
-        """The model's fingerprint (engine/snapshot.py), computed once: at start-up under tensor parallelism."""
+        """The model's fingerprint (engine/state/snapshot.py), computed once: at start-up under tensor parallelism."""
         if self._fingerprint is None:
             self._fingerprint = model_fingerprint(self.model)
         return self._fingerprint
@@ -209,7 +209,8 @@ class LLM:
 def build_rank(spec: RankSpec, tp: TensorParallel, workers: Workers | None = None) -> ModelRunner:
     """One rank's model, state pool and runner (every rank builds them in the same order: their collectives, the
     warm-ups and CUDA-graph captures included, line up). Rank 0 passes its `workers`; its pool then moves whole
-    sessions (engine/sharded_pool.py). Under tensor parallelism the fingerprint is taken here, by every rank at once,
+    sessions (engine/parallel/sharded_pool.py). Under tensor parallelism the fingerprint is taken here, by every rank
+    at once,
     and kept on the runner."""
     model = load_model(spec.model, device=spec.device_of(tp.rank), dtype=spec.dtype,
                        config_overrides=spec.config_overrides, tp=tp)  # fmt: skip

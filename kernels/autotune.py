@@ -4,7 +4,7 @@ Triton's default benchmarks each config for ~125 ms, so a kernel meeting a new a
 a new number of sequences) stalls that step for about half a second per config; in a server that is a request's
 time to first token. A few milliseconds per config pick the same winners on these kernels (their configs differ by
 far more than the noise), and `cache_results` keeps the choice in Triton's cache directory for the next process.
-The engine also meets every key once at start-up (engine/model_runner.py, `warm_up_prefill`).
+The engine also meets every key once at start-up (engine/core/model_runner.py, `warm_up_prefill`).
 """
 
 from __future__ import annotations

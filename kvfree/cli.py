@@ -7,8 +7,8 @@ import sys
 import time
 from pathlib import Path
 
-from kvfree.engine.config import parse_overrides
-from kvfree.engine.presets import PRESETS
+from kvfree.engine.model.config import parse_overrides
+from kvfree.engine.model.presets import PRESETS
 
 
 def _add_model_args(p: argparse.ArgumentParser) -> None:
@@ -96,8 +96,8 @@ def cmd_generate(args: argparse.Namespace) -> int:
 
 
 def cmd_init_checkpoint(args: argparse.Namespace) -> int:
-    from kvfree.engine.loader import resolve_dtype
-    from kvfree.engine.presets import init_checkpoint
+    from kvfree.engine.model.loader import resolve_dtype
+    from kvfree.engine.model.presets import init_checkpoint
 
     path = init_checkpoint(args.preset, args.output, seed=args.seed, dtype=resolve_dtype(args.dtype, _cpu()))
     print(f"wrote a random-initialised {args.preset!r} checkpoint to {path}")
@@ -169,20 +169,20 @@ def cmd_loadtest(args: argparse.Namespace) -> int:
 def cmd_bench(args: argparse.Namespace) -> int:
     if "--sessions" in args.forwarded:
         # Like --serve: it starts `kvfree serve` and times session turns over HTTP.
-        from kvfree.session_bench import main as session_bench_main
+        from kvfree.bench.sessions import main as session_bench_main
 
         return session_bench_main(args.forwarded)
     if "--structured" in args.forwarded:
         # Grammar-constrained rows against free ones; it builds tool-call grammars, so it lives above engine and server.
-        from kvfree.structured_bench import main as structured_bench_main
+        from kvfree.bench.structured import main as structured_bench_main
 
         return structured_bench_main(args.forwarded)
     if "--serve" in args.forwarded:
         # The served benchmark starts `kvfree serve` and drives it over HTTP, so it lives above engine and loadtest.
-        from kvfree.serve_bench import main as serve_bench_main
+        from kvfree.bench.serve import main as serve_bench_main
 
         return serve_bench_main(args.forwarded)
-    from kvfree.engine.bench import main as bench_main
+    from kvfree.bench.step import main as bench_main
 
     return bench_main(args.forwarded)
 
@@ -387,7 +387,7 @@ def build_parser() -> argparse.ArgumentParser:
 
 def main(argv: list[str] | None = None) -> int:
     from kvfree.checkpoints import CheckpointError
-    from kvfree.engine.session_store import SessionStoreError
+    from kvfree.engine.sessions.store import SessionStoreError
 
     args = build_parser().parse_args(argv)
     try:

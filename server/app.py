@@ -10,9 +10,9 @@ from pathlib import Path
 from fastapi import FastAPI
 from fastapi.middleware.cors import CORSMiddleware
 
-from kvfree.engine.async_engine import AsyncEngine
-from kvfree.engine.engine_core import EngineConfig
-from kvfree.engine.engine_process import EngineProcess
+from kvfree.engine.serving.engine_core import EngineConfig
+from kvfree.engine.serving.process_driver import EngineProcess
+from kvfree.engine.serving.thread_driver import AsyncEngine
 from kvfree.server import routes_openai, routes_ops, routes_responses, routes_sessions
 from kvfree.server.auth import APIKeys
 from kvfree.server.errors import install_error_handlers

@@ -11,10 +11,10 @@ from __future__ import annotations
 
 from dataclasses import replace
 
-from kvfree.engine.sampling import SamplingParams
-from kvfree.engine.scheduler import RequestOutput
-from kvfree.engine.text_output import TextOutput
-from kvfree.engine.tokenizer import Tokenizer
+from kvfree.engine.core.sampling import SamplingParams
+from kvfree.engine.core.scheduler import RequestOutput
+from kvfree.engine.text.text_output import TextOutput
+from kvfree.engine.text.tokenizer import Tokenizer
 
 
 class ChoiceTexts:

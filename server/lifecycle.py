@@ -23,17 +23,17 @@ from typing import Any, TypeVar
 import anyio
 from fastapi import Request
 
-from kvfree.engine.async_engine import EngineStopped, QueueFull, SessionBusy
-from kvfree.engine.engine_handle import EngineHandle
-from kvfree.engine.engine_info import EngineInfo, SessionPage, SessionRecord
-from kvfree.engine.grammar import Grammar, GrammarError, check_grammar
-from kvfree.engine.sampling import SamplingParams
-from kvfree.engine.scheduler import RequestOutput
-from kvfree.engine.session_store import SessionStoreError
-from kvfree.engine.sessions import PoolExhausted, SessionLimitError, SessionNotFound
-from kvfree.engine.snapshot import SnapshotError
-from kvfree.engine.state_pool import SnapshotMismatchError
-from kvfree.engine.tokenizer import LONG_TEXT_CHARS, Tokenizer
+from kvfree.engine.core.sampling import SamplingParams
+from kvfree.engine.core.scheduler import RequestOutput
+from kvfree.engine.protocol import EngineInfo, SessionPage, SessionRecord
+from kvfree.engine.serving.handle import EngineHandle
+from kvfree.engine.serving.thread_driver import EngineStopped, QueueFull, SessionBusy
+from kvfree.engine.sessions.manager import PoolExhausted, SessionLimitError, SessionNotFound
+from kvfree.engine.sessions.store import SessionStoreError
+from kvfree.engine.state.pool import SnapshotMismatchError
+from kvfree.engine.state.snapshot import SnapshotError
+from kvfree.engine.text.grammar import Grammar, GrammarError, check_grammar
+from kvfree.engine.text.tokenizer import LONG_TEXT_CHARS, Tokenizer
 from kvfree.server.detokenize import ChoiceTexts
 from kvfree.server.errors import (
     APIError,

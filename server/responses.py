@@ -56,10 +56,10 @@ from pydantic import (
     model_validator,
 )
 
-from kvfree.engine.grammar import Grammar
-from kvfree.engine.sampling import SamplingParams
-from kvfree.engine.session_store import SessionStore
-from kvfree.engine.tokenizer import IncrementalDetokenizer, Tokenizer
+from kvfree.engine.core.sampling import SamplingParams
+from kvfree.engine.sessions.store import SessionStore
+from kvfree.engine.text.grammar import Grammar
+from kvfree.engine.text.tokenizer import IncrementalDetokenizer, Tokenizer
 from kvfree.server.errors import not_found
 from kvfree.server.protocol import (
     MAX_TOOLS,

@@ -14,9 +14,9 @@ from openai.types.chat.chat_completion import ChoiceLogprobs
 from openai.types.chat.chat_completion_token_logprob import TopLogprob
 from openai.types.completion_usage import CompletionUsage
 
-from kvfree.engine.sampling import SamplingParams
-from kvfree.engine.sequence import TokenLogprob
-from kvfree.engine.tokenizer import Tokenizer
+from kvfree.engine.core.sampling import SamplingParams
+from kvfree.engine.core.sequence import TokenLogprob
+from kvfree.engine.text.tokenizer import Tokenizer
 from kvfree.server.auth import OwnerDep, api_key_owner
 from kvfree.server.chat_template import render_chat, stop_at_turn_end
 from kvfree.server.errors import ErrorInfo, ErrorResponse, error_responses, invalid_request

@@ -12,11 +12,11 @@ from fastapi.responses import Response, StreamingResponse
 from starlette.requests import ClientDisconnect
 from starlette.types import Receive, Scope, Send
 
-from kvfree.engine.engine_info import SessionRecord
-from kvfree.engine.packed_state import PackedState
-from kvfree.engine.sampling import SamplingParams
-from kvfree.engine.sessions import SessionNotFound
-from kvfree.engine.snapshot import (
+from kvfree.engine.core.sampling import SamplingParams
+from kvfree.engine.protocol import SessionRecord
+from kvfree.engine.sessions.manager import SessionNotFound
+from kvfree.engine.state.packed import PackedState
+from kvfree.engine.state.snapshot import (
     SnapshotError,
     check_signature,
     entries,

@@ -7,7 +7,7 @@ from typing import Annotated
 
 from fastapi import Depends, Request
 
-from kvfree.engine.tokenizer import Tokenizer
+from kvfree.engine.text.tokenizer import Tokenizer
 from kvfree.server.errors import not_found
 from kvfree.server.lifecycle import EngineClient
 from kvfree.server.metrics import Metrics

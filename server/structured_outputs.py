@@ -1,5 +1,5 @@
 """Structured output in the API: the grammar a reply is held to, from a request's `response_format`, vLLM's
-`structured_outputs` or its tools and `tool_choice` (the engine enforces it token by token, engine/grammar.py).
+`structured_outputs` or its tools and `tool_choice` (the engine enforces it token by token, engine/text/grammar.py).
 
 Tool calls are constrained in the checkpoint's own format (`<tool_call>{"name": ..., "arguments": {...}}</tool_call>`,
 server/tools.py), each call's arguments valid for its function's `parameters` schema:
@@ -19,8 +19,8 @@ from __future__ import annotations
 import json
 from typing import Any
 
-from kvfree.engine.grammar import Grammar, json_schema_rule, lark_string
-from kvfree.engine.tokenizer import Tokenizer
+from kvfree.engine.text.grammar import Grammar, json_schema_rule, lark_string
+from kvfree.engine.text.tokenizer import Tokenizer
 from kvfree.server.errors import invalid_request
 from kvfree.server.protocol import ChatTool, NamedToolChoice, ResponseFormat, StructuredOutputs, ToolChoice
 from kvfree.server.tools import ToolCallFormat

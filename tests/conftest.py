@@ -14,9 +14,9 @@ import torch
 if not torch.cuda.is_available():
     os.environ.setdefault("TRITON_INTERPRET", "1")
 
-from kvfree.engine.config import ModelConfig
-from kvfree.engine.model import HybridLM
-from kvfree.engine.step_batch import StepBatch
+from kvfree.engine.model.config import ModelConfig
+from kvfree.engine.model.hybrid_lm import HybridLM
+from kvfree.engine.model.step_batch import StepBatch
 
 VOCAB = 261
 

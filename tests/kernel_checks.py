@@ -13,10 +13,10 @@ from types import ModuleType
 
 import torch
 
-from kvfree.engine.loader import load_model
-from kvfree.engine.model import HybridLM
-from kvfree.engine.state_pool import StatePool
-from kvfree.engine.step_batch import StepBatch
+from kvfree.engine.model.hybrid_lm import HybridLM
+from kvfree.engine.model.loader import load_model
+from kvfree.engine.model.step_batch import StepBatch
+from kvfree.engine.state.pool import StatePool
 from kvfree.kernels.dispatch import Op
 
 DEVICE = torch.device("cuda" if torch.cuda.is_available() else "cpu")

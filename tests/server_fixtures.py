@@ -39,7 +39,7 @@ import uvicorn
 from safetensors.torch import load_file, save_file
 
 from kvfree.checkpoints.byte_tokenizer import build_byte_tokenizer
-from kvfree.engine.presets import init_checkpoint
+from kvfree.engine.model.presets import init_checkpoint
 from kvfree.server.app import create_app
 from kvfree.server.settings import ServerSettings
 

@@ -18,16 +18,16 @@ pytest.importorskip("triton")
 @pytest.mark.parametrize(
     ("module", "out_file"),
     [
-        ("kvfree.kernels.bench", "kernels.json"),
-        ("kvfree.kernels.bench.norm", "norm.json"),
-        ("kvfree.kernels.bench.gka", "gka.json"),
-        ("kvfree.kernels.bench.bmojo", "bmojo.json"),
-        ("kvfree.kernels.bench.lattice", "lattice.json"),
-        ("kvfree.kernels.bench.lattice_train", "lattice_train.json"),
-        ("kvfree.kernels.bench.ska", "ska.json"),
-        ("kvfree.kernels.bench.gdn", "gdn.json"),
-        ("kvfree.kernels.bench.attention", "attention.json"),
-        ("kvfree.kernels.bench.bmojo_f", "bmojo_f.json"),
+        ("kvfree.bench.kernels", "kernels.json"),
+        ("kvfree.bench.kernels.norm", "norm.json"),
+        ("kvfree.bench.kernels.gka", "gka.json"),
+        ("kvfree.bench.kernels.bmojo", "bmojo.json"),
+        ("kvfree.bench.kernels.lattice", "lattice.json"),
+        ("kvfree.bench.kernels.lattice_train", "lattice_train.json"),
+        ("kvfree.bench.kernels.ska", "ska.json"),
+        ("kvfree.bench.kernels.gdn", "gdn.json"),
+        ("kvfree.bench.kernels.attention", "attention.json"),
+        ("kvfree.bench.kernels.bmojo_f", "bmojo_f.json"),
     ],
 )
 def test_kernel_bench_script_smoke(tmp_path, module, out_file):
@@ -47,7 +47,7 @@ def test_kernel_bench_script_smoke(tmp_path, module, out_file):
 
 
 def test_model_bench_script_on_the_cpu(tmp_path):
-    from kvfree.engine.bench import main
+    from kvfree.bench.step import main
 
     out = tmp_path / "model.json"
     assert (
@@ -61,7 +61,7 @@ def test_model_bench_script_on_the_cpu(tmp_path):
 
 
 def test_offline_bench_on_the_cpu(tmp_path):
-    from kvfree.engine.bench import main
+    from kvfree.bench.step import main
 
     out = tmp_path / "offline.json"
     args = ["--offline", "--preset", "tiny", "--device", "cpu", "--prompts", "3", "--prompt-tokens", "40"]
@@ -75,11 +75,11 @@ def test_offline_bench_on_the_cpu(tmp_path):
 
 
 def test_layer_bench_smoke(tmp_path):
-    """`python -m kvfree.engine.layer_bench --smoke`: a preset's layer built, decoded and prefilled on the CPU, and
+    """`python -m kvfree.bench.layers --smoke`: a preset's layer built, decoded and prefilled on the CPU, and
     its JSON written (the timings themselves mean nothing here)."""
     out = tmp_path / "layer.json"
     result = subprocess.run(
-        [sys.executable, "-m", "kvfree.engine.layer_bench", "--preset", "tiny-lattice", "--smoke", "--out", str(out)],
+        [sys.executable, "-m", "kvfree.bench.layers", "--preset", "tiny-lattice", "--smoke", "--out", str(out)],
         capture_output=True, text=True, timeout=300, cwd=tmp_path,
     )  # fmt: skip
     assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]

@@ -11,11 +11,11 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from kvfree.engine.config import ConfigError, ModelConfig
-from kvfree.engine.layers.bmojo import BMojoMixer, state_bytes
-from kvfree.engine.model import HybridLM
-from kvfree.engine.state_pool import StatePool
-from kvfree.engine.step_batch import StepBatch
+from kvfree.engine.model.config import ConfigError, ModelConfig
+from kvfree.engine.model.hybrid_lm import HybridLM
+from kvfree.engine.model.layers.bmojo import BMojoMixer, state_bytes
+from kvfree.engine.model.step_batch import StepBatch
+from kvfree.engine.state.pool import StatePool
 from kvfree.kernels.bmojo import eidetic_update
 from tests.conftest import (
     VOCAB,

@@ -19,9 +19,9 @@ from kvfree.checkpoints import (
     read_checkpoint,
 )
 from kvfree.engine import LLM, ModelConfig, SamplingParams
-from kvfree.engine.config import ConfigError
-from kvfree.engine.loader import load_model
-from kvfree.engine.presets import PRESETS, init_checkpoint, preset_config
+from kvfree.engine.model.config import ConfigError
+from kvfree.engine.model.loader import load_model
+from kvfree.engine.model.presets import PRESETS, init_checkpoint, preset_config
 
 ALL_FILES = {CONFIG_FILE, WEIGHTS_FILE, TOKENIZER_FILE, TOKENIZER_CONFIG_FILE}
 

@@ -15,9 +15,9 @@ from safetensors.torch import load_file
 from kvfree.checkpoints import CONFIG_FILE, TOKENIZER_CONFIG_FILE, TOKENIZER_FILE, WEIGHTS_FILE, default_checkpoint_path
 from kvfree.cli import main
 from kvfree.engine import LLM, SamplingParams
-from kvfree.engine.loader import load_model
-from kvfree.engine.presets import init_checkpoint, preset_config
-from kvfree.engine.tokenizer import Tokenizer
+from kvfree.engine.model.loader import load_model
+from kvfree.engine.model.presets import init_checkpoint, preset_config
+from kvfree.engine.text.tokenizer import Tokenizer
 
 REPO = Path(__file__).resolve().parents[1]
 
@@ -188,7 +188,7 @@ def test_generate_bad_device_returns_2(capsys, device):
 
 def test_set_overrides_config_values(capsys) -> None:
     from kvfree.cli import main
-    from kvfree.engine.config import parse_overrides
+    from kvfree.engine.model.config import parse_overrides
 
     assert parse_overrides(["mamba2.chunk_size=16", "notes.x=abc"]) == {"mamba2.chunk_size": 16, "notes.x": "abc"}
     assert main(["generate", "Hi", "--max-tokens", "3", "--temperature", "0", "--set", "mamba2.chunk_size=16"]) == 0

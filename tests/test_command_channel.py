@@ -1,4 +1,4 @@
-"""The shared-memory command channel of tensor parallelism (engine/command_channel.py): every reader gets every
+"""The shared-memory command channel of tensor parallelism (engine/parallel/command_channel.py): every reader gets every
 message, in order; the writer waits for the slowest reader; a reader that has stopped is reported, not waited for."""
 
 from __future__ import annotations
@@ -7,7 +7,7 @@ import multiprocessing
 
 import pytest
 
-from kvfree.engine.command_channel import CommandChannel
+from kvfree.engine.parallel.command_channel import CommandChannel
 
 
 def _reader(path: str, index: int, readers: int, count: int, out) -> None:

@@ -8,10 +8,10 @@ from __future__ import annotations
 import pytest
 import torch
 
-from kvfree.engine.cuda_graphs import MAX_GRAPH_BATCH, bucket_for, graph_batch_sizes, padded_slots
-from kvfree.engine.model_runner import ModelRunner, graph_blockers
-from kvfree.engine.state_pool import StatePool
-from kvfree.engine.step_batch import StepBatch
+from kvfree.engine.core.cuda_graphs import MAX_GRAPH_BATCH, bucket_for, graph_batch_sizes, padded_slots
+from kvfree.engine.core.model_runner import ModelRunner, graph_blockers
+from kvfree.engine.model.step_batch import StepBatch
+from kvfree.engine.state.pool import StatePool
 from tests.conftest import make_model, output_tol, rel_err
 
 

@@ -13,8 +13,8 @@ from __future__ import annotations
 import pytest
 
 from kvfree.checkpoints import default_checkpoint_path
-from kvfree.engine.loader import load_model
-from kvfree.engine.tokenizer import Tokenizer
+from kvfree.engine.model.loader import load_model
+from kvfree.engine.text.tokenizer import Tokenizer
 from kvfree.training.demo_data import examples
 from kvfree.training.demo_eval import evaluate_recall, evaluate_tools
 from tests.server_fixtures import serve
@@ -39,7 +39,7 @@ def test_tokenizer_round_trips_and_template_renders_tools():
     assert tok.decode(tok.encode(text)) == text
     # A long text takes the path that releases the interpreter lock: the same ids as the short path, piece by piece
     # (each piece begins with a special token, where the tokenizer always splits).
-    from kvfree.engine.tokenizer import LONG_TEXT_CHARS
+    from kvfree.engine.text.tokenizer import LONG_TEXT_CHARS
 
     piece = "<|im_start|>user\n" + text + "\n"
     copies = LONG_TEXT_CHARS // len(piece) + 2

@@ -23,7 +23,7 @@ import torch
 from openai.types.chat import ChatCompletionMessageToolCall
 from openai.types.chat.chat_completion_message_tool_call import Function
 
-from kvfree.engine.tokenizer import Tokenizer
+from kvfree.engine.text.tokenizer import Tokenizer
 from kvfree.training import demo_data
 from kvfree.training.demo_data import (
     ACK,

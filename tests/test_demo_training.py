@@ -26,9 +26,9 @@ import pytest
 import torch
 
 from kvfree.checkpoints.byte_tokenizer import CHAT_TEMPLATE, EOS, SPECIAL_TOKENS, write_byte_tokenizer
-from kvfree.engine.loader import load_model
-from kvfree.engine.model import HybridLM
-from kvfree.engine.tokenizer import Tokenizer
+from kvfree.engine.model.hybrid_lm import HybridLM
+from kvfree.engine.model.loader import load_model
+from kvfree.engine.text.tokenizer import Tokenizer
 from kvfree.training import demo
 from kvfree.training.demo_data import (
     EVAL_VALUES,

@@ -8,9 +8,9 @@ import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
 from kvfree.engine import LLM, SamplingParams
-from kvfree.engine.llm_engine import LLMEngine
-from kvfree.engine.scheduler import Request, RequestOutput, Scheduler
-from kvfree.engine.sessions import SessionManager
+from kvfree.engine.core.scheduler import Request, RequestOutput, Scheduler
+from kvfree.engine.core.stepper import LLMEngine
+from kvfree.engine.sessions.manager import SessionManager
 from tests.paths import TINY_CHECKPOINT
 
 SCALAR_READS = {"aten._local_scalar_dense.default", "aten.item.default"}
@@ -292,7 +292,7 @@ def test_a_request_no_slot_can_ever_be_freed_for_is_refused_not_kept_waiting():
     """Idle sessions in every slot, host memory full, no store: a sessionless request would wait forever for a
     slot; it fails with PoolExhausted instead. But requests whose sessions are resident run first, and once they
     end their sessions can move to host memory to make room: then the sessionless request waits and runs."""
-    from kvfree.engine.sessions import PoolExhausted
+    from kvfree.engine.sessions.manager import PoolExhausted
 
     llm = LLM(TINY_CHECKPOINT, max_sessions=2)
     sessions = SessionManager(llm.pool, fingerprint="test", max_host_sessions=1)

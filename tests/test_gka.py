@@ -22,11 +22,11 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from kvfree.engine.config import ConfigError, ModelConfig
-from kvfree.engine.loader import load_model, save_model
-from kvfree.engine.model import HybridLM
-from kvfree.engine.state_pool import StatePool
-from kvfree.engine.step_batch import StepBatch
+from kvfree.engine.model.config import ConfigError, ModelConfig
+from kvfree.engine.model.hybrid_lm import HybridLM
+from kvfree.engine.model.loader import load_model, save_model
+from kvfree.engine.model.step_batch import StepBatch
+from kvfree.engine.state.pool import StatePool
 from kvfree.kernels.gka import chunk_gka, fused_recurrent_gka, gka_chunked, gka_step, omega_schedule
 from tests.conftest import (
     VOCAB,

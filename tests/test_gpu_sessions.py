@@ -6,11 +6,11 @@ from __future__ import annotations
 import pytest
 import torch
 
-from kvfree.engine.model import HybridLM
-from kvfree.engine.sessions import Session, SessionManager
-from kvfree.engine.snapshot import Snapshot, SnapshotError, encode_snapshot, model_fingerprint
-from kvfree.engine.state_pool import StatePool
-from kvfree.engine.step_batch import StepBatch
+from kvfree.engine.model.hybrid_lm import HybridLM
+from kvfree.engine.model.step_batch import StepBatch
+from kvfree.engine.sessions.manager import Session, SessionManager
+from kvfree.engine.state.pool import StatePool
+from kvfree.engine.state.snapshot import Snapshot, SnapshotError, encode_snapshot, model_fingerprint
 from tests.conftest import make_model
 
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
@@ -126,7 +126,7 @@ def test_a_restored_state_is_checked_for_nan_and_inf_on_the_gpu(model) -> None:
 def test_a_queued_sessions_host_copy_is_on_the_device_before_its_admission(model) -> None:
     """Reserving a host-parked session (its request is queued) copies its state to the device on the loading stream at
     once, so that admitting it later is one scatter; it continues exactly, and at most MAX_STAGED are held."""
-    from kvfree.engine.session_tiers import MAX_STAGED
+    from kvfree.engine.sessions.tiers import MAX_STAGED
 
     fp = model_fingerprint(model)
     manager = SessionManager(StatePool(model, 1, 64), fp, max_host_sessions=16)

@@ -18,11 +18,11 @@ from safetensors.torch import load_file, save_file
 from kvfree.checkpoints import CheckpointError, read_checkpoint
 from kvfree.checkpoints.byte_tokenizer import write_byte_tokenizer
 from kvfree.checkpoints.hf_mamba2 import convert_hf_mamba2
-from kvfree.engine.config import ModelConfig
-from kvfree.engine.loader import load_model
-from kvfree.engine.model import HybridLM
-from kvfree.engine.state_pool import StatePool
-from kvfree.engine.step_batch import StepBatch
+from kvfree.engine.model.config import ModelConfig
+from kvfree.engine.model.hybrid_lm import HybridLM
+from kvfree.engine.model.loader import load_model
+from kvfree.engine.model.step_batch import StepBatch
+from kvfree.engine.state.pool import StatePool
 from tests.conftest import rel_err
 
 transformers = pytest.importorskip("transformers")

@@ -14,9 +14,9 @@ import torch
 from kvfree.checkpoints import CheckpointError
 from kvfree.checkpoints.byte_tokenizer import write_byte_tokenizer
 from kvfree.checkpoints.hf_qwen3 import convert_hf_qwen3
-from kvfree.engine.loader import load_model
-from kvfree.engine.state_pool import StatePool
-from kvfree.engine.step_batch import StepBatch
+from kvfree.engine.model.loader import load_model
+from kvfree.engine.model.step_batch import StepBatch
+from kvfree.engine.state.pool import StatePool
 from tests.conftest import rel_err
 
 transformers = pytest.importorskip("transformers")

@@ -20,9 +20,9 @@ from safetensors.torch import load_file
 from kvfree.checkpoints import CheckpointError
 from kvfree.checkpoints.byte_tokenizer import write_byte_tokenizer
 from kvfree.checkpoints.hf_hmf import convert_hmf
-from kvfree.engine.loader import load_model
-from kvfree.engine.state_pool import StatePool
-from kvfree.engine.step_batch import StepBatch
+from kvfree.engine.model.loader import load_model
+from kvfree.engine.model.step_batch import StepBatch
+from kvfree.engine.state.pool import StatePool
 from tests.conftest import rel_err
 
 FIXTURES = Path(__file__).parent / "fixtures" / "hmf"

@@ -1,4 +1,5 @@
-"""The wire between the HTTP front and the engine process (engine/ipc.py): every record survives the round trip."""
+"""The wire between the HTTP front and the engine process (engine/serving/ipc.py): every record survives the round
+trip."""
 
 from __future__ import annotations
 
@@ -6,9 +7,12 @@ from pathlib import Path
 
 import pytest
 
-from kvfree.engine.engine_core import SessionBusy
-from kvfree.engine.engine_info import EngineInfo, SessionRecord
-from kvfree.engine.ipc import (
+from kvfree.engine.core.sampling import SamplingParams
+from kvfree.engine.core.scheduler import QueueFull, RequestOutput
+from kvfree.engine.core.sequence import TokenLogprob
+from kvfree.engine.protocol import EngineInfo, SessionRecord
+from kvfree.engine.serving.engine_core import SessionBusy
+from kvfree.engine.serving.ipc import (
     error_from_wire,
     error_to_wire,
     info_from_wire,
@@ -22,11 +26,8 @@ from kvfree.engine.ipc import (
     record_to_wire,
     unpack,
 )
-from kvfree.engine.sampling import SamplingParams
-from kvfree.engine.scheduler import QueueFull, RequestOutput
-from kvfree.engine.sequence import TokenLogprob
-from kvfree.engine.sessions import SessionNotFound
-from kvfree.engine.snapshot import SnapshotError
+from kvfree.engine.sessions.manager import SessionNotFound
+from kvfree.engine.state.snapshot import SnapshotError
 
 
 def through_the_wire(value):

@@ -12,10 +12,10 @@ import random
 import pytest
 import torch
 
-from kvfree.engine.model import HybridLM
-from kvfree.engine.presets import preset_config
-from kvfree.engine.state_pool import StatePool
-from kvfree.engine.step_batch import StepBatch
+from kvfree.engine.model.hybrid_lm import HybridLM
+from kvfree.engine.model.presets import preset_config
+from kvfree.engine.model.step_batch import StepBatch
+from kvfree.engine.state.pool import StatePool
 from tests.conftest import rel_err
 
 pytest.importorskip("triton")

@@ -20,7 +20,7 @@ if not torch.cuda.is_available():  # must precede the first import of a module t
 pytest.importorskip("triton")
 
 import kvfree.kernels.norm as norm_ops  # noqa: E402
-from kvfree.engine.layers.norms import GatedRMSNorm, RMSNorm  # noqa: E402
+from kvfree.engine.model.layers.norms import GatedRMSNorm, RMSNorm  # noqa: E402
 from kvfree.kernels.norm import fused  # noqa: E402
 from kvfree.kernels.norm import reference as ref  # noqa: E402
 from tests.kernel_checks import DEVICE, rel, seed  # noqa: E402

@@ -23,7 +23,7 @@ if not torch.cuda.is_available():  # must precede the first import of a module t
 pytest.importorskip("triton")
 
 import kvfree.kernels.ska as ska_ops  # noqa: E402
-from kvfree.engine.layers.ska import SKAMixer  # noqa: E402
+from kvfree.engine.model.layers.ska import SKAMixer  # noqa: E402
 from kvfree.kernels.ska import chunk as ska_chunk  # noqa: E402
 from kvfree.kernels.ska import fused_recurrent as ska_step  # noqa: E402
 from kvfree.kernels.ska import reference as ska_ref  # noqa: E402

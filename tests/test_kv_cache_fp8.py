@@ -8,10 +8,10 @@ import pytest
 import torch
 from safetensors.torch import load_file, save_file
 
+from kvfree.engine.core.sampling import SamplingParams
 from kvfree.engine.llm import LLM
-from kvfree.engine.sampling import SamplingParams
-from kvfree.engine.state_pool import SnapshotMismatchError
-from kvfree.engine.step_batch import StepBatch
+from kvfree.engine.model.step_batch import StepBatch
+from kvfree.engine.state.pool import SnapshotMismatchError
 from tests.test_tensor_parallel import HYBRID, PROMPTS, assert_two_ranks_match_one, hybrid_checkpoint
 
 # HYBRID with more KV-cache layers: full attention twice (one with a single KV head), a sliding window, Mamba-2.
@@ -113,12 +113,12 @@ def test_an_fp8_cache_split_over_two_ranks_gives_one_ranks_logits(tmp_path):
 @pytest.mark.parametrize("fixture", ["gka_fp32", "m2_fp32", "gka_lowrank_fp32"])
 def test_on_hmfs_fixtures_an_fp8_cache_keeps_the_greedy_tokens_and_logits_close(fixture, tmp_path):
     """hmf's own small random hybrids (Qwen3 attention with GKA or Mamba-2 between, converted): teacher-forced decode
-    over an fp8 cache against an fp32 one (engine/kv_cache_quality.py). The figures of a full run are in
+    over an fp8 cache against an fp32 one (kvfree/bench/kv_cache_quality.py). The figures of a full run are in
     BENCHMARKS.md; these are floors."""
+    from kvfree.bench.kv_cache_quality import compare
     from kvfree.checkpoints.byte_tokenizer import write_byte_tokenizer
     from kvfree.checkpoints.hf_hmf import convert_hmf
-    from kvfree.engine.kv_cache_quality import compare
-    from kvfree.engine.loader import load_model
+    from kvfree.engine.model.loader import load_model
     from tests.paths import ROOT
 
     write_byte_tokenizer(tmp_path / "tok")

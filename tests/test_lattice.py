@@ -15,11 +15,11 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from kvfree.engine.config import ConfigError, ModelConfig
-from kvfree.engine.layers.lattice import MU_MIN
-from kvfree.engine.model import HybridLM
-from kvfree.engine.state_pool import StatePool
-from kvfree.engine.step_batch import StepBatch
+from kvfree.engine.model.config import ConfigError, ModelConfig
+from kvfree.engine.model.hybrid_lm import HybridLM
+from kvfree.engine.model.layers.lattice import MU_MIN
+from kvfree.engine.model.step_batch import StepBatch
+from kvfree.engine.state.pool import StatePool
 from kvfree.kernels.conv import causal_conv1d
 from kvfree.kernels.lattice import (
     chunk_lattice,
@@ -466,7 +466,7 @@ def test_checkpoint_round_trip_keeps_S0_fp32(tmp_path) -> None:
     """S0 is saved with the weights, loaded back (re-orthonormalised by the loader's on_load), stays fp32 under
     bf16, and the loaded model computes what the saved one did."""
     from kvfree.checkpoints.byte_tokenizer import write_byte_tokenizer
-    from kvfree.engine.loader import load_model, save_model
+    from kvfree.engine.model.loader import load_model, save_model
 
     model = make_model(("lattice", "lattice"), mlp=True, seed=12)
     tok = tmp_path / "tok"

@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 
 from kvfree.engine import LLM, SamplingParams
-from kvfree.engine.presets import init_checkpoint
+from kvfree.engine.model.presets import init_checkpoint
 
 
 @pytest.fixture(scope="module")

@@ -5,8 +5,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from kvfree.engine.state_pool import StatePool
-from kvfree.engine.step_batch import StepBatch
+from kvfree.engine.model.step_batch import StepBatch
+from kvfree.engine.state.pool import StatePool
 from tests.conftest import assert_states_close, make_model, mixer_prefill, output_tol, rel_err, state_rows
 
 KINDS = ["mamba2", "attention", "swa", "ska", "gka", "gdn", "lattice", "bmojo"]
@@ -108,7 +108,7 @@ def test_sliding_window_limits_what_is_seen() -> None:
 
 
 def test_attention_reports_context_overflow() -> None:
-    from kvfree.engine.layers import ContextOverflowError
+    from kvfree.engine.model.layers import ContextOverflowError
 
     model = make_model(["attention"])
     pool = StatePool(model, capacity=1, max_context=16)

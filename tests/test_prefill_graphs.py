@@ -3,7 +3,7 @@
 graph-replayed prefill against eager through `LLM.generate`.
 
 A padded step is the real sequences, then one sequence of padding tokens on the pool's scratch row, then sentinel
-sequences of length 0 on the scratch row (engine/step_batch.py, `pad_prefill`).
+sequences of length 0 on the scratch row (engine/model/step_batch.py, `pad_prefill`).
 """
 
 from __future__ import annotations
@@ -18,10 +18,10 @@ if not torch.cuda.is_available():  # must precede the first import of a module t
 
 pytest.importorskip("triton")
 
-from kvfree.engine.cuda_graphs import prefill_bucket, prefill_token_sizes  # noqa: E402
-from kvfree.engine.model_runner import ModelRunner, graph_blockers  # noqa: E402
-from kvfree.engine.state_pool import StatePool  # noqa: E402
-from kvfree.engine.step_batch import StepBatch, pad_prefill  # noqa: E402
+from kvfree.engine.core.cuda_graphs import prefill_bucket, prefill_token_sizes  # noqa: E402
+from kvfree.engine.core.model_runner import ModelRunner, graph_blockers  # noqa: E402
+from kvfree.engine.model.step_batch import StepBatch, pad_prefill  # noqa: E402
+from kvfree.engine.state.pool import StatePool  # noqa: E402
 from kvfree.kernels.conv import chunk as conv_chunk  # noqa: E402
 from kvfree.kernels.conv import reference as conv_ref  # noqa: E402
 from kvfree.kernels.dispatch import DeviceChunks, chunk_metadata, device_chunk_metadata  # noqa: E402
@@ -292,7 +292,7 @@ def test_a_server_captures_every_bucket_of_its_step_budget_before_its_first_requ
     """`capture_up_to` (what a serving engine calls at start-up) captures each (token, sequence) bucket a step of the
     budget can meet, once; steps then replay without a capture, and give the eager tokens."""
     from kvfree import LLM, SamplingParams
-    from kvfree.engine.cuda_graphs import PREFILL_SEQ_SIZES
+    from kvfree.engine.core.cuda_graphs import PREFILL_SEQ_SIZES
     from tests.paths import TINY_CHECKPOINT
 
     graphed = LLM(TINY_CHECKPOINT, max_sessions=16, prefill_chunk=512)

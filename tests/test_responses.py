@@ -20,8 +20,8 @@ import openai
 import pytest
 
 from kvfree.checkpoints.byte_tokenizer import CHAT_TEMPLATE
-from kvfree.engine.session_store import DirectoryStore
-from kvfree.engine.tokenizer import Tokenizer
+from kvfree.engine.sessions.store import DirectoryStore
+from kvfree.engine.text.tokenizer import Tokenizer
 from kvfree.server.errors import APIError
 from kvfree.server.protocol import AssistantMessage, ToolMessage, UserMessage
 from kvfree.server.reasoning import ReasoningFormat

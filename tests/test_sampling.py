@@ -9,8 +9,8 @@ import pytest
 import torch
 
 from kvfree.engine import LLM, SamplingParams
-from kvfree.engine.sampling import MAX_TOP_LOGPROBS, SamplingRows, apply_penalties, filter_logits, sample
-from kvfree.engine.sequence import Sequence
+from kvfree.engine.core.sampling import MAX_TOP_LOGPROBS, SamplingRows, apply_penalties, filter_logits, sample
+from kvfree.engine.core.sequence import Sequence
 from tests.paths import TINY_CHECKPOINT
 
 # -- helpers -------------------------------------------------------------------------------------------------------
@@ -707,7 +707,7 @@ def test_seeded_rows_identical_alone_and_in_a_batch_of_64_mixed_requests():
 
 
 def test_counter_based_uniforms_are_uniform_and_independent():
-    from kvfree.engine.sampling import uniform
+    from kvfree.engine.core.sampling import uniform
 
     seeds = torch.arange(200).repeat_interleave(500)
     counters = torch.arange(500).repeat(200)
@@ -725,7 +725,7 @@ def test_counter_based_uniforms_are_uniform_and_independent():
 def test_degenerate_rows_never_pick_outside_the_vocabulary():
     """Found by fuzzing the server: a temperature of 1e-300 overflowed the logits to NaN, and the draw returned an
     index one past the vocabulary. Temperatures below 1e-5 are greedy; a row without positive mass gets its argmax."""
-    from kvfree.engine.sampling import draw
+    from kvfree.engine.core.sampling import draw
 
     logits = _randn(3, 30, seed=71, scale=2.0)
     out = _sample(logits[:2], [SamplingParams(temperature=1e-300, seed=1), SamplingParams(temperature=5e-6, seed=2)])

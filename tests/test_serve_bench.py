@@ -10,8 +10,8 @@ from pathlib import Path
 
 import pytest
 
+from kvfree.bench.serve import TARGETS, ServerProcess, evaluate_targets
 from kvfree.cli import main as kvfree_main
-from kvfree.serve_bench import TARGETS, ServerProcess, evaluate_targets
 from tests.paths import TINY_CHECKPOINT
 
 CLIENTS, REQUESTS_PER_CLIENT, PROMPT_TOKENS, MAX_TOKENS = (1, 4), 2, 8, 4

@@ -30,7 +30,7 @@ import httpx
 import openai
 import pytest
 
-from kvfree.engine.snapshot import header_length
+from kvfree.engine.state.snapshot import header_length
 from kvfree.server.settings import ServerSettings
 from tests.server_fixtures import (
     TOOL_CALL_TEXT,
@@ -1826,7 +1826,7 @@ def test_session_state_bytes_are_constant_for_recurrent_and_grow_for_attention(t
     for Mamba-2, and the attention baseline's filled KV entries (4 layers x k,v x 2 heads x 32 dims x 4 B per token)."""
     from fastapi.testclient import TestClient
 
-    from kvfree.engine.presets import init_checkpoint
+    from kvfree.engine.model.presets import init_checkpoint
     from kvfree.server.app import create_app
 
     for preset, per_token in (("tiny", 0), ("tiny-attention", 4 * 2 * 2 * 32 * 4)):
@@ -1847,7 +1847,7 @@ def test_models_card_and_metrics_expose_limits_and_memory(tmp_path) -> None:
     """/v1/models tells the limits a load test would otherwise probe for; /metrics the pool and host memory."""
     from fastapi.testclient import TestClient
 
-    from kvfree.engine.presets import init_checkpoint
+    from kvfree.engine.model.presets import init_checkpoint
     from kvfree.server.app import create_app
 
     path = init_checkpoint("tiny-attention", tmp_path / "att")
@@ -1863,7 +1863,7 @@ def test_models_card_and_metrics_expose_limits_and_memory(tmp_path) -> None:
             if line.startswith("kvfree_") and " " in line
         }
         # Two slots and the scratch row; the template row of a new session's state holds the length counters only
-        # (a new session's KV cache is never read: engine/state_pool.py).
+        # (a new session's KV cache is never read: engine/state/pool.py).
         assert metrics["kvfree_pool_reserved_bytes"] == (2 + 1) * per_slot + 4 * 8
         assert metrics["kvfree_host_state_bytes"] == 0
         assert 'kvfree_session_moves{kind="evictions"}' in metrics

@@ -17,8 +17,8 @@ from fastapi import FastAPI
 from fastapi.testclient import TestClient
 from pydantic import ValidationError
 
-from kvfree.engine.sampling import MAX_TOP_LOGPROBS
-from kvfree.engine.tokenizer import Tokenizer
+from kvfree.engine.core.sampling import MAX_TOP_LOGPROBS
+from kvfree.engine.text.tokenizer import Tokenizer
 from kvfree.server import auth as auth_module
 from kvfree.server.auth import (
     INCORRECT_KEY_MESSAGE,
@@ -901,8 +901,8 @@ def test_text_events_are_byte_identical_to_serialised_chunks(text):
 def test_queued_outputs_of_one_choice_are_coalesced():
     import asyncio
 
-    from kvfree.engine.engine_handle import _coalesced
-    from kvfree.engine.scheduler import RequestOutput
+    from kvfree.engine.core.scheduler import RequestOutput
+    from kvfree.engine.serving.handle import _coalesced
 
     def out(index: int, tokens: list[int], finish: str | None = None) -> RequestOutput:
         text = "".join(chr(97 + t) for t in tokens)
@@ -965,7 +965,7 @@ def test_reasoning_format_is_declared_by_the_checkpoint():
 def test_prompts_are_refused_by_their_length_first_and_long_ones_tokenized_off_the_event_loop() -> None:
     import threading
 
-    from kvfree.engine.tokenizer import LONG_TEXT_CHARS
+    from kvfree.engine.text.tokenizer import LONG_TEXT_CHARS
     from kvfree.server.errors import APIError
     from kvfree.server.lifecycle import EngineClient
 

@@ -8,8 +8,8 @@ import json
 
 import pytest
 
+from kvfree.bench.sessions import PLACES, TARGETS
 from kvfree.cli import main as kvfree_main
-from kvfree.session_bench import PLACES, TARGETS
 from tests.paths import TINY_CHECKPOINT
 
 REPEATS, CONTEXT, STREAMS = 2, 48, 3

@@ -10,11 +10,13 @@ import time
 import pytest
 import torch
 
-from kvfree.engine.model import HybridLM
-from kvfree.engine.session_store import DirectoryStore
-from kvfree.engine.session_tiers import StateLoading
-from kvfree.engine.sessions import PoolExhausted, Session, SessionLimitError, SessionManager, SessionNotFound
-from kvfree.engine.snapshot import (
+from kvfree.engine.model.hybrid_lm import HybridLM
+from kvfree.engine.model.step_batch import StepBatch
+from kvfree.engine.sessions.manager import PoolExhausted, Session, SessionLimitError, SessionManager, SessionNotFound
+from kvfree.engine.sessions.store import DirectoryStore
+from kvfree.engine.sessions.tiers import StateLoading
+from kvfree.engine.state.pool import StatePool
+from kvfree.engine.state.snapshot import (
     Snapshot,
     SnapshotError,
     decode_snapshot,
@@ -22,8 +24,6 @@ from kvfree.engine.snapshot import (
     model_fingerprint,
     token_hash,
 )
-from kvfree.engine.state_pool import StatePool
-from kvfree.engine.step_batch import StepBatch
 from tests.conftest import make_model
 
 KEY = b"test-key"
@@ -433,7 +433,7 @@ def test_persist_all_and_load_index_continue_after_a_restart(model, fp, tmp_path
 
     # A new process: a new pool and manager over the same directory.
     restarted = SessionManager(StatePool(model, 2, CONTEXT), fp, 2, tmp_path, hmac_key=KEY)
-    with caplog.at_level(logging.WARNING, logger="kvfree.engine.sessions"):
+    with caplog.at_level(logging.WARNING, logger="kvfree.engine.sessions.manager"):
         assert restarted.load_index() == 6
     assert "sess_abab" in caplog.text and "sess_cdcd" in caplog.text and "different model" in caplog.text
     assert not list(tmp_path.glob("*.tmp"))

@@ -17,11 +17,11 @@ import math
 import pytest
 import torch
 
-from kvfree.engine.config import ConfigError, ModelConfig
-from kvfree.engine.layers.mlp import KoopmanMLP
-from kvfree.engine.model import HybridLM
-from kvfree.engine.state_pool import StatePool
-from kvfree.engine.step_batch import StepBatch
+from kvfree.engine.model.config import ConfigError, ModelConfig
+from kvfree.engine.model.hybrid_lm import HybridLM
+from kvfree.engine.model.layers.mlp import KoopmanMLP
+from kvfree.engine.model.step_batch import StepBatch
+from kvfree.engine.state.pool import StatePool
 from kvfree.kernels.ska import (
     SKAState,
     cholesky_fallback_count,
@@ -619,7 +619,7 @@ def test_mlp_tensor_names_and_init() -> None:
 
 def test_checkpoint_round_trip(tmp_path) -> None:
     from kvfree.checkpoints.byte_tokenizer import write_byte_tokenizer
-    from kvfree.engine.loader import load_model, save_model
+    from kvfree.engine.model.loader import load_model, save_model
 
     model = make_model(["mamba2", "ska"], seed=21, mlp={"intermediate_size": 64, "kind": "koopman"}, key_norm="frozen")
     write_byte_tokenizer(tmp_path / "tok")

@@ -16,9 +16,11 @@ import torch
 from safetensors.torch import load as st_load
 from safetensors.torch import save as st_save
 
-from kvfree.engine.config import ModelConfig
-from kvfree.engine.model import HybridLM
-from kvfree.engine.snapshot import (
+from kvfree.engine.model.config import ModelConfig
+from kvfree.engine.model.hybrid_lm import HybridLM
+from kvfree.engine.model.step_batch import StepBatch
+from kvfree.engine.state.pool import SnapshotMismatchError, StatePool
+from kvfree.engine.state.snapshot import (
     HASH_MOD,
     HEADER_ALIGN,
     Snapshot,
@@ -34,8 +36,6 @@ from kvfree.engine.snapshot import (
     token_hash,
     write_snapshot,
 )
-from kvfree.engine.state_pool import SnapshotMismatchError, StatePool
-from kvfree.engine.step_batch import StepBatch
 from tests.conftest import make_config, make_model, random_ids, randomize
 
 KEY = b"server-signing-key"

@@ -13,9 +13,9 @@ import pytest
 import torch
 from safetensors.torch import save_file
 
-from kvfree.engine import state_pool
-from kvfree.engine.state_pool import SnapshotMismatchError, StatePool
-from kvfree.engine.step_batch import StepBatch
+from kvfree.engine.model.step_batch import StepBatch
+from kvfree.engine.state import pool as state_pool
+from kvfree.engine.state.pool import SnapshotMismatchError, StatePool
 from tests.conftest import greedy, make_model, model_prefill, output_tol, random_ids, rel_err
 
 # Every mixer kind, alone or in a hybrid.
@@ -95,8 +95,8 @@ def test_export_import_continues_bit_identically(layers) -> None:
 
 def test_export_import_across_processes(tmp_path) -> None:
     """A state saved to a file in this process continues identically in a new Python process."""
-    from kvfree.engine.loader import load_model
-    from kvfree.engine.presets import init_checkpoint
+    from kvfree.engine.model.loader import load_model
+    from kvfree.engine.model.presets import init_checkpoint
 
     ckpt = init_checkpoint("tiny-hybrid", tmp_path / "ckpt", seed=3)
     model = load_model(ckpt, device="cpu")
@@ -108,9 +108,9 @@ def test_export_import_across_processes(tmp_path) -> None:
     script = textwrap.dedent(f"""
         import torch
         from safetensors.torch import load_file
-        from kvfree.engine.loader import load_model
-        from kvfree.engine.state_pool import StatePool
-        from kvfree.engine.step_batch import StepBatch
+        from kvfree.engine.model.loader import load_model
+        from kvfree.engine.state.pool import StatePool
+        from kvfree.engine.model.step_batch import StepBatch
         model = load_model({str(ckpt)!r}, device="cpu")
         pool = StatePool(model, capacity=4, max_context=256)
         pool.import_(3, load_file({str(tmp_path / "state.safetensors")!r}))

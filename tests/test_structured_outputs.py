@@ -1,6 +1,6 @@
 """Structured outputs: tool calls and JSON valid by construction, with the embedded model and schemas it never saw.
 
-The grammar engine (llguidance, engine/grammar.py) is checked on its own against both kinds of tokenizer, then
+The grammar engine (llguidance, engine/text/grammar.py) is checked on its own against both kinds of tokenizer, then
 through `LLM` (free rows beside constrained ones keep their tokens, property-based schemas always validate), then
 over HTTP with the official SDK: `tool_choice` required, named, auto and streamed, `response_format`, the Responses
 API's `text.format`, vLLM's `structured_outputs`, sessions, and `max_tokens` cutting a constrained reply.
@@ -20,13 +20,13 @@ from paths import TINY_CHECKPOINT
 from server_fixtures import assert_openai_error, serve
 
 from kvfree.checkpoints import default_checkpoint_path
-from kvfree.engine.grammar import Grammar, GrammarCompiler, GrammarError, bitmask_to_bool, fill_masks
+from kvfree.engine.core.sampling import SamplingParams
+from kvfree.engine.core.scheduler import Request, Scheduler
+from kvfree.engine.core.stepper import LLMEngine
 from kvfree.engine.llm import LLM
-from kvfree.engine.llm_engine import LLMEngine
-from kvfree.engine.sampling import SamplingParams
-from kvfree.engine.scheduler import Request, Scheduler
-from kvfree.engine.sessions import SessionManager
-from kvfree.engine.tokenizer import Tokenizer
+from kvfree.engine.sessions.manager import SessionManager
+from kvfree.engine.text.grammar import Grammar, GrammarCompiler, GrammarError, bitmask_to_bool, fill_masks
+from kvfree.engine.text.tokenizer import Tokenizer
 from kvfree.server.protocol import ChatTool
 from kvfree.server.structured_outputs import tool_call_grammar
 from kvfree.server.tools import ToolCallFormat
@@ -480,7 +480,7 @@ def test_a_random_byte_level_model_writes_valid_calls_under_required(tmp_path) -
 
 def test_masks_are_applied_on_the_device_rows_they_belong_to() -> None:
     # (The sampler's part, without a model: the masked row can only pick an allowed token, the other is untouched.)
-    from kvfree.engine.sampling import SamplingRows, sample
+    from kvfree.engine.core.sampling import SamplingRows, sample
 
     logits = torch.randn(2, 70)
     masks = torch.zeros(1, 3, dtype=torch.int32)

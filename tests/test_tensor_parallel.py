@@ -1,4 +1,5 @@
-"""Tensor parallelism's arithmetic (engine/tensor_parallel.py) on two CPU processes joined by gloo: a SwiGLU MLP split
+"""Tensor parallelism's arithmetic (engine/model/tensor_parallel.py) on two CPU processes joined by gloo: a SwiGLU MLP
+split
 column/row with one all-reduce, and a vocab-parallel embedding and LM head, equal the unsplit layers; a split that
 does not divide is refused with the layer's name."""
 
@@ -12,7 +13,7 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 import torch.nn.functional as F
 
-from kvfree.engine.tensor_parallel import (
+from kvfree.engine.model.tensor_parallel import (
     ROW,
     Split,
     TensorParallel,
@@ -133,8 +134,8 @@ PROMPTS = [[5, 17, 99, 3, 250, 8, 8, 41, 7, 12, 130], [77, 2, 61]]
 def hybrid_checkpoint(path, config: dict | None = None) -> str:
     """A random checkpoint of `config` (default HYBRID; every parameter random, norms and biases too) at `path`."""
     from kvfree.checkpoints import write_checkpoint
-    from kvfree.engine.config import ModelConfig
-    from kvfree.engine.model import HybridLM
+    from kvfree.engine.model.config import ModelConfig
+    from kvfree.engine.model.hybrid_lm import HybridLM
 
     config = ModelConfig.from_dict(config or HYBRID)
     model = HybridLM(config)
@@ -155,10 +156,10 @@ def hybrid_checkpoint(path, config: dict | None = None) -> str:
 def run_hybrid(path: str, tp: TensorParallel, kv_cache_dtype: str = "auto") -> dict[str, torch.Tensor]:
     """Prefill PROMPTS into two sessions (one packed step), then 4 greedy decode steps: every step's logits, and
     the sessions' states put back whole (`unshard` of every rank's rows)."""
-    from kvfree.engine.loader import load_model
-    from kvfree.engine.state_pool import StatePool
-    from kvfree.engine.step_batch import StepBatch
-    from kvfree.engine.tensor_parallel import unshard
+    from kvfree.engine.model.loader import load_model
+    from kvfree.engine.model.step_batch import StepBatch
+    from kvfree.engine.model.tensor_parallel import unshard
+    from kvfree.engine.state.pool import StatePool
 
     model = load_model(path, device="cpu", dtype="float32", tp=tp)
     model.set_kv_cache_dtype(kv_cache_dtype)
@@ -221,8 +222,8 @@ def test_a_hybrid_split_over_two_ranks_gives_the_logits_and_states_of_one(tmp_pa
 
 def test_a_layer_whose_heads_do_not_divide_is_refused_by_name(tmp_path):
     """Three query heads on two ranks: the model is refused at build time with the layer, its kind and the count."""
-    from kvfree.engine.config import ModelConfig
-    from kvfree.engine.model import HybridLM
+    from kvfree.engine.model.config import ModelConfig
+    from kvfree.engine.model.hybrid_lm import HybridLM
 
     config = dict(HYBRID, attention={"num_heads": 3, "num_kv_heads": 1, "head_dim": 8})
     with pytest.raises(ValueError, match=r"layers.0 \(attention\) num_heads: 3 does not divide among 2"):
@@ -241,9 +242,9 @@ def test_hmf_shapes_split_among_eight_ranks_each_holding_an_eighth(shape: str) -
     among 8 ranks, and each rank holds an eighth of the weights and of every session's state (8 KV heads: one each)."""
     from pathlib import Path
 
+    from kvfree.bench.context import SHAPES, random_model
     from kvfree.checkpoints.hf_hmf import convert_config
-    from kvfree.engine.config import ModelConfig
-    from kvfree.engine.context_bench import SHAPES, random_model
+    from kvfree.engine.model.config import ModelConfig
 
     label, hf_config = SHAPES[shape]
     config = ModelConfig.from_dict(convert_config(hf_config, Path(label)))

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from kvfree.engine.tensor_parallel import TensorParallel
+from kvfree.engine.model.tensor_parallel import TensorParallel
 from tests.test_tensor_parallel import assert_two_ranks_match_one
 
 # m = 4 slots of d = 8 per head, so that a split confusing the q/k width (H*m) with the v width (H*d) shows.
@@ -33,8 +33,8 @@ def test_lattice_split_over_two_ranks_gives_the_logits_and_states_of_one(tmp_pat
 
 def test_a_lattice_layer_that_cannot_split_is_refused_by_name():
     """Three heads on two ranks, or an output norm over all heads at once: refused at build time, naming the layer."""
-    from kvfree.engine.config import ModelConfig
-    from kvfree.engine.model import HybridLM
+    from kvfree.engine.model.config import ModelConfig
+    from kvfree.engine.model.hybrid_lm import HybridLM
 
     odd = dict(LATTICE, lattice=dict(LATTICE["lattice"], num_heads=3))
     with pytest.raises(ValueError, match=r"layers.0 \(lattice\) num_heads: 3 does not divide among 2"):

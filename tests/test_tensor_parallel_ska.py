@@ -4,9 +4,9 @@ from __future__ import annotations
 
 import pytest
 
-from kvfree.engine.config import ModelConfig
-from kvfree.engine.model import HybridLM
-from kvfree.engine.tensor_parallel import TensorParallel
+from kvfree.engine.model.config import ModelConfig
+from kvfree.engine.model.hybrid_lm import HybridLM
+from kvfree.engine.model.tensor_parallel import TensorParallel
 from tests.test_tensor_parallel import assert_two_ranks_match_one
 
 ECHO = {

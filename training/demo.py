@@ -49,10 +49,10 @@ import torch.nn.functional as F
 from safetensors.torch import load_file, save_file
 
 from kvfree.checkpoints.byte_tokenizer import CHAT_TEMPLATE
-from kvfree.engine.config import ModelConfig
-from kvfree.engine.loader import load_model, save_model
-from kvfree.engine.model import HybridLM
-from kvfree.engine.tokenizer import Tokenizer
+from kvfree.engine.model.config import ModelConfig
+from kvfree.engine.model.hybrid_lm import HybridLM
+from kvfree.engine.model.loader import load_model, save_model
+from kvfree.engine.text.tokenizer import Tokenizer
 
 IGNORE = -100
 SHARD_BYTES = 15 * 2**20

@@ -20,7 +20,7 @@ from pathlib import Path
 
 import torch
 
-from kvfree.engine.loader import load_model
+from kvfree.engine.model.loader import load_model
 from kvfree.training.mqar import TASKS, parse_cell
 from kvfree.training.train import evaluate_batch, grid_table
 

@@ -27,11 +27,11 @@ import torch
 import torch.nn.functional as F
 
 from kvfree.checkpoints.byte_tokenizer import write_byte_tokenizer
-from kvfree.engine.config import ModelConfig, parse_overrides
-from kvfree.engine.loader import save_model
-from kvfree.engine.model import HybridLM
-from kvfree.engine.state_pool import StatePool
-from kvfree.engine.step_batch import StepBatch
+from kvfree.engine.model.config import ModelConfig, parse_overrides
+from kvfree.engine.model.hybrid_lm import HybridLM
+from kvfree.engine.model.loader import save_model
+from kvfree.engine.model.step_batch import StepBatch
+from kvfree.engine.state.pool import StatePool
 from kvfree.training.mqar import (
     IGNORE,
     TASKS,

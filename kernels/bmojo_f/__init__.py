@@ -1,4 +1,5 @@
-"""B'MOJO-F attention (engine/layers/bmojo_f.py): sliding-window attention joined with attention over fading tokens.
+"""B'MOJO-F attention (engine/model/layers/bmojo_f.py): sliding-window attention joined with attention over fading
+tokens.
 
 `chunk_bmojo_f_attention` (packed variable-length prefill) and `fused_recurrent_bmojo_f_attention` (one decode token
 per session) read and write each session's in-context and fading rings and its length in place in pools, addressed

@@ -1,6 +1,6 @@
 """Reference B'MOJO-F attention in pure PyTorch: sliding-window attention joined with attention over fading tokens.
 
-For the token at position i of a session (docs/design/hmf.md, engine/layers/bmojo_f.py), with window W:
+For the token at position i of a session (docs/design/hmf.md, engine/model/layers/bmojo_f.py), with window W:
 
     in-context keys and values  k, v    at positions i-W+1 .. i        scored by q  . k  * scale
     fading keys and values      kf, vf  at positions i-2W+1 .. i-W     scored by qf . kf * scale

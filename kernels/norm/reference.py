@@ -1,6 +1,7 @@
 """RMS norms in PyTorch: the CPU path, the autograd path, and the oracle of the Triton kernels in `fused.py`.
 
-The math is exactly that of `engine/layers/norms.py` before the kernels existed (same ops, same order, same casts), so
+The math is exactly that of `engine/model/layers/norms.py` before the kernels existed (same ops, same order, same
+casts), so
 the reference path gives the same numbers bit for bit. Inputs are upcast to fp32 (`.float()`), except float64, which
 stays float64: called with float64 tensors, these functions are the float64 oracle of the tests.
 """

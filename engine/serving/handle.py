@@ -1,0 +1,173 @@
+"""EngineHandle: what an HTTP front holds of an engine, whichever driver runs it (a thread here, or its own process).
+
+The two drivers, `AsyncEngine` (engine/serving/thread_driver.py) and `EngineProcess`
+(engine/serving/process_driver.py), differ only
+in how a command reaches the `EngineCore` and how outputs come back: each implements `_submit`, `_call` (one of
+`EngineCore.CALLS` by name) and `abort`. Everything a front uses is written once here: `generate`, the session
+operations (answering `SessionRecord`s), and the drain that ends `shutdown`.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+import uuid
+from collections.abc import AsyncIterator, Callable
+from typing import Any
+
+from kvfree.engine.core.sampling import SamplingParams
+from kvfree.engine.core.scheduler import RequestOutput
+from kvfree.engine.protocol import EngineInfo, SessionPage, SessionRecord
+from kvfree.engine.serving.engine_core import EngineStopped
+
+Outputs = asyncio.Queue  # of RequestOutput | BaseException: one request's outputs, as the driver delivers them
+
+
+class EngineHandle:
+    """The interface a front uses; a driver implements `alive`, `_submit`, `_call` and `abort`.
+
+    Attributes: `info` (the engine's facts, an EngineInfo), `tokenizer`, `accepting` (False before `start()` and once
+    `shutdown()` began).
+    """
+
+    info: EngineInfo
+    accepting: bool = False
+
+    @property
+    def alive(self) -> bool:
+        raise NotImplementedError
+
+    async def _submit(
+        self, request_id: str, prompt_token_ids: list[int], params: SamplingParams, outputs: Outputs, *, n: int,
+        session_id: str | None, owner: str | None, prefill_only: bool, detokenize: bool,
+    ) -> None:  # fmt: skip
+        """Hand the request to the engine; its outputs (or an admission error) arrive on `outputs`."""
+        raise NotImplementedError
+
+    async def _call(self, method: str, *args: Any) -> Any:
+        """`EngineCore.call(method, args)` on the engine's side, between steps; raises its exception."""
+        raise NotImplementedError
+
+    def abort(self, request_id: str, choice: int | None = None) -> None:
+        """Stop a request (its client went away, or its front found a stop string in every choice): its choices end
+        with finish "abort" and its slots are freed. With `choice`, only that choice ends (its front found a stop
+        string in it while others run on); the slots are freed when the last one ends."""
+        raise NotImplementedError
+
+    def _forget(self, request_id: str) -> None:
+        """The request's stream is closed: drop what the driver keeps for it."""
+
+    # -- generation -----------------------------------------------------------------------------------------------
+    async def generate(
+        self,
+        prompt_token_ids: list[int],
+        params: SamplingParams,
+        *,
+        n: int = 1,
+        session_id: str | None = None,
+        owner: str | None = None,
+        request_id: str | None = None,
+        prefill_only: bool = False,
+        detokenize: bool = True,
+    ) -> AsyncIterator[RequestOutput]:
+        """Stream a request's outputs: one RequestOutput per choice per step; each choice ends with a finish_reason.
+
+        Admission errors (QueueFull, SessionNotFound, SessionBusy, EngineStopped) are raised before anything is
+        streamed. If the caller stops iterating early (client gone), the request is aborted and its slots are freed.
+        Without `detokenize` the outputs carry no text and stop strings are the caller's (see `EngineCore.submit`).
+        `request_id` must be unique among the requests running (a front makes it so).
+        """
+        if not self.accepting or not self.alive:
+            raise EngineStopped("the server is shutting down" if self.alive else "the engine has stopped")
+        request_id = request_id or f"req-{uuid.uuid4().hex}"
+        outputs: Outputs = asyncio.Queue()
+        try:
+            await self._submit(
+                request_id, list(prompt_token_ids), params, outputs, n=n, session_id=session_id, owner=owner,
+                prefill_only=prefill_only, detokenize=detokenize,
+            )  # fmt: skip
+            async for out in stream_outputs(outputs, n, prefill_only, lambda: self.abort(request_id)):
+                yield out
+        finally:
+            self._forget(request_id)
+
+    # -- sessions -------------------------------------------------------------------------------------------------
+    async def create_session(self, owner: str | None) -> SessionRecord:
+        return await self._call("create_session", owner)
+
+    async def get_session(self, session_id: str, owner: str | None) -> SessionRecord:
+        return await self._call("get_session", session_id, owner)
+
+    async def list_sessions(self, owner: str | None, limit: int, after: str | None, order: str) -> SessionPage:
+        return await self._call("list_sessions", owner, limit, after, order)
+
+    async def delete_session(self, session_id: str, owner: str | None) -> None:
+        await self._call("delete_session", session_id, owner)
+
+    async def discard_session(self, session_id: str, owner: str | None) -> None:
+        """Delete a session now or, while a request still uses it (one just aborted, say), when that request ends."""
+        await self._call("discard_session", session_id, owner)
+
+    async def fork_session(self, session_id: str, owner: str | None) -> SessionRecord:
+        return await self._call("fork_session", session_id, owner)
+
+    async def export_session(self, session_id: str, owner: str | None, path: str) -> int:
+        """Write the session's snapshot into the file `path` (made by the caller, who removes it; the engine process
+        opens it by name, so it lies on this host); returns its size in bytes."""
+        return await self._call("export_session", session_id, owner, path)
+
+    async def restore_session(self, path: str, owner: str | None) -> SessionRecord:
+        """A new session of `owner` from the snapshot file `path` (the caller's to remove)."""
+        return await self._call("restore_session", path, owner)
+
+    # -- shutdown -------------------------------------------------------------------------------------------------
+    async def _drain(self, grace_seconds: float) -> None:
+        """Let running requests finish for up to `grace_seconds`, abort the rest, persist sessions."""
+        deadline = time.monotonic() + grace_seconds
+        while time.monotonic() < deadline and await self._call("has_work"):
+            await asyncio.sleep(0.05)
+        await self._call("abort_all")
+        await self._call("persist_all")
+
+
+async def stream_outputs(
+    outputs: Outputs, n: int, prefill_only: bool, abort: Callable[[], None]
+) -> AsyncIterator[RequestOutput]:
+    """A request's outputs as they arrive on `outputs`, until each of its `n` choices has finished (or, for a
+    prefill-only request, its prompt is in); an exception on the queue is raised. If the caller stops early (its
+    client went away), `abort()` stops the request in the engine."""
+    finished: set[int] = set()
+    try:
+        while len(finished) < n:
+            for out in _coalesced(await outputs.get(), outputs):
+                if isinstance(out, BaseException):
+                    raise out
+                if out.finish_reason is not None:
+                    finished.add(out.index)
+                yield out
+                if prefill_only and out.finish_reason is not None:
+                    return
+    finally:
+        if len(finished) < n and not (prefill_only and finished):
+            abort()
+
+
+def _coalesced(first: RequestOutput | BaseException, queued: Outputs) -> list[RequestOutput | BaseException]:
+    """`first` and whatever else is already queued, with consecutive outputs of one choice merged: when a client
+    reads slower than the engine steps, it gets one event per read instead of falling further behind."""
+    items = [first]
+    while not queued.empty():
+        items.append(queued.get_nowait())
+    merged: list[RequestOutput | BaseException] = []
+    for item in items:
+        last = merged[-1] if merged else None
+        if (
+            isinstance(item, RequestOutput)
+            and isinstance(last, RequestOutput)
+            and last.index == item.index
+            and last.finish_reason is None
+        ):
+            merged[-1] = last.then(item)
+        else:
+            merged.append(item)
+    return merged

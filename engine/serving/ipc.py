@@ -1,0 +1,144 @@
+"""The wire between the HTTP front and the engine process: msgpack frames of plain values, no pickling per token.
+
+Each message is one msgpack array whose first element says what it is:
+
+front -> engine
+    ("submit", request_id, prompt_token_ids, params, n, session_id, owner, prefill_only, detokenize)
+    ("abort", request_id, choice)            the whole request (choice None), or one of its choices
+    ("call", call_id, method, args)         one of `EngineCore.CALLS`: session operations, shutdown phases
+engine -> front
+    ("ready", info)                          once, after the model is loaded
+    ("outputs", [[request_id, output], ...]) every request's outputs of one step, in one frame
+    ("result", call_id, ok, value)           a call's return value, or (ok False) its exception
+    ("stats", stats)                         the engine's counters, pushed a few times a second
+
+A snapshot never crosses the pipe: the front names a temporary file, the engine writes the snapshot to it or reads
+one from it (`EngineCore.export_session`, `restore_session`), so tens of MB are written once and read once.
+
+A request output is `[index, token_ids, text, logprobs, finish_reason, prompt_tokens, cached_tokens,
+completion_tokens]` or, for an error sent to the request, `["error", name, message, code]`. Exceptions travel as
+(class name, message, code) and are raised again as the same class on the other side when it is one of the engine's
+known errors (`ERRORS`), else as a RuntimeError that names the original.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from pathlib import Path
+from typing import Any
+
+import msgpack
+
+from kvfree.checkpoints import CheckpointError
+from kvfree.engine.core.sampling import SamplingParams
+from kvfree.engine.core.scheduler import QueueFull, RequestOutput
+from kvfree.engine.core.sequence import TokenLogprob
+from kvfree.engine.protocol import EngineInfo, SessionPage, SessionRecord
+from kvfree.engine.serving.engine_core import EngineStopped, SessionBusy
+from kvfree.engine.sessions.manager import PoolExhausted, SessionLimitError, SessionNotFound
+from kvfree.engine.sessions.store import SessionStoreError
+from kvfree.engine.state.pool import SnapshotMismatchError
+from kvfree.engine.state.snapshot import SnapshotError
+from kvfree.engine.text.grammar import GrammarError
+
+# The engine's exceptions a front answers with an HTTP status (server/lifecycle.py), or the CLI with a one-line error
+# (a checkpoint that cannot be loaded), by name.
+ERRORS: dict[str, type[Exception]] = {
+    cls.__name__: cls
+    for cls in (
+        QueueFull, PoolExhausted, SessionLimitError, SessionNotFound, SessionBusy, EngineStopped, SessionStoreError,
+        SnapshotError, SnapshotMismatchError, CheckpointError, GrammarError, ValueError, KeyError, TypeError,
+    )
+}  # fmt: skip
+
+
+def pack(message: tuple | list) -> bytes:
+    return msgpack.packb(message, use_bin_type=True)
+
+
+def unpack(frame: bytes) -> list:
+    return msgpack.unpackb(frame, raw=False, strict_map_key=False)
+
+
+# -- records ----------------------------------------------------------------------------------------------------------
+def params_to_wire(params: SamplingParams) -> dict[str, Any]:
+    return dataclasses.asdict(params)
+
+
+def params_from_wire(values: dict[str, Any]) -> SamplingParams:
+    return SamplingParams(**values)
+
+
+def info_to_wire(info: EngineInfo) -> dict[str, Any]:
+    values = dataclasses.asdict(info)
+    values["checkpoint"] = str(info.checkpoint)
+    return values
+
+
+def info_from_wire(values: dict[str, Any]) -> EngineInfo:
+    return EngineInfo(**{**values, "checkpoint": Path(values["checkpoint"]), "layers": tuple(values["layers"])})
+
+
+def record_to_wire(record: SessionRecord) -> dict[str, Any]:
+    return dataclasses.asdict(record)
+
+
+def record_from_wire(values: dict[str, Any]) -> SessionRecord:
+    return SessionRecord(**values)
+
+
+# The calls (`EngineCore.CALLS`) that answer a SessionRecord; the others answer plain values (ints, bools, None).
+RECORD_CALLS = frozenset({"create_session", "get_session", "fork_session", "restore_session"})
+
+
+def result_to_wire(value: Any) -> Any:
+    if isinstance(value, SessionPage):
+        return {"records": [record_to_wire(r) for r in value.records], "has_more": value.has_more}
+    return record_to_wire(value) if isinstance(value, SessionRecord) else value
+
+
+def result_from_wire(method: str, value: Any) -> Any:
+    if method == "list_sessions":
+        return SessionPage(tuple(record_from_wire(r) for r in value["records"]), value["has_more"])
+    return record_from_wire(value) if method in RECORD_CALLS else value
+
+
+# -- a request's outputs ----------------------------------------------------------------------------------------------
+def output_to_wire(out: RequestOutput | BaseException) -> list:
+    if isinstance(out, BaseException):
+        return ["error", *error_to_wire(out)]
+    logprobs = [[lp.token_id, lp.logprob, [list(pair) for pair in lp.top]] for lp in out.logprobs]
+    return [out.index, out.token_ids, out.text, logprobs, out.finish_reason, out.prompt_tokens, out.cached_tokens,
+            out.completion_tokens]  # fmt: skip
+
+
+def output_from_wire(request_id: str, values: list) -> RequestOutput | BaseException:
+    if values[0] == "error":
+        return error_from_wire(*values[1:])
+    index, token_ids, text, logprobs, finish_reason, prompt_tokens, cached_tokens, completion_tokens = values
+    return RequestOutput(
+        request_id=request_id,
+        index=index,
+        token_ids=token_ids,
+        text=text,
+        logprobs=[TokenLogprob(t, lp, [(int(i), v) for i, v in top]) for t, lp, top in logprobs],
+        finish_reason=finish_reason,
+        prompt_tokens=prompt_tokens,
+        cached_tokens=cached_tokens,
+        completion_tokens=completion_tokens,
+    )
+
+
+# -- exceptions -------------------------------------------------------------------------------------------------------
+def error_to_wire(exc: BaseException) -> list:
+    message = exc.args[0] if len(exc.args) == 1 and isinstance(exc.args[0], str) else str(exc)
+    return [type(exc).__name__, message, getattr(exc, "code", None)]
+
+
+def error_from_wire(name: str, message: str, code: str | None = None) -> Exception:
+    cls = ERRORS.get(name)
+    if cls is None:
+        return RuntimeError(f"engine error ({name}): {message}")
+    if cls is SnapshotError:
+        return SnapshotError(message, code or "invalid_snapshot")
+    return cls(message)
