@@ -1,9 +1,8 @@
 """The model and the runtime: config, mixers, hybrid LM, state pool, sampling, and the offline `LLM` API."""
 
-from kvfree.engine.core.sampling import SamplingParams
 from kvfree.engine.llm import LLM, CompletionOutput
 from kvfree.engine.model.config import ModelConfig
+from kvfree.engine.protocol import Grammar, SamplingParams
 from kvfree.engine.state.pool import StatePool
-from kvfree.engine.text.grammar import Grammar
 
 __all__ = ["LLM", "CompletionOutput", "Grammar", "ModelConfig", "SamplingParams", "StatePool"]

@@ -11,22 +11,13 @@ from typing import Any
 
 import torch
 
-from kvfree.checkpoints import default_checkpoint_path
-from kvfree.engine.core.model_runner import ModelRunner
-from kvfree.engine.core.sampling import SamplingParams
-from kvfree.engine.core.scheduler import Request, RequestOutput, Scheduler
-from kvfree.engine.core.sequence import Sequence, TokenLogprob
-from kvfree.engine.core.stepper import LLMEngine
-from kvfree.engine.model.hybrid_lm import kv_cache_torch_dtype
-from kvfree.engine.model.loader import load_model
-from kvfree.engine.model.tensor_parallel import ONE_RANK, TensorParallel
-from kvfree.engine.parallel.ranks import RankSpec, Workers, free_address
-from kvfree.engine.parallel.sharded_pool import ShardedStatePool
+from kvfree.engine.core.scheduler import Request, Scheduler
+from kvfree.engine.core.sequence import Sequence
+from kvfree.engine.core.stepper import Stepper
+from kvfree.engine.model.config import ModelConfig
+from kvfree.engine.parallel.runtime import start_runtime
+from kvfree.engine.protocol import RequestOutput, SamplingParams, TokenLogprob
 from kvfree.engine.sessions.manager import SessionManager
-from kvfree.engine.state.pool import StatePool
-from kvfree.engine.state.snapshot import model_fingerprint
-from kvfree.engine.text.grammar import GrammarCompiler
-from kvfree.engine.text.tokenizer import Tokenizer
 
 Prompt = str | list[int]
 
@@ -78,48 +69,32 @@ class LLM:
         tensor_parallel_size: int = 1,
         kv_cache_dtype: str = "auto",
     ) -> None:
-        path = Path(model) if model is not None else default_checkpoint_path()
-        self.path = path  # the checkpoint directory
-        if tensor_parallel_size < 1:
-            raise ValueError(f"tensor_parallel_size must be at least 1, got {tensor_parallel_size}")
-        kv_cache_torch_dtype(kv_cache_dtype)  # (refused now, before other ranks are started)
-        address = free_address() if tensor_parallel_size > 1 else ""  # (one rank: no group to meet at)
-        spec = RankSpec(tensor_parallel_size, address, str(path), "auto" if device is None else str(device),
-                        dtype, max_sessions, max_context, dict(config_overrides or {}), enforce_eager,
-                        kv_cache_dtype)  # fmt: skip
-        self.workers = Workers(spec) if tensor_parallel_size > 1 else None
-        try:
-            self.runner = build_rank(spec, self.workers.tp if self.workers else ONE_RANK, self.workers)
-        except BaseException:
-            self.close()
-            raise
-        self.model, self.pool = self.runner.model, self.runner.pool
-        self.tokenizer = Tokenizer(path)
-        # Structured output's grammars, for the model's vocabulary (its llguidance tokenizer is built on first use).
-        self.grammars = GrammarCompiler(self.tokenizer, self.model.config.vocab_size)
+        self.runtime = start_runtime(
+            model, device=device, dtype=dtype, max_sessions=max_sessions, max_context=max_context,
+            config_overrides=config_overrides, enforce_eager=enforce_eager,
+            tensor_parallel_size=tensor_parallel_size, kv_cache_dtype=kv_cache_dtype,
+        )  # fmt: skip
+        runtime = self.runtime
+        self.path = runtime.path  # the checkpoint directory
+        self.runner, self.model, self.pool = runtime.runner, runtime.model, runtime.pool
+        self.tokenizer, self.grammars = runtime.tokenizer, runtime.grammars
         self.prefill_chunk = prefill_chunk
-        self._engine: LLMEngine | None = None
-        self._fingerprint: str | None = self.runner.fingerprint  # (taken at start-up under tensor parallelism)
+        self._engine: Stepper | None = None
         self._ids = itertools.count()
         self.last_sequence: Sequence | None = None
 
     @property
-    def config(self):
+    def config(self) -> ModelConfig:
         return self.model.config
 
     @property
     def fingerprint(self) -> str:
         """The model's fingerprint (engine/state/snapshot.py), computed once: at start-up under tensor parallelism."""
-        if self._fingerprint is None:
-            self._fingerprint = model_fingerprint(self.model)
-        return self._fingerprint
+        return self.runtime.fingerprint
 
     def close(self) -> None:
         """End the other tensor-parallel ranks (nothing to do on one); the LLM is unusable afterwards."""
-        if self.workers is not None:
-            if getattr(self, "runner", None) is not None:  # (None when start-up failed)
-                self.runner.release_graphs()
-            self.workers.stop()
+        self.runtime.close()
 
     def encode(self, prompt: Prompt) -> list[int]:
         """Text or token ids -> checked token ids."""
@@ -145,7 +120,7 @@ class LLM:
         return Request(f"llm-{next(self._ids)}", ids, params, emit=outputs.append)
 
     @property
-    def engine(self) -> LLMEngine:
+    def engine(self) -> Stepper:
         """The same engine step and continuous-batching scheduler the server uses, over this LLM's pool (created
         on first use, so a server, which builds its own over the same pool, never makes this one)."""
         if self._engine is None:
@@ -155,7 +130,7 @@ class LLM:
                 sessions, self.tokenizer, max_waiting=sys.maxsize, max_batch_tokens=self.prefill_chunk,
                 grammars=self.grammars,
             )
-            self._engine = LLMEngine(scheduler, self.runner)
+            self._engine = Stepper(scheduler, self.runner)
         return self._engine
 
     def _drive(self, requests: list[Request]) -> Iterator[None]:
@@ -204,25 +179,6 @@ class LLM:
                 delta = outputs.pop(0).text
                 if delta:
                     yield delta
-
-
-def build_rank(spec: RankSpec, tp: TensorParallel, workers: Workers | None = None) -> ModelRunner:
-    """One rank's model, state pool and runner (every rank builds them in the same order: their collectives, the
-    warm-ups and CUDA-graph captures included, line up). Rank 0 passes its `workers`; its pool then moves whole
-    sessions (engine/parallel/sharded_pool.py). Under tensor parallelism the fingerprint is taken here, by every rank
-    at once,
-    and kept on the runner."""
-    model = load_model(spec.model, device=spec.device_of(tp.rank), dtype=spec.dtype,
-                       config_overrides=spec.config_overrides, tp=tp)  # fmt: skip
-    model.set_kv_cache_dtype(spec.kv_cache_dtype)
-    fingerprint = model_fingerprint(model) if tp.size > 1 else None
-    if workers is not None:
-        pool: StatePool = ShardedStatePool(model, spec.max_sessions, spec.max_context, workers)
-    else:
-        pool = StatePool(model, spec.max_sessions, spec.max_context)
-    runner = ModelRunner(model, pool, enforce_eager=spec.enforce_eager, workers=workers)
-    runner.fingerprint = fingerprint
-    return runner
 
 
 def _completion(req: Request, outputs: list[RequestOutput]) -> CompletionOutput:

@@ -387,7 +387,7 @@ def build_parser() -> argparse.ArgumentParser:
 
 def main(argv: list[str] | None = None) -> int:
     from kvfree.checkpoints import CheckpointError
-    from kvfree.engine.sessions.store import SessionStoreError
+    from kvfree.engine.protocol import SessionStoreError
 
     args = build_parser().parse_args(argv)
     try:

@@ -10,9 +10,9 @@ from pathlib import Path
 from fastapi import FastAPI
 from fastapi.middleware.cors import CORSMiddleware
 
-from kvfree.engine.serving.engine_core import EngineConfig
-from kvfree.engine.serving.process_driver import EngineProcess
-from kvfree.engine.serving.thread_driver import AsyncEngine
+from kvfree.engine.protocol import EngineConfig
+from kvfree.engine.serving.process_driver import ProcessDriver
+from kvfree.engine.serving.thread_driver import ThreadDriver
 from kvfree.server import routes_openai, routes_ops, routes_responses, routes_sessions
 from kvfree.server.auth import APIKeys
 from kvfree.server.errors import install_error_handlers
@@ -45,18 +45,18 @@ def engine_config(settings: ServerSettings) -> EngineConfig:
 
 def build_engine(
     settings: ServerSettings, on_engine_death: Callable[[], None] | None = None
-) -> AsyncEngine | EngineProcess:
+) -> ThreadDriver | ProcessDriver:
     """Load the checkpoint into an (unstarted) engine sized by `settings`: in a process of its own (the default), or
     on a thread of this one (`settings.engine_process` False)."""
     config = engine_config(settings)
     if settings.engine_process:
-        return EngineProcess(config, on_death=on_engine_death)
-    return AsyncEngine.build(config)
+        return ProcessDriver(config, on_death=on_engine_death)
+    return ThreadDriver.build(config)
 
 
 def create_app(
     settings: ServerSettings,
-    engine: AsyncEngine | EngineProcess | None = None,
+    engine: ThreadDriver | ProcessDriver | None = None,
     on_engine_death: Callable[[], None] | None = None,
 ) -> FastAPI:
     """The app for `settings`. The engine is built from them unless given; it starts and stops with the app.

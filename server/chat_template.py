@@ -8,7 +8,7 @@ from typing import Any
 import jinja2
 
 from kvfree.checkpoints import CheckpointError
-from kvfree.engine.core.sampling import SamplingParams
+from kvfree.engine.protocol import SamplingParams
 from kvfree.engine.text.tokenizer import Tokenizer
 from kvfree.server.errors import invalid_request
 from kvfree.server.protocol import ChatMessage

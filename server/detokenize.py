@@ -11,8 +11,7 @@ from __future__ import annotations
 
 from dataclasses import replace
 
-from kvfree.engine.core.sampling import SamplingParams
-from kvfree.engine.core.scheduler import RequestOutput
+from kvfree.engine.protocol import RequestOutput, SamplingParams
 from kvfree.engine.text.text_output import TextOutput
 from kvfree.engine.text.tokenizer import Tokenizer
 

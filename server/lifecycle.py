@@ -6,7 +6,7 @@ admission errors become HTTP errors before a response or a stream is started) ->
 counted, TTFT and inter-token latency timed as they arrive) -> `finish` (usage and metrics) or `aclose` (the
 client went away: the engine aborts the request and frees its slots). The session operations, health and stats go
 through `EngineClient` too, and what the routes need to know of the engine is its `EngineInfo`. Routes never hold
-the engine: an `EngineProcess` (the engine core in a process of its own, the default) or an `AsyncEngine` (on a
+the engine: an `ProcessDriver` (the engine core in a process of its own, the default) or an `ThreadDriver` (on a
 thread of this process), which answer to the same calls. Outputs arrive as token ids; their text and stop strings
 are made here (server/detokenize.py).
 """
@@ -23,16 +23,26 @@ from typing import Any, TypeVar
 import anyio
 from fastapi import Request
 
-from kvfree.engine.core.sampling import SamplingParams
-from kvfree.engine.core.scheduler import RequestOutput
-from kvfree.engine.protocol import EngineInfo, SessionPage, SessionRecord
+from kvfree.engine.protocol import (
+    EngineInfo,
+    EngineStopped,
+    Grammar,
+    GrammarError,
+    PoolExhausted,
+    QueueFull,
+    RequestOutput,
+    SamplingParams,
+    SessionBusy,
+    SessionLimitError,
+    SessionNotFound,
+    SessionPage,
+    SessionRecord,
+    SessionStoreError,
+    SnapshotError,
+    SnapshotMismatchError,
+)
 from kvfree.engine.serving.handle import EngineHandle
-from kvfree.engine.serving.thread_driver import EngineStopped, QueueFull, SessionBusy
-from kvfree.engine.sessions.manager import PoolExhausted, SessionLimitError, SessionNotFound
-from kvfree.engine.sessions.store import SessionStoreError
-from kvfree.engine.state.pool import SnapshotMismatchError
-from kvfree.engine.state.snapshot import SnapshotError
-from kvfree.engine.text.grammar import Grammar, GrammarError, check_grammar
+from kvfree.engine.text.grammar import check_grammar
 from kvfree.engine.text.tokenizer import LONG_TEXT_CHARS, Tokenizer
 from kvfree.server.detokenize import ChoiceTexts
 from kvfree.server.errors import (

@@ -2,7 +2,7 @@
 
 A registry per `Metrics` (not prometheus_client's global one) lets several apps live in one process, as they do
 in tests, without "Duplicated timeseries" errors. Counters and histograms are updated by the routes as requests
-go; gauges that describe the engine (queues, pool, sessions, memory) are copied from `AsyncEngine.stats()` by
+go; gauges that describe the engine (queues, pool, sessions, memory) are copied from `ThreadDriver.stats()` by
 `update_engine`, typically right before `render`, so a scrape always sees current values.
 
 The vLLM-style set (`VllmStyleMetrics`) carries vLLM's metric names and meanings under the prefix `kvfree:`
@@ -181,7 +181,7 @@ class Metrics:
         return RequestTimer(self, clock)
 
     def update_engine(self, stats: Mapping[str, Any]) -> None:
-        """Copy the engine's gauges from `AsyncEngine.stats()`; keys that are absent leave a gauge as it is,
+        """Copy the engine's gauges from `ThreadDriver.stats()`; keys that are absent leave a gauge as it is,
         except GPU memory, which reads 0 when the engine reports none (CPU)."""
         gauges = {
             "running": self.requests_running,

@@ -44,7 +44,7 @@ from pydantic import (
     model_validator,
 )
 
-from kvfree.engine.core.sampling import MAX_LOGIT_BIAS, MAX_TOP_LOGPROBS, SamplingParams
+from kvfree.engine.protocol import MAX_LOGIT_BIAS, MAX_TOP_LOGPROBS, SamplingParams
 from kvfree.server.errors import invalid_request
 
 # The most completions one request may ask for (`n`): each holds a pool slot while it decodes.

@@ -56,9 +56,8 @@ from pydantic import (
     model_validator,
 )
 
-from kvfree.engine.core.sampling import SamplingParams
+from kvfree.engine.protocol import Grammar, SamplingParams
 from kvfree.engine.sessions.store import SessionStore
-from kvfree.engine.text.grammar import Grammar
 from kvfree.engine.text.tokenizer import IncrementalDetokenizer, Tokenizer
 from kvfree.server.errors import not_found
 from kvfree.server.protocol import (

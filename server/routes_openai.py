@@ -14,8 +14,7 @@ from openai.types.chat.chat_completion import ChoiceLogprobs
 from openai.types.chat.chat_completion_token_logprob import TopLogprob
 from openai.types.completion_usage import CompletionUsage
 
-from kvfree.engine.core.sampling import SamplingParams
-from kvfree.engine.core.sequence import TokenLogprob
+from kvfree.engine.protocol import SamplingParams, TokenLogprob
 from kvfree.engine.text.tokenizer import Tokenizer
 from kvfree.server.auth import OwnerDep, api_key_owner
 from kvfree.server.chat_template import render_chat, stop_at_turn_end

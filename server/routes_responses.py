@@ -32,9 +32,7 @@ from openai.types.responses import (
 )
 from pydantic import BaseModel
 
-from kvfree.engine.core.scheduler import RequestOutput
-from kvfree.engine.sessions.manager import SessionNotFound
-from kvfree.engine.sessions.store import SessionStoreError
+from kvfree.engine.protocol import RequestOutput, SessionNotFound, SessionStoreError
 from kvfree.server.auth import OwnerDep, api_key_owner
 from kvfree.server.chat_template import render_chat, stop_at_turn_end
 from kvfree.server.errors import APIError, error_responses, not_found, service_unavailable

@@ -12,19 +12,9 @@ from fastapi.responses import Response, StreamingResponse
 from starlette.requests import ClientDisconnect
 from starlette.types import Receive, Scope, Send
 
-from kvfree.engine.core.sampling import SamplingParams
-from kvfree.engine.protocol import SessionRecord
-from kvfree.engine.sessions.manager import SessionNotFound
+from kvfree.engine.protocol import SamplingParams, SessionNotFound, SessionRecord, SnapshotError
 from kvfree.engine.state.packed import PackedState
-from kvfree.engine.state.snapshot import (
-    SnapshotError,
-    check_signature,
-    entries,
-    header_length,
-    metadata,
-    parse_header,
-    record,
-)
+from kvfree.engine.state.snapshot import check_signature, entries, header_length, metadata, parse_header, record
 from kvfree.server.auth import OwnerDep, api_key_owner
 from kvfree.server.chat_template import render_chat
 from kvfree.server.errors import APIError, error_responses, invalid_request, not_found

@@ -19,7 +19,8 @@ from __future__ import annotations
 import json
 from typing import Any
 
-from kvfree.engine.text.grammar import Grammar, json_schema_rule, lark_string
+from kvfree.engine.protocol import Grammar
+from kvfree.engine.text.grammar import json_schema_rule, lark_string
 from kvfree.engine.text.tokenizer import Tokenizer
 from kvfree.server.errors import invalid_request
 from kvfree.server.protocol import ChatTool, NamedToolChoice, ResponseFormat, StructuredOutputs, ToolChoice

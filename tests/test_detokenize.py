@@ -3,9 +3,7 @@ first stop string; what the engine ran past a stop is dropped; the end-of-sequen
 
 from __future__ import annotations
 
-from kvfree.engine.core.sampling import SamplingParams
-from kvfree.engine.core.scheduler import RequestOutput
-from kvfree.engine.core.sequence import TokenLogprob
+from kvfree.engine.protocol import RequestOutput, SamplingParams, TokenLogprob
 from kvfree.engine.text.tokenizer import Tokenizer
 from kvfree.server.detokenize import ChoiceTexts
 from tests.paths import TINY_CHECKPOINT

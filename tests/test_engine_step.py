@@ -8,8 +8,9 @@ import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
 from kvfree.engine import LLM, SamplingParams
-from kvfree.engine.core.scheduler import Request, RequestOutput, Scheduler
-from kvfree.engine.core.stepper import LLMEngine
+from kvfree.engine.core.scheduler import Request, Scheduler
+from kvfree.engine.core.stepper import Stepper
+from kvfree.engine.protocol import RequestOutput
 from kvfree.engine.sessions.manager import SessionManager
 from tests.paths import TINY_CHECKPOINT
 
@@ -42,10 +43,10 @@ def llm() -> LLM:
     return LLM(TINY_CHECKPOINT, max_sessions=64)
 
 
-def _engine(llm: LLM, overlap: bool, sessions: SessionManager | None = None) -> LLMEngine:
+def _engine(llm: LLM, overlap: bool, sessions: SessionManager | None = None) -> Stepper:
     if sessions is None:  # (not `or`: an empty manager is falsy)
         sessions = SessionManager(llm.pool, fingerprint="test", max_host_sessions=0)
-    return LLMEngine(Scheduler(sessions, llm.tokenizer, max_waiting=1024, max_batch_tokens=4096), llm.runner, overlap)
+    return Stepper(Scheduler(sessions, llm.tokenizer, max_waiting=1024, max_batch_tokens=4096), llm.runner, overlap)
 
 
 def _decode_step_ops(llm: LLM, sequences: int) -> tuple[OpCounter, OpCounter]:
@@ -84,7 +85,7 @@ def test_decode_step_ops_do_not_grow_with_the_batch(llm):
     assert small.total - small_model.total < 160, (small.total, small_model.total)
 
 
-def _collect(engine: LLMEngine, requests: list[Request]) -> None:
+def _collect(engine: Stepper, requests: list[Request]) -> None:
     for req in requests:
         engine.scheduler.add(req)
     while engine.has_work:
@@ -153,7 +154,7 @@ def test_a_graphed_prefill_is_launched_before_the_step_in_flight_is_read(llm, gr
     the host waits for that step's tokens; an eager one (a long launch) lets those tokens go out first."""
     runner = RecordingRunner(llm.runner, graphed)
     sessions = SessionManager(llm.pool, fingerprint="test", max_host_sessions=0)
-    engine = LLMEngine(Scheduler(sessions, llm.tokenizer), runner, overlap=True)
+    engine = Stepper(Scheduler(sessions, llm.tokenizer), runner, overlap=True)
     params = SamplingParams(temperature=0, max_tokens=6, ignore_eos=True)
     engine.scheduler.add(Request("a", llm.tokenizer.encode("Hello"), params, emit=lambda out: None))
     engine.step()  # step 0: a's prompt
@@ -262,7 +263,7 @@ def test_each_request_gets_its_own_number_of_top_logprobs_in_a_mixed_batch(llm):
             assert len(entries) == 4 and all(len(e.top) == k for e in entries), (k, [len(e.top) for e in entries])
 
 
-def _run_all(engine: LLMEngine, requests: list[Request]) -> None:
+def _run_all(engine: Stepper, requests: list[Request]) -> None:
     for req in requests:
         engine.scheduler.add(req)
     while engine.has_work:
@@ -292,7 +293,7 @@ def test_a_request_no_slot_can_ever_be_freed_for_is_refused_not_kept_waiting():
     """Idle sessions in every slot, host memory full, no store: a sessionless request would wait forever for a
     slot; it fails with PoolExhausted instead. But requests whose sessions are resident run first, and once they
     end their sessions can move to host memory to make room: then the sessionless request waits and runs."""
-    from kvfree.engine.sessions.manager import PoolExhausted
+    from kvfree.engine.protocol import PoolExhausted
 
     llm = LLM(TINY_CHECKPOINT, max_sessions=2)
     sessions = SessionManager(llm.pool, fingerprint="test", max_host_sessions=1)

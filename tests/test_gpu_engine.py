@@ -7,7 +7,7 @@ import pytest
 import torch
 
 from kvfree import LLM, SamplingParams
-from kvfree.engine.text.grammar import Grammar
+from kvfree.engine.protocol import Grammar
 from tests.paths import TINY_CHECKPOINT
 
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")

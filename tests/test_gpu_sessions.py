@@ -8,9 +8,10 @@ import torch
 
 from kvfree.engine.model.hybrid_lm import HybridLM
 from kvfree.engine.model.step_batch import StepBatch
+from kvfree.engine.protocol import SnapshotError
 from kvfree.engine.sessions.manager import Session, SessionManager
 from kvfree.engine.state.pool import StatePool
-from kvfree.engine.state.snapshot import Snapshot, SnapshotError, encode_snapshot, model_fingerprint
+from kvfree.engine.state.snapshot import Snapshot, encode_snapshot, model_fingerprint
 from tests.conftest import make_model
 
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")

@@ -7,11 +7,17 @@ from pathlib import Path
 
 import pytest
 
-from kvfree.engine.core.sampling import SamplingParams
-from kvfree.engine.core.scheduler import QueueFull, RequestOutput
-from kvfree.engine.core.sequence import TokenLogprob
-from kvfree.engine.protocol import EngineInfo, SessionRecord
-from kvfree.engine.serving.engine_core import SessionBusy
+from kvfree.engine.protocol import (
+    EngineInfo,
+    QueueFull,
+    RequestOutput,
+    SamplingParams,
+    SessionBusy,
+    SessionNotFound,
+    SessionRecord,
+    SnapshotError,
+    TokenLogprob,
+)
 from kvfree.engine.serving.ipc import (
     error_from_wire,
     error_to_wire,
@@ -26,8 +32,6 @@ from kvfree.engine.serving.ipc import (
     record_to_wire,
     unpack,
 )
-from kvfree.engine.sessions.manager import SessionNotFound
-from kvfree.engine.state.snapshot import SnapshotError
 
 
 def through_the_wire(value):

@@ -107,7 +107,7 @@ def test_import_rule_checker_sees_violations(tmp_path):
 # its own. The first are read on nothing in server/; the second not on anything called an engine.
 ENGINE_INTERNALS = frozenset({"llm", "core", "scheduler", "runner", "pool"})
 ENGINE_PARTS = frozenset({"sessions", "tokenizer"})
-# The modules that may hold the engine itself (an EngineProcess or an AsyncEngine): the app builds and starts it, the
+# The modules that may hold the engine itself (an ProcessDriver or an ThreadDriver): the app builds and starts it, the
 # lifecycle module talks to it.
 ENGINE_HOLDERS = frozenset({"kvfree.server.app", "kvfree.server.lifecycle"})
 # The app takes the server's one tokenizer from the engine (its own, or the front's copy of the checkpoint's).

@@ -8,10 +8,10 @@ from pathlib import Path
 import pytest
 import torch
 
-from kvfree.engine.core.sampling import SamplingParams
 from kvfree.engine.llm import LLM
 from kvfree.engine.model.hybrid_lm import HybridLM
 from kvfree.engine.model.loader import load_model
+from kvfree.engine.protocol import SamplingParams
 from kvfree.training.evaluate import main as evaluate_main
 from kvfree.training.evaluate import reevaluate
 from kvfree.training.mqar import (

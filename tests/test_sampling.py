@@ -9,8 +9,9 @@ import pytest
 import torch
 
 from kvfree.engine import LLM, SamplingParams
-from kvfree.engine.core.sampling import MAX_TOP_LOGPROBS, SamplingRows, apply_penalties, filter_logits, sample
+from kvfree.engine.core.sampling import SamplingRows, apply_penalties, filter_logits, sample
 from kvfree.engine.core.sequence import Sequence
+from kvfree.engine.protocol import MAX_TOP_LOGPROBS
 from tests.paths import TINY_CHECKPOINT
 
 # -- helpers -------------------------------------------------------------------------------------------------------

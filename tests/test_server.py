@@ -1523,7 +1523,7 @@ def test_health_is_503_when_the_engine_thread_died(ckpts):
     try:
         with server.http() as http:
             assert http.get("/health").status_code == 200
-            engine = server.app.state.kvfree.engine._engine  # the AsyncEngine behind the server's EngineClient
+            engine = server.app.state.kvfree.engine._engine  # the ThreadDriver behind the server's EngineClient
             engine._commands.put(None)  # the engine loop's stop signal, as if it had died
             wait_for(lambda: not engine.alive, timeout=10, message="the engine thread")
             assert http.get("/health").status_code == 503 and http.get("/ping").status_code == 503

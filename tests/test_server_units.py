@@ -17,7 +17,7 @@ from fastapi import FastAPI
 from fastapi.testclient import TestClient
 from pydantic import ValidationError
 
-from kvfree.engine.core.sampling import MAX_TOP_LOGPROBS
+from kvfree.engine.protocol import MAX_TOP_LOGPROBS
 from kvfree.engine.text.tokenizer import Tokenizer
 from kvfree.server import auth as auth_module
 from kvfree.server.auth import (
@@ -901,7 +901,7 @@ def test_text_events_are_byte_identical_to_serialised_chunks(text):
 def test_queued_outputs_of_one_choice_are_coalesced():
     import asyncio
 
-    from kvfree.engine.core.scheduler import RequestOutput
+    from kvfree.engine.protocol import RequestOutput
     from kvfree.engine.serving.handle import _coalesced
 
     def out(index: int, tokens: list[int], finish: str | None = None) -> RequestOutput:

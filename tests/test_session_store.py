@@ -20,7 +20,8 @@ import pytest
 import torch
 
 from kvfree.clients import KvfreeAPIError, KvfreeClient, RetryPolicy
-from kvfree.engine.sessions.store import DirectoryStore, RedisStore, SessionStoreError, StoredSession
+from kvfree.engine.protocol import SessionStoreError
+from kvfree.engine.sessions.store import DirectoryStore, RedisStore, StoredSession
 from tests.server_fixtures import ProcServer, free_port, make_checkpoint, wait_for
 
 REDIS = shutil.which("redis-server")

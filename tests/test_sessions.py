@@ -12,18 +12,12 @@ import torch
 
 from kvfree.engine.model.hybrid_lm import HybridLM
 from kvfree.engine.model.step_batch import StepBatch
-from kvfree.engine.sessions.manager import PoolExhausted, Session, SessionLimitError, SessionManager, SessionNotFound
+from kvfree.engine.protocol import PoolExhausted, SessionLimitError, SessionNotFound, SnapshotError
+from kvfree.engine.sessions.manager import Session, SessionManager
 from kvfree.engine.sessions.store import DirectoryStore
 from kvfree.engine.sessions.tiers import StateLoading
 from kvfree.engine.state.pool import StatePool
-from kvfree.engine.state.snapshot import (
-    Snapshot,
-    SnapshotError,
-    decode_snapshot,
-    encode_snapshot,
-    model_fingerprint,
-    token_hash,
-)
+from kvfree.engine.state.snapshot import Snapshot, decode_snapshot, encode_snapshot, model_fingerprint, token_hash
 from tests.conftest import make_model
 
 KEY = b"test-key"

@@ -19,12 +19,12 @@ from safetensors.torch import save as st_save
 from kvfree.engine.model.config import ModelConfig
 from kvfree.engine.model.hybrid_lm import HybridLM
 from kvfree.engine.model.step_batch import StepBatch
-from kvfree.engine.state.pool import SnapshotMismatchError, StatePool
+from kvfree.engine.protocol import SnapshotError, SnapshotMismatchError
+from kvfree.engine.state.pool import StatePool
 from kvfree.engine.state.snapshot import (
     HASH_MOD,
     HEADER_ALIGN,
     Snapshot,
-    SnapshotError,
     _canonical,
     _checksum_v1,
     decode_snapshot,

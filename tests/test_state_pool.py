@@ -14,8 +14,9 @@ import torch
 from safetensors.torch import save_file
 
 from kvfree.engine.model.step_batch import StepBatch
+from kvfree.engine.protocol import SnapshotMismatchError
 from kvfree.engine.state import pool as state_pool
-from kvfree.engine.state.pool import SnapshotMismatchError, StatePool
+from kvfree.engine.state.pool import StatePool
 from tests.conftest import greedy, make_model, model_prefill, output_tol, random_ids, rel_err
 
 # Every mixer kind, alone or in a hybrid.

@@ -20,12 +20,12 @@ from paths import TINY_CHECKPOINT
 from server_fixtures import assert_openai_error, serve
 
 from kvfree.checkpoints import default_checkpoint_path
-from kvfree.engine.core.sampling import SamplingParams
 from kvfree.engine.core.scheduler import Request, Scheduler
-from kvfree.engine.core.stepper import LLMEngine
+from kvfree.engine.core.stepper import Stepper
 from kvfree.engine.llm import LLM
+from kvfree.engine.protocol import Grammar, GrammarError, SamplingParams
 from kvfree.engine.sessions.manager import SessionManager
-from kvfree.engine.text.grammar import Grammar, GrammarCompiler, GrammarError, bitmask_to_bool, fill_masks
+from kvfree.engine.text.grammar import GrammarCompiler, bitmask_to_bool, fill_masks
 from kvfree.engine.text.tokenizer import Tokenizer
 from kvfree.server.protocol import ChatTool
 from kvfree.server.structured_outputs import tool_call_grammar
@@ -235,7 +235,7 @@ def test_the_overlapped_step_reads_a_rows_token_before_its_next_mask(llm: LLM) -
     # then split (forward, read, mask, sample). Same tokens as the plain step, and valid JSON.
     def run(overlap: bool) -> list[list[int]]:
         sessions = SessionManager(llm.pool, fingerprint="offline", max_host_sessions=0)
-        engine = LLMEngine(Scheduler(sessions, llm.tokenizer, grammars=llm.grammars), llm.runner, overlap=overlap)
+        engine = Stepper(Scheduler(sessions, llm.tokenizer, grammars=llm.grammars), llm.runner, overlap=overlap)
         outputs: list[Any] = []
         prompts = ["<|im_start|>user\nGive a city as JSON<|im_end|>\n<|im_start|>assistant\n", "Once upon a time"]
         grammars = [Grammar.json_schema(PLACE), None]

@@ -14,10 +14,10 @@ import pytest
 import torch
 
 from kvfree.checkpoints import write_checkpoint
-from kvfree.engine.core.sampling import SamplingParams
 from kvfree.engine.llm import LLM
 from kvfree.engine.model.config import ModelConfig
 from kvfree.engine.model.hybrid_lm import HybridLM
+from kvfree.engine.protocol import SamplingParams
 from tests.paths import ROOT, TINY_CHECKPOINT
 from tests.server_fixtures import ProcServer
 from tests.test_tensor_parallel import PROMPTS, hybrid_checkpoint

@@ -16,6 +16,7 @@ import gc
 import logging
 import time
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 import torch
 
@@ -23,13 +24,16 @@ from kvfree.engine.core.cuda_graphs import DecodeGraphs, PrefillGraphs
 from kvfree.engine.core.sampler_graphs import SamplerGraphs
 from kvfree.engine.core.sampling import BatchFlags, SampleOutput, SamplingTable
 from kvfree.engine.core.scheduler import SampledTokens, ScheduledStep
-from kvfree.engine.core.sequence import Sequence, TokenLogprob
+from kvfree.engine.core.sequence import Sequence
 from kvfree.engine.model.host_copy import upload, upload_tensor
 from kvfree.engine.model.hybrid_lm import HybridLM
 from kvfree.engine.model.step_batch import StepBatch
-from kvfree.engine.parallel.ranks import Workers
+from kvfree.engine.protocol import TokenLogprob
 from kvfree.engine.state.pool import StatePool
 from kvfree.engine.text.grammar import fill_masks, mask_words
+
+if TYPE_CHECKING:  # (a type only: the ranks sit above the runner and the pool)
+    from kvfree.engine.parallel.ranks import Workers
 
 log = logging.getLogger("kvfree.engine")
 

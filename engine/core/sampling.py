@@ -10,102 +10,15 @@ else is in the batch, without a random generator per request. Requests without a
 
 from __future__ import annotations
 
-import math
 import secrets
 from collections.abc import Iterable
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 import torch
 
 from kvfree.engine.model.host_copy import upload, upload_tensor
-from kvfree.engine.text.grammar import Grammar, bitmask_to_bool
-
-MAX_TOP_LOGPROBS = 20
-MAX_LOGIT_BIAS = 100.0  # OpenAI's range for a `logit_bias` value: +-100 forces or bans a token
-# Temperatures below this are greedy (as vLLM's _SAMPLING_EPS): dividing logits by 1e-300 would overflow them.
-GREEDY_BELOW = 1e-5
-
-
-@dataclass
-class SamplingParams:
-    """How to pick the next tokens of one request. Invalid values raise ValueError naming the field.
-
-    temperature 0 means greedy. top_k <= 0, top_p = 1 and min_p = 0 disable those filters. Penalties follow the
-    OpenAI API (presence, frequency: over generated tokens) and HF/vLLM (repetition: over prompt and generated
-    tokens; 1 disables). `logprobs`: None for none, 0 for the sampled token's, k for the k most likely as well.
-    `logit_bias`: token id -> a value in [-100, 100] added to its logit before sampling (OpenAI's), so that 100
-    all but forces a token and -100 all but bans it; the logprobs reported stay the model's.
-    `grammar`: the output must match it (structured output, engine/text/grammar.py): tokens it does not allow next are
-    never sampled, and the sequence ends where the grammar is complete.
-    """
-
-    max_tokens: int = 16
-    temperature: float = 1.0
-    top_p: float = 1.0
-    top_k: int = 0
-    min_p: float = 0.0
-    repetition_penalty: float = 1.0
-    presence_penalty: float = 0.0
-    frequency_penalty: float = 0.0
-    seed: int | None = None
-    stop: list[str] = field(default_factory=list)
-    stop_token_ids: list[int] = field(default_factory=list)
-    ignore_eos: bool = False
-    logprobs: int | None = None
-    skip_special_tokens: bool = True
-    logit_bias: dict[int, float] = field(default_factory=dict)
-    grammar: Grammar | None = None
-
-    def __post_init__(self) -> None:
-        for name in ("temperature", "top_p", "min_p", "repetition_penalty", "presence_penalty", "frequency_penalty"):
-            value = getattr(self, name)
-            if not isinstance(value, int | float) or not math.isfinite(value):
-                raise ValueError(f"{name} must be a finite number, got {value!r}")
-        if self.max_tokens < 1:
-            raise ValueError(f"max_tokens must be at least 1, got {self.max_tokens}")
-        if self.temperature < 0:
-            raise ValueError(f"temperature must be >= 0, got {self.temperature}")
-        if not 0 < self.top_p <= 1:
-            raise ValueError(f"top_p must be in (0, 1], got {self.top_p}")
-        if not 0 <= self.min_p <= 1:
-            raise ValueError(f"min_p must be in [0, 1], got {self.min_p}")
-        if self.repetition_penalty <= 0:
-            raise ValueError(f"repetition_penalty must be > 0, got {self.repetition_penalty}")
-        for name in ("presence_penalty", "frequency_penalty"):
-            if not -2 <= getattr(self, name) <= 2:
-                raise ValueError(f"{name} must be in [-2, 2], got {getattr(self, name)}")
-        if self.logprobs is not None and not 0 <= self.logprobs <= MAX_TOP_LOGPROBS:
-            raise ValueError(f"logprobs must be in [0, {MAX_TOP_LOGPROBS}], got {self.logprobs}")
-        if isinstance(self.stop, str):
-            self.stop = [self.stop]
-        if any(not s for s in self.stop):
-            raise ValueError("stop strings must be non-empty")
-        if self.seed is not None and not 0 <= self.seed < 2**63:
-            raise ValueError(f"seed must be in [0, 2**63), got {self.seed}")
-        for token, bias in self.logit_bias.items():
-            if not isinstance(token, int) or token < 0:
-                raise ValueError(f"logit_bias keys must be token ids (integers >= 0), got {token!r}")
-            if not isinstance(bias, int | float) or not -MAX_LOGIT_BIAS <= bias <= MAX_LOGIT_BIAS:
-                raise ValueError(f"logit_bias values must be numbers in [-100, 100], got {bias!r} for token {token}")
-        if isinstance(self.grammar, dict):  # from the wire (engine/serving/ipc.py) or a config
-            self.grammar = Grammar(**self.grammar)
-        if self.grammar is not None and not isinstance(self.grammar, Grammar):
-            raise ValueError(f"grammar must be a Grammar, got {type(self.grammar).__name__}")
-
-    def end_token_ids(self, eos_token_id: int | None) -> frozenset[int]:
-        """The tokens that end this request's output: the tokenizer's EOS (unless `ignore_eos`) and `stop_token_ids`.
-        Such a token is not part of the output's text."""
-        eos = () if self.ignore_eos or eos_token_id is None else (eos_token_id,)
-        return frozenset((*eos, *self.stop_token_ids))
-
-    @property
-    def greedy(self) -> bool:
-        return self.temperature < GREEDY_BELOW
-
-    @property
-    def uses_penalties(self) -> bool:
-        return self.repetition_penalty != 1 or self.presence_penalty != 0 or self.frequency_penalty != 0
-
+from kvfree.engine.protocol import GREEDY_BELOW, SamplingParams
+from kvfree.engine.text.grammar import bitmask_to_bool
 
 # The columns of a batch's float parameter matrix, in this order.
 PARAM_COLUMNS = (

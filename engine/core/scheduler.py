@@ -17,14 +17,21 @@ import time
 from collections import deque
 from collections.abc import Callable
 from concurrent.futures import Future
-from dataclasses import dataclass, field, replace
+from dataclasses import dataclass, field
 
-from kvfree.engine.core.sampling import SamplingParams
-from kvfree.engine.core.sequence import Sequence, TokenLogprob
-from kvfree.engine.sessions.manager import PoolExhausted, Session, SessionManager
-from kvfree.engine.sessions.store import SessionStoreError
+from kvfree.engine.core.sequence import Sequence
+from kvfree.engine.protocol import (
+    GrammarError,
+    PoolExhausted,
+    QueueFull,
+    RequestOutput,
+    SamplingParams,
+    SessionStoreError,
+    TokenLogprob,
+)
+from kvfree.engine.sessions.manager import Session, SessionManager
 from kvfree.engine.sessions.tiers import StateLoading
-from kvfree.engine.text.grammar import GrammarCompiler, GrammarError, GrammarMatcher
+from kvfree.engine.text.grammar import GrammarCompiler, GrammarMatcher
 from kvfree.engine.text.tokenizer import Tokenizer
 
 
@@ -54,30 +61,6 @@ class Request:
     failure: Exception | None = None  # the turn's state could not be stored, or its grammar failed: the request fails
     grammar: Future[GrammarMatcher] | None = None  # the output's grammar, compiling (`params.grammar`)
 
-
-@dataclass
-class RequestOutput:
-    """What a request gained in one step, for one choice. The last event of a choice has `finish_reason` set."""
-
-    request_id: str
-    index: int
-    token_ids: list[int]
-    text: str
-    logprobs: list[TokenLogprob]
-    finish_reason: str | None
-    prompt_tokens: int
-    cached_tokens: int
-    completion_tokens: int
-
-    def then(self, later: RequestOutput) -> RequestOutput:
-        """This output and a `later` one of the same choice as one (a stream that fell behind catches up in one
-        event instead of one per step)."""
-        return replace(
-            later,
-            token_ids=self.token_ids + later.token_ids,
-            text=self.text + later.text,
-            logprobs=self.logprobs + later.logprobs,
-        )
 
 
 @dataclass
@@ -117,9 +100,6 @@ class SampledTokens:
 
 PREFILL_ALIGN = 256  # prefill token budgets are rounded down to a multiple of this
 
-
-class QueueFull(RuntimeError):
-    """The waiting queue is at its limit: the client should retry later (HTTP 429)."""
 
 
 class Scheduler:

@@ -6,21 +6,14 @@ import functools
 import itertools
 from dataclasses import dataclass, field
 
-from kvfree.engine.core.sampling import SamplingParams, random_seed
+from kvfree.engine.core.sampling import random_seed
+from kvfree.engine.protocol import SamplingParams, TokenLogprob
 from kvfree.engine.text.grammar import GrammarMatcher
 from kvfree.engine.text.text_output import TextOutput
 from kvfree.engine.text.tokenizer import Tokenizer
 
 _ids = itertools.count()
 
-
-@dataclass
-class TokenLogprob:
-    """A generated token's log-probability and, if asked, the most likely alternatives at that step."""
-
-    token_id: int
-    logprob: float
-    top: list[tuple[int, float]] = field(default_factory=list)
 
 
 @dataclass

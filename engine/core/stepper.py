@@ -1,4 +1,4 @@
-"""LLMEngine: the one driver of the engine step, schedule -> run -> postprocess, used by `LLM` and the server.
+"""Stepper: the one driver of the engine step, schedule -> run -> postprocess, used by `LLM` and the server.
 
 With `overlap` (the default on a GPU) the host work of a step overlaps the device work of the next: step k is
 scheduled and launched, and only then are step k-1's tokens waited for and postprocessed, while the device runs
@@ -25,7 +25,7 @@ from kvfree.engine.core.scheduler import SampledTokens, ScheduledStep, Scheduler
 
 @dataclass
 class StepRecord:
-    """What one `LLMEngine.step` did and how long it took (perf_counter seconds).
+    """What one `Stepper.step` did and how long it took (perf_counter seconds).
 
     wait: the part of the step spent blocked on the device (waiting for a step's tokens); the rest is host work.
     """
@@ -63,7 +63,7 @@ class StepTotals:
         self.prefill_tokens += record.prefill_tokens
 
 
-class LLMEngine:
+class Stepper:
     """Steps a Scheduler's requests through a ModelRunner.
 
     Args:

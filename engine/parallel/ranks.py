@@ -28,9 +28,14 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
+from kvfree.engine.core.model_runner import ModelRunner
+from kvfree.engine.model.loader import load_model
 from kvfree.engine.model.tensor_parallel import TensorParallel
 from kvfree.engine.parallel.command_channel import CommandChannel
+from kvfree.engine.parallel.sharded_pool import ShardedStatePool
 from kvfree.engine.state.packed import PackedState
+from kvfree.engine.state.pool import StatePool
+from kvfree.engine.state.snapshot import model_fingerprint
 
 log = logging.getLogger("kvfree.engine")
 
@@ -145,10 +150,27 @@ def join(rank: int, spec: RankSpec) -> tuple[TensorParallel, dist.ProcessGroup]:
     return tp, host_group
 
 
+def build_rank(spec: RankSpec, tp: TensorParallel, workers: Workers | None = None) -> ModelRunner:
+    """One rank's model, state pool and runner (every rank builds them in the same order: their collectives, the
+    warm-ups and CUDA-graph captures included, line up). Rank 0 passes its `workers`; its pool then moves whole
+    sessions (engine/parallel/sharded_pool.py). Under tensor parallelism the fingerprint is taken here, by every rank
+    at once,
+    and kept on the runner."""
+    model = load_model(spec.model, device=spec.device_of(tp.rank), dtype=spec.dtype,
+                       config_overrides=spec.config_overrides, tp=tp)  # fmt: skip
+    model.set_kv_cache_dtype(spec.kv_cache_dtype)
+    fingerprint = model_fingerprint(model) if tp.size > 1 else None
+    if workers is not None:
+        pool: StatePool = ShardedStatePool(model, spec.max_sessions, spec.max_context, workers)
+    else:
+        pool = StatePool(model, spec.max_sessions, spec.max_context)
+    runner = ModelRunner(model, pool, enforce_eager=spec.enforce_eager, workers=workers)
+    runner.fingerprint = fingerprint
+    return runner
+
+
 def worker_main(rank: int, spec: RankSpec) -> None:
     """Rank `rank` (1..N-1): build the same engine parts as rank 0, in the same order, then run its commands."""
-    from kvfree.engine.llm import build_rank  # (imported here: this process starts from nothing)
-
     logging.basicConfig(level=os.environ.get("KVFREE_LOG_LEVEL", "WARNING"))
     parent = os.getppid()
 

@@ -14,13 +14,17 @@ returns are complete, their events already passed.
 
 from __future__ import annotations
 
+from typing import TYPE_CHECKING
+
 import torch
 
 from kvfree.engine.model.hybrid_lm import HybridLM
 from kvfree.engine.model.tensor_parallel import Split, split_among, unshard
-from kvfree.engine.parallel.ranks import Workers
 from kvfree.engine.state.packed import PackedState, StateEntry
 from kvfree.engine.state.pool import StagedState, StatePool
+
+if TYPE_CHECKING:  # (a type only: the ranks sit above the runner and the pool)
+    from kvfree.engine.parallel.ranks import Workers
 
 
 class ShardedStatePool(StatePool):

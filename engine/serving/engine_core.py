@@ -1,6 +1,6 @@
 """EngineCore: the serving engine itself, synchronous and single-threaded: model, pool, sessions, scheduler, steps.
 
-Whoever drives it calls everything from one thread: `AsyncEngine` from its engine thread (engine and HTTP front in
+Whoever drives it calls everything from one thread: `ThreadDriver` from its engine thread (engine and HTTP front in
 one process), the engine process's loop (engine/serving/process_driver.py) when the front runs in a process of its own.
 A request's outputs go to the `emit` callback it was submitted with, during `step()`; the driver forwards them.
 What a front may learn of the engine is its `info` (an EngineInfo), the `SessionRecord`s its session operations
@@ -14,18 +14,26 @@ import itertools
 import logging
 import time
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
 import torch
 
-from kvfree.engine.core.sampling import SamplingParams
-from kvfree.engine.core.scheduler import QueueFull, Request, RequestOutput, Scheduler
-from kvfree.engine.core.stepper import LLMEngine
-from kvfree.engine.llm import LLM
-from kvfree.engine.protocol import EngineInfo, SessionPage, SessionRecord
-from kvfree.engine.sessions.manager import Session, SessionBusy, SessionManager, SessionNotFound
+from kvfree.engine.core.scheduler import Request, Scheduler
+from kvfree.engine.core.stepper import Stepper
+from kvfree.engine.parallel.runtime import Runtime, start_runtime
+from kvfree.engine.protocol import (
+    EngineConfig,
+    EngineInfo,
+    QueueFull,
+    RequestOutput,
+    SamplingParams,
+    SessionBusy,
+    SessionNotFound,
+    SessionPage,
+    SessionRecord,
+)
+from kvfree.engine.sessions.manager import Session, SessionManager
 from kvfree.engine.sessions.store import SessionStore, open_store
 from kvfree.engine.state.packed import PackedState, read_file_into
 from kvfree.engine.state.snapshot import write_snapshot
@@ -43,71 +51,12 @@ CALLS = frozenset({
 })  # fmt: skip
 
 
-class EngineStopped(RuntimeError):
-    """The engine is shutting down, or has stopped, and takes no new work (HTTP 503)."""
-
-
-@dataclass
-class EngineConfig:
-    """Everything needed to build an engine: the model, the pool and the serving limits (`kvfree serve`'s flags,
-    less the HTTP ones). Plain values only, so that it can be handed to an engine process.
-
-    model: checkpoint directory (None: the one shipped with kvfree). The other fields are documented where they are
-    used: `LLM` (device, dtype, max_sessions, max_context, config_overrides, enforce_eager, max_batch_tokens as its
-    step budget), `Scheduler` (max_waiting, max_batch_tokens, max_prefill_tokens, prefill_batch_wait),
-    `SessionManager` (max_host_sessions, snapshot_dir, hmac_key) and `open_store` (session_store, ttl, lease,
-    write mode: "through", "async" or "spill").
-    """
-
-    model: Path | None = None
-    device: str = "auto"
-    dtype: str = "auto"
-    max_sessions: int = 64
-    max_context: int = 8192
-    config_overrides: dict[str, Any] = field(default_factory=dict)
-    enforce_eager: bool = False
-    tensor_parallel_size: int = 1
-    kv_cache_dtype: str = "auto"
-    max_waiting: int = 256
-    max_batch_tokens: int = 2048
-    max_prefill_tokens: int | None = None
-    prefill_batch_wait: float = 0.0
-    max_host_sessions: int = 1024
-    snapshot_dir: Path | None = None
-    hmac_key: bytes | None = None
-    session_store: str | None = None
-    session_ttl_seconds: float | None = None
-    session_lease_seconds: float = 10.0
-    session_write: str = "through"
-
-    def build(self) -> EngineCore:
-        """Load the checkpoint and build the engine (the store opened, if any)."""
-        llm = LLM(
-            self.model, device=self.device, dtype=self.dtype, max_sessions=self.max_sessions,
-            max_context=self.max_context, config_overrides=self.config_overrides, enforce_eager=self.enforce_eager,
-            tensor_parallel_size=self.tensor_parallel_size, kv_cache_dtype=self.kv_cache_dtype,
-        )  # fmt: skip
-        store = None
-        if self.session_store:
-            store = open_store(
-                self.session_store, llm.fingerprint, self.hmac_key,
-                ttl_seconds=self.session_ttl_seconds, lease_seconds=self.session_lease_seconds,
-                fsync=self.session_write == "through",  # a completed turn's file is on disk before the turn ends
-            )  # fmt: skip
-        return EngineCore(
-            llm, max_waiting=self.max_waiting, max_batch_tokens=self.max_batch_tokens,
-            max_prefill_tokens=self.max_prefill_tokens, prefill_batch_wait=self.prefill_batch_wait,
-            max_host_sessions=self.max_host_sessions, snapshot_dir=self.snapshot_dir, hmac_key=self.hmac_key,
-            store=store, write_through=store is not None and self.session_write in ("through", "async"),
-            async_writes=self.session_write == "async",
-        )  # fmt: skip
-
 
 class EngineCore:
     """Serves one model; every method runs on the driver's one thread.
 
     Args:
-        llm: the loaded model, tokenizer and state pool (its `max_sessions` is the number of GPU slots).
+        runtime: the loaded model, tokenizer and state pool (its pool's capacity is the number of GPU slots).
         max_waiting: requests that may wait for a slot before new ones get QueueFull (HTTP 429).
         max_batch_tokens: tokens per step while sequences decode: one per decoding sequence, the rest for prefill
             chunks. A step's time grows with its tokens, so this bounds the inter-token latency of running
@@ -127,7 +76,7 @@ class EngineCore:
 
     def __init__(
         self,
-        llm: LLM,
+        runtime: Runtime,
         *,
         max_waiting: int = 256,
         max_batch_tokens: int = 2048,
@@ -141,31 +90,32 @@ class EngineCore:
         async_writes: bool = False,
         on_outputs: Callable[[], None] | None = None,
     ) -> None:
-        self.llm = llm
-        self.tokenizer = llm.tokenizer
-        self.fingerprint = llm.fingerprint
+        self.runtime = runtime
+        self.tokenizer = runtime.tokenizer
+        self.fingerprint = runtime.fingerprint
         self.sessions = SessionManager(
-            llm.pool, self.fingerprint, max_host_sessions, snapshot_dir, hmac_key, store=store,
+            runtime.pool, self.fingerprint, max_host_sessions, snapshot_dir, hmac_key, store=store,
             write_through=write_through, async_writes=async_writes,
         )  # fmt: skip
         self.scheduler = Scheduler(
-            self.sessions, llm.tokenizer, max_waiting, max_batch_tokens, max_prefill_tokens, prefill_batch_wait,
-            grammars=llm.grammars,
+            self.sessions, runtime.tokenizer, max_waiting, max_batch_tokens, max_prefill_tokens, prefill_batch_wait,
+            grammars=runtime.grammars,
         )
-        llm.grammars.warm_up()  # structured output's tokenizer, on a thread: ready before the first grammar
-        self.core = LLMEngine(self.scheduler, llm.runner, on_outputs=self._outputs_ready)  # schedule, run, postprocess
+        runtime.grammars.warm_up()  # structured output's tokenizer, on a thread: ready before the first grammar
+        # schedule, run, postprocess
+        self.stepper = Stepper(self.scheduler, runtime.runner, on_outputs=self._outputs_ready)
         # Serving: every prefill graph a step can meet is captured before the first request, not in its middle.
-        llm.runner.capture_prefill_graphs(self.scheduler.max_prefill_tokens)
+        runtime.runner.capture_prefill_graphs(self.scheduler.max_prefill_tokens)
         self.sessions.tiers.warm_up()  # (likewise the kernels and pinned memory of the first session move)
         self.on_outputs = on_outputs
         self.info = self._describe()
         # A session's state: fixed bytes, plus per token of context for a KV cache (`stats` runs every few steps).
-        self._fixed_bytes, self._token_bytes = llm.pool.bytes_per_session(0), llm.pool.bytes_per_token()
+        self._fixed_bytes, self._token_bytes = runtime.pool.bytes_per_session(0), runtime.pool.bytes_per_token()
 
     def _describe(self) -> EngineInfo:
-        pool, model = self.llm.pool, self.llm.model
+        pool, model = self.runtime.pool, self.runtime.model
         return EngineInfo(
-            checkpoint=self.llm.path,
+            checkpoint=self.runtime.path,
             layers=tuple(model.config.layers),
             vocab_size=model.config.vocab_size,
             max_context=pool.max_context,
@@ -191,7 +141,7 @@ class EngineCore:
     # -- stepping -------------------------------------------------------------------------------------------------
     @property
     def has_work(self) -> bool:
-        return self.core.has_work
+        return self.stepper.has_work
 
     @property
     def writing(self) -> bool:
@@ -203,7 +153,7 @@ class EngineCore:
         """One engine step; a failing step fails its requests instead of the engine."""
         try:
             with torch.inference_mode():
-                self.core.step()
+                self.stepper.step()
         except Exception as exc:
             log.exception("engine step failed; failing the requests in flight")
             self._fail_in_flight(exc)
@@ -219,7 +169,7 @@ class EngineCore:
     def _fail_in_flight(self, exc: Exception) -> None:
         """Send `exc` to every request in flight and free their slots. A session in the failed batch may hold a
         half-updated state, so it starts over (its next turn re-prefills the whole prompt)."""
-        self.core.discard_in_flight()
+        self.stepper.discard_in_flight()
         for req in self.scheduler.running:
             req.emit(exc)  # type: ignore[arg-type]
             for seq in req.sequences:
@@ -227,7 +177,7 @@ class EngineCore:
                 seq.prefilled = seq.decoded = 0  # nothing of the failed batch stays in the reset session
             if req.session is not None:
                 if req.session.slot is not None:
-                    self.llm.pool.reset(req.session.slot)
+                    self.runtime.pool.reset(req.session.slot)
                 req.session.reset()
                 req.settled = True  # nothing of the failed turn is recorded or stored: the store keeps the last one
                 req.session.store_version = -1  # a shared store's copy (the last completed turn) wins next time
@@ -285,8 +235,8 @@ class EngineCore:
         """Abort every request and step until their slots are free and their sessions released."""
         for req in [*self.scheduler.waiting, *self.scheduler.running]:
             self.scheduler.abort(req.request_id)
-        while self.core.has_work:
-            self.core.step()
+        while self.stepper.has_work:
+            self.stepper.step()
         self._outputs_ready()
 
     def persist_all(self) -> int:
@@ -307,7 +257,7 @@ class EngineCore:
             last_used=last_used,
             num_tokens=session.num_tokens,
             location=session.location,
-            state_bytes=self.llm.pool.bytes_per_session(session.num_tokens),
+            state_bytes=self.runtime.pool.bytes_per_session(session.num_tokens),
         )
 
     def _idle(self, session_id: str, owner: str | None) -> Session:
@@ -365,7 +315,7 @@ class EngineCore:
         """A new session of `owner` from the snapshot file `path` (the caller made it and removes it), after every
         check (SnapshotError). The file is read with one read into one uint8 buffer `[file size]`, pinned when the
         pool is on a GPU, so that the state crosses to the device in one DMA; the state is a view of that buffer."""
-        on_gpu = self.llm.model.device.type == "cuda"  # where the pool is
+        on_gpu = self.runtime.model.device.type == "cuda"  # where the pool is
         buffer = read_file_into(path, lambda n: PackedState.buffer(n, pin=on_gpu))
         return self._record(self.sessions.restore(buffer, owner))
 
@@ -375,7 +325,7 @@ class EngineCore:
         tokens = self.sessions.resident_tokens()
         used = len(tokens) * self._fixed_bytes
         if self._token_bytes:
-            limit = self.llm.pool.max_context
+            limit = self.runtime.pool.max_context
             used += self._token_bytes * sum(min(n, limit) for n in tokens)
         return used
 
@@ -383,9 +333,9 @@ class EngineCore:
         """How the engine's last `window` steps spent their time: the mean step, and the share of it spent waiting
         for the device (near 0 with requests running: the engine's host work is the limit, not the GPU); and the
         same summed over every step since start."""
-        recent = list(itertools.islice(reversed(self.core.history), window))  # not a copy of the whole history
+        recent = list(itertools.islice(reversed(self.stepper.history), window))  # not a copy of the whole history
         seconds = sum(r.seconds for r in recent)
-        totals = self.core.totals
+        totals = self.stepper.totals
         return {
             "engine_steps": totals.steps,
             "engine_step_seconds": seconds / len(recent) if recent else 0.0,
@@ -399,7 +349,7 @@ class EngineCore:
 
     def stats(self) -> dict[str, Any]:
         """The engine's counters (ints and lengths); a racy but harmless read when called from another thread."""
-        pool = self.llm.pool
+        pool = self.runtime.pool
         stats = {
             "running": len(self.scheduler.running),
             "waiting": len(self.scheduler.waiting),
@@ -424,7 +374,30 @@ class EngineCore:
             },
         }
         stats.update(self._step_stats())
-        if torch.cuda.is_available() and self.llm.model.device.type == "cuda":
-            stats["gpu_memory_allocated"] = torch.cuda.memory_allocated(self.llm.model.device)
-            stats["gpu_memory_reserved"] = torch.cuda.memory_reserved(self.llm.model.device)
+        if torch.cuda.is_available() and self.runtime.model.device.type == "cuda":
+            stats["gpu_memory_allocated"] = torch.cuda.memory_allocated(self.runtime.model.device)
+            stats["gpu_memory_reserved"] = torch.cuda.memory_reserved(self.runtime.model.device)
         return stats
+
+
+def build_engine(config: EngineConfig) -> EngineCore:
+    """Load `config`'s checkpoint and build the engine (the store opened, if any)."""
+    runtime = start_runtime(
+        config.model, device=config.device, dtype=config.dtype, max_sessions=config.max_sessions,
+        max_context=config.max_context, config_overrides=config.config_overrides, enforce_eager=config.enforce_eager,
+        tensor_parallel_size=config.tensor_parallel_size, kv_cache_dtype=config.kv_cache_dtype,
+    )  # fmt: skip
+    store = None
+    if config.session_store:
+        store = open_store(
+            config.session_store, runtime.fingerprint, config.hmac_key,
+            ttl_seconds=config.session_ttl_seconds, lease_seconds=config.session_lease_seconds,
+            fsync=config.session_write == "through",  # a completed turn's file is on disk before the turn ends
+        )  # fmt: skip
+    return EngineCore(
+        runtime, max_waiting=config.max_waiting, max_batch_tokens=config.max_batch_tokens,
+        max_prefill_tokens=config.max_prefill_tokens, prefill_batch_wait=config.prefill_batch_wait,
+        max_host_sessions=config.max_host_sessions, snapshot_dir=config.snapshot_dir, hmac_key=config.hmac_key,
+        store=store, write_through=store is not None and config.session_write in ("through", "async"),
+        async_writes=config.session_write == "async",
+    )  # fmt: skip

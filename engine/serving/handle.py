@@ -1,6 +1,6 @@
 """EngineHandle: what an HTTP front holds of an engine, whichever driver runs it (a thread here, or its own process).
 
-The two drivers, `AsyncEngine` (engine/serving/thread_driver.py) and `EngineProcess`
+The two drivers, `ThreadDriver` (engine/serving/thread_driver.py) and `ProcessDriver`
 (engine/serving/process_driver.py), differ only
 in how a command reaches the `EngineCore` and how outputs come back: each implements `_submit`, `_call` (one of
 `EngineCore.CALLS` by name) and `abort`. Everything a front uses is written once here: `generate`, the session
@@ -15,10 +15,7 @@ import uuid
 from collections.abc import AsyncIterator, Callable
 from typing import Any
 
-from kvfree.engine.core.sampling import SamplingParams
-from kvfree.engine.core.scheduler import RequestOutput
-from kvfree.engine.protocol import EngineInfo, SessionPage, SessionRecord
-from kvfree.engine.serving.engine_core import EngineStopped
+from kvfree.engine.protocol import EngineInfo, EngineStopped, RequestOutput, SamplingParams, SessionPage, SessionRecord
 
 Outputs = asyncio.Queue  # of RequestOutput | BaseException: one request's outputs, as the driver delivers them
 

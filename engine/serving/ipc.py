@@ -30,16 +30,24 @@ from typing import Any
 import msgpack
 
 from kvfree.checkpoints import CheckpointError
-from kvfree.engine.core.sampling import SamplingParams
-from kvfree.engine.core.scheduler import QueueFull, RequestOutput
-from kvfree.engine.core.sequence import TokenLogprob
-from kvfree.engine.protocol import EngineInfo, SessionPage, SessionRecord
-from kvfree.engine.serving.engine_core import EngineStopped, SessionBusy
-from kvfree.engine.sessions.manager import PoolExhausted, SessionLimitError, SessionNotFound
-from kvfree.engine.sessions.store import SessionStoreError
-from kvfree.engine.state.pool import SnapshotMismatchError
-from kvfree.engine.state.snapshot import SnapshotError
-from kvfree.engine.text.grammar import GrammarError
+from kvfree.engine.protocol import (
+    EngineInfo,
+    EngineStopped,
+    GrammarError,
+    PoolExhausted,
+    QueueFull,
+    RequestOutput,
+    SamplingParams,
+    SessionBusy,
+    SessionLimitError,
+    SessionNotFound,
+    SessionPage,
+    SessionRecord,
+    SessionStoreError,
+    SnapshotError,
+    SnapshotMismatchError,
+    TokenLogprob,
+)
 
 # The engine's exceptions a front answers with an HTTP status (server/lifecycle.py), or the CLI with a one-line error
 # (a checkpoint that cannot be loaded), by name.

@@ -1,4 +1,5 @@
-"""The engine in a process of its own: `EngineProcess` (the HTTP front's handle) and `serve_engine` (its main loop).
+"""The engine in a process of its own, as the HTTP front holds it: `ProcessDriver` (the engine's side is
+engine/serving/process_loop.py).
 
 In one process the HTTP front's Python (request validation, templates, JSON, SSE, tokenizing) and the engine's
 (scheduling, launching kernels, postprocessing) share one interpreter lock, and every millisecond the front holds
@@ -6,7 +7,7 @@ it is a millisecond the GPU may wait for its next step. Here the engine core run
 with `spawn`: it takes commands from the front between steps and sends each step's outputs for every request back
 in one frame (engine/serving/ipc.py: msgpack frames of token ids and small records over a pipe). The front keeps the
 same
-interface as the in-process `AsyncEngine`, so the server does not know which one it holds.
+interface as the in-process `ThreadDriver`, so the server does not know which one it holds.
 
 Lifetimes: the front starts the engine and waits for it to load the model; on shutdown it drains the engine
 (finish or abort requests, persist sessions) and waits for it to exit. If the engine process dies, every request in
@@ -27,175 +28,27 @@ import signal
 import threading
 import time
 from collections.abc import Callable
-from multiprocessing.connection import Connection
 from typing import Any
 
-import torch
-
-from kvfree.engine.core.sampling import SamplingParams
-from kvfree.engine.core.scheduler import RequestOutput
-from kvfree.engine.protocol import EngineInfo
-from kvfree.engine.serving.engine_core import EngineConfig, EngineCore, EngineStopped
+from kvfree.engine.protocol import EngineConfig, EngineInfo, EngineStopped, SamplingParams
 from kvfree.engine.serving.handle import EngineHandle, Outputs
 from kvfree.engine.serving.ipc import (
-    ERRORS,
     error_from_wire,
-    error_to_wire,
     info_from_wire,
-    info_to_wire,
     output_from_wire,
-    output_to_wire,
     pack,
-    params_from_wire,
     params_to_wire,
     result_from_wire,
-    result_to_wire,
     unpack,
 )
+from kvfree.engine.serving.process_loop import serve_engine
 from kvfree.engine.sessions.store import SessionStore, open_store
 from kvfree.engine.text.tokenizer import Tokenizer
 
 log = logging.getLogger("kvfree.engine")
 
-STATS_INTERVAL_S = 0.05  # a busy engine pushes its counters to the front at least this often
 
-# -- the engine process ---------------------------------------------------------------------------------------------
-def serve_engine(config: EngineConfig, conn: Connection, log_level: int = logging.INFO) -> None:
-    """The engine process's main: build the engine, say it is ready, serve the front until told to stop or the front
-    is gone."""
-    logging.basicConfig(level=log_level, format="%(asctime)s %(levelname)s %(name)s [engine]: %(message)s")
-    # The front owns the signals: Ctrl-C or SIGTERM to the process group must not kill the engine before the front
-    # has drained it. A front that dies closes the pipe, which the loop reads as the end.
-    signal.signal(signal.SIGINT, signal.SIG_IGN)
-    signal.signal(signal.SIGTERM, signal.SIG_IGN)
-    try:
-        core = config.build()
-        core.load_index()
-    except Exception as exc:
-        if type(exc).__name__ in ERRORS:  # a bad checkpoint or setting: the front reports it in one line
-            log.error("the engine could not start: %s", exc)
-        else:
-            log.exception("the engine could not start")
-        conn.send_bytes(pack(["failed", *error_to_wire(exc)]))
-        return
-    EngineLoop(core, conn).run()
-
-
-class EngineLoop:
-    """The engine process's busy loop: commands between steps, one frame of outputs per step."""
-
-    def __init__(self, core: EngineCore, conn: Connection) -> None:
-        self.core = core
-        self.conn = conn
-        self.outbox: list[list] = []  # [request_id, wire output] of this step
-        self._stats_sent = 0.0
-        self._front_gone: OSError | None = None  # a send of outputs found the pipe closed (inside a step)
-        core.on_outputs = self._send_outputs
-
-    def run(self) -> None:
-        torch.set_grad_enabled(False)
-        core = self.core
-        self._send(["ready", info_to_wire(core.info)])
-        self._send_stats()
-        try:
-            while True:
-                idle = not core.has_work
-                # Idle: sleep on the pipe (waking now and then for background writes and the counters).
-                timeout = (0.05 if core.writing else 1.0) if idle else 0.0
-                if self.conn.poll(timeout):
-                    while True:
-                        if not self._handle(unpack(self.conn.recv_bytes())):
-                            return
-                        if not self.conn.poll(0):
-                            break
-                    self._send_outputs()  # admission errors of this round's submits
-                shape = self._shape()
-                if core.has_work:
-                    core.step()
-                if self._front_gone is not None:
-                    raise self._front_gone
-                core.poll_store()
-                # Counters go out when the step admitted or retired requests (what /metrics readers look for right
-                # after acting), when the engine goes idle, and at least every STATS_INTERVAL_S while it is busy.
-                if (
-                    not core.has_work
-                    or self._shape() != shape
-                    or time.monotonic() - self._stats_sent >= STATS_INTERVAL_S
-                ):
-                    self._send_stats()
-        except (EOFError, OSError):
-            # The front died without draining the engine (a drain ends with "stop"): exit as a crash of the whole
-            # server would, keeping only what is already on its way to the store (write-through of completed turns).
-            # Persisting now would store the turns the front's clients never saw completed.
-            log.warning("the front has gone: exiting after the session writes under way")
-            deadline = time.monotonic() + 10
-            while core.writing and time.monotonic() < deadline:
-                core.poll_store()
-                time.sleep(0.01)
-        finally:
-            core.llm.close()  # (the other tensor-parallel ranks, if any)
-
-    def _shape(self) -> tuple[int, int, int]:
-        """What a step can change that the counters report at once: waiting and running requests, used slots."""
-        scheduler = self.core.scheduler
-        return len(scheduler.waiting), len(scheduler.running), self.core.llm.pool.used_slots
-
-    def _handle(self, message: list) -> bool:
-        """Carry out one command; False when the front says stop."""
-        kind = message[0]
-        if kind == "submit":
-            _, request_id, prompt, params, n, session_id, owner, prefill_only, detokenize = message
-            try:
-                self.core.submit(
-                    request_id, prompt, params_from_wire(params), self._emitter(request_id), n=n,
-                    session_id=session_id, owner=owner, prefill_only=prefill_only, detokenize=detokenize,
-                )  # fmt: skip
-            except Exception as exc:  # refused at admission: the request's one output is the error
-                self.outbox.append([request_id, output_to_wire(exc)])
-        elif kind == "abort":
-            _, request_id, choice = message
-            self.core.abort(request_id, choice)
-        elif kind == "call":
-            _, call_id, method, args = message
-            if method == "stop":
-                self._send(["result", call_id, True, None])
-                return False
-            try:
-                with torch.inference_mode():
-                    value = result_to_wire(self.core.call(method, args))
-            except Exception as exc:
-                self._send_stats()
-                self._send(["result", call_id, False, error_to_wire(exc)])
-            else:
-                self._send_stats()  # counters first: the caller sees them updated when its call returns
-                self._send(["result", call_id, True, value])
-        return True
-
-    def _emitter(self, request_id: str) -> Callable[[RequestOutput | BaseException], None]:
-        def emit(out: RequestOutput | BaseException) -> None:
-            self.outbox.append([request_id, output_to_wire(out)])
-
-        return emit
-
-    def _send_outputs(self) -> None:
-        if self.outbox:
-            items, self.outbox = self.outbox, []
-            try:
-                self._send(["outputs", items])
-            except OSError as exc:
-                # The front has gone (killed mid-step). Not the step's failure: the loop ends once the step returns.
-                self._front_gone = exc
-
-    def _send_stats(self) -> None:
-        self._stats_sent = time.monotonic()
-        self._send(["stats", self.core.stats()])
-
-    def _send(self, message: list) -> None:
-        self.conn.send_bytes(pack(message))
-
-
-# -- the front's handle ---------------------------------------------------------------------------------------------
-class EngineProcess(EngineHandle):
+class ProcessDriver(EngineHandle):
     """An engine in its own process, behind the `EngineHandle` interface. Construction starts the process and waits for
     the model to load (raising the engine's error if it cannot); `start()` inside the event loop begins serving.
 

@@ -1,4 +1,4 @@
-"""AsyncEngine: an EngineCore on a thread of this process, driven from asyncio (architecture.md §5).
+"""ThreadDriver: an EngineCore on a thread of this process, driven from asyncio (architecture.md §5).
 
 HTTP handlers never touch the model. They submit commands (a request, a session operation) to the engine thread
 through a queue and receive results and tokens through asyncio futures and queues. The thread runs engine steps
@@ -23,10 +23,16 @@ from typing import Any
 
 import torch
 
-from kvfree.engine.core.sampling import SamplingParams
-from kvfree.engine.core.scheduler import QueueFull, RequestOutput
-from kvfree.engine.protocol import EngineInfo
-from kvfree.engine.serving.engine_core import EngineConfig, EngineCore, EngineStopped, SessionBusy
+from kvfree.engine.protocol import (
+    EngineConfig,
+    EngineInfo,
+    EngineStopped,
+    QueueFull,
+    RequestOutput,
+    SamplingParams,
+    SessionBusy,
+)
+from kvfree.engine.serving.engine_core import EngineCore, build_engine
 from kvfree.engine.serving.handle import EngineHandle, Outputs
 from kvfree.engine.sessions.store import SessionStore
 
@@ -36,10 +42,10 @@ log = logging.getLogger("kvfree.engine")
 GIL_SWITCH_INTERVAL_S = 0.0005
 
 
-class AsyncEngine(EngineHandle):
+class ThreadDriver(EngineHandle):
     """Serves one EngineCore from a thread. Create it, `start()` it inside a running event loop, `await shutdown()`.
 
-    `AsyncEngine(core)` takes a built EngineCore; `AsyncEngine.build(config)` loads one from an EngineConfig.
+    `ThreadDriver(core)` takes a built EngineCore; `ThreadDriver.build(config)` loads one from an EngineConfig.
     """
 
     def __init__(self, core: EngineCore) -> None:
@@ -55,8 +61,8 @@ class AsyncEngine(EngineHandle):
         self.accepting = False
 
     @classmethod
-    def build(cls, config: EngineConfig) -> AsyncEngine:
-        return cls(config.build())
+    def build(cls, config: EngineConfig) -> ThreadDriver:
+        return cls(build_engine(config))
 
     @property
     def session_store(self) -> SessionStore | None:
@@ -70,7 +76,7 @@ class AsyncEngine(EngineHandle):
 
     @property
     def steps(self) -> int:
-        return self.engine_core.core.steps
+        return self.engine_core.stepper.steps
 
     def start(self) -> None:
         # The engine thread and the event loop share the GIL. Python hands it over every 5 ms by default, so each
@@ -100,7 +106,7 @@ class AsyncEngine(EngineHandle):
             # otherwise take what has arrived and go on stepping.
             for command in self._drain_commands(block=not core.has_work, timeout=0.05 if core.writing else None):
                 if command is None:
-                    core.llm.close()  # (the other tensor-parallel ranks, if any)
+                    core.runtime.close()  # (the other tensor-parallel ranks, if any)
                     return
                 self._run_command(*command)
             if core.has_work:
@@ -187,4 +193,4 @@ def _deliver(items: list[tuple[asyncio.Queue, RequestOutput | BaseException]]) -
         queue_.put_nowait(out)
 
 
-__all__ = ["AsyncEngine", "EngineConfig", "EngineStopped", "QueueFull", "RequestOutput", "SessionBusy"]
+__all__ = ["ThreadDriver", "EngineConfig", "EngineStopped", "QueueFull", "RequestOutput", "SessionBusy"]

@@ -11,8 +11,9 @@ import logging
 import time
 from collections.abc import Callable
 
+from kvfree.engine.protocol import SessionStoreError
 from kvfree.engine.sessions.session import Session
-from kvfree.engine.sessions.store import SessionStore, SessionStoreError, new_holder
+from kvfree.engine.sessions.store import SessionStore, new_holder
 
 log = logging.getLogger(__name__)
 

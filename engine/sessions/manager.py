@@ -17,19 +17,14 @@ from pathlib import Path
 
 import torch
 
+from kvfree.engine.protocol import PoolExhausted, SessionBusy, SessionLimitError, SessionNotFound, SnapshotError
 from kvfree.engine.sessions.leases import TurnLeases
-from kvfree.engine.sessions.session import (
-    PoolExhausted,
-    Session,
-    SessionBusy,
-    SessionLimitError,
-    SessionNotFound,
-)
+from kvfree.engine.sessions.session import Session
 from kvfree.engine.sessions.store import DirectoryStore, SessionStore, StoredSession
 from kvfree.engine.sessions.tiers import SessionCounters, SessionTiers, check_state
 from kvfree.engine.state.packed import PackedState
 from kvfree.engine.state.pool import StatePool
-from kvfree.engine.state.snapshot import Snapshot, SnapshotError, decode_snapshot, encode_snapshot
+from kvfree.engine.state.snapshot import Snapshot, decode_snapshot, encode_snapshot
 
 __all__ = [
     "PoolExhausted", "Session", "SessionBusy", "SessionLimitError", "SessionManager", "SessionNotFound",

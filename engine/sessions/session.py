@@ -14,22 +14,6 @@ from kvfree.engine.state.snapshot import Snapshot, token_hash
 Location = Literal["gpu", "host", "disk"]
 
 
-class SessionNotFound(LookupError):
-    """No such session for this owner (the same answer whether it does not exist or belongs to another key)."""
-
-
-class SessionBusy(RuntimeError):
-    """Another request is using this session right now (HTTP 409)."""
-
-
-class PoolExhausted(RuntimeError):
-    """No slot can be made free now: every resident session is busy, or host memory is full with no snapshot
-    directory to spill to. Nothing was changed; retrying after running requests finish can succeed."""
-
-
-class SessionLimitError(RuntimeError):
-    """A new session was refused because, without a snapshot directory, the server could not keep it."""
-
 
 @dataclass(eq=False)  # an entity: compared by identity (its fields hold tensors)
 class Session:
@@ -61,7 +45,7 @@ class Session:
     host_state: PackedState | None = None
     busy: bool = False
     ephemeral: bool = False
-    delete_when_released: bool = False  # deleted as soon as the request using it ends (`AsyncEngine.discard_session`)
+    delete_when_released: bool = False  # deleted as soon as the request using it ends (`ThreadDriver.discard_session`)
     # LRU order set by the tiers: a counter, because monotonic clocks can tie on coarse platforms.
     lru_tick: int = field(default=0, repr=False)
     store_version: int = field(default=0, repr=False)  # the store's version this copy matches (0: none)

@@ -24,8 +24,9 @@ from pathlib import Path
 
 import torch
 
+from kvfree.engine.protocol import SessionStoreError, SnapshotError
 from kvfree.engine.state.packed import byte_view, read_file_into
-from kvfree.engine.state.snapshot import SnapshotError, peek_snapshot
+from kvfree.engine.state.snapshot import peek_snapshot
 
 SUFFIX = ".safetensors"
 REDIS_CHUNK_BYTES = 4 << 20  # Redis values above this are stored as chunks of this size (see RedisStore)
@@ -39,9 +40,6 @@ def _bytes_view(data: BytesLike) -> memoryview:
     view = memoryview(data)
     return view if view.format == "B" and view.ndim == 1 else view.cast("B")
 
-
-class SessionStoreError(RuntimeError):
-    """The store cannot be reached or written now (HTTP 503); what it held is not lost."""
 
 
 @dataclass(frozen=True)

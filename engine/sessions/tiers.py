@@ -25,7 +25,8 @@ from dataclasses import dataclass
 
 import torch
 
-from kvfree.engine.sessions.session import PoolExhausted, Session, SessionNotFound
+from kvfree.engine.protocol import PoolExhausted, SessionNotFound, SnapshotError, SnapshotMismatchError
+from kvfree.engine.sessions.session import Session
 from kvfree.engine.sessions.store import (
     BackgroundWriter,
     SessionStore,
@@ -33,14 +34,8 @@ from kvfree.engine.sessions.store import (
 )
 from kvfree.engine.state.mover import StateMover
 from kvfree.engine.state.packed import PackedState
-from kvfree.engine.state.pool import SnapshotMismatchError, StatePool, staged_tensors
-from kvfree.engine.state.snapshot import (
-    Snapshot,
-    SnapshotError,
-    check_finite_state,
-    decode_snapshot,
-    snapshot_parts,
-)
+from kvfree.engine.state.pool import StatePool, staged_tensors
+from kvfree.engine.state.snapshot import Snapshot, check_finite_state, decode_snapshot, snapshot_parts
 
 log = logging.getLogger(__name__)
 

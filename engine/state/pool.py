@@ -27,6 +27,7 @@ from kvfree.engine.model.host_copy import upload
 from kvfree.engine.model.hybrid_lm import HybridLM, State
 from kvfree.engine.model.layers import StateSpec
 from kvfree.engine.model.tensor_parallel import whole_shape
+from kvfree.engine.protocol import SnapshotMismatchError
 from kvfree.engine.state.packed import PackedState, StateEntry, view_as
 from kvfree.kernels.rows import RowTable, copy_rows, gather_rows, scatter_rows
 
@@ -34,9 +35,6 @@ from kvfree.kernels.rows import RowTable, copy_rows, gather_rows, scatter_rows
 class PoolFullError(RuntimeError):
     """Every slot is taken."""
 
-
-class SnapshotMismatchError(ValueError):
-    """Exported state tensors that do not fit this pool's model (wrong names, shapes or dtypes)."""
 
 
 @dataclass(eq=False)

@@ -42,6 +42,7 @@ from safetensors.torch import load as st_load
 
 from kvfree.engine.model.hybrid_lm import HybridLM
 from kvfree.engine.model.tensor_parallel import unshard
+from kvfree.engine.protocol import SnapshotError
 from kvfree.engine.state.packed import PackedState, StateEntry, byte_view
 
 SNAPSHOT_FORMAT = "kvfree-snapshot"
@@ -53,18 +54,6 @@ _HASH_BASE = 0x2545F4914F6CDD1D % HASH_MOD  # fixed odd constant; collisions of 
 _MAX_HEADER = 1 << 24  # safetensors headers of state snapshots are a few KB; refuse absurd lengths early
 _FINGERPRINT_CHUNK = 1 << 22  # elements hashed per step, so fingerprinting never copies a whole weight to the host
 
-
-class SnapshotError(ValueError):
-    """A snapshot this server cannot restore. `code` is a short machine-readable reason:
-
-    invalid_snapshot (not a snapshot, truncated, malformed metadata), unsupported_version, model_mismatch,
-    checksum_mismatch, bad_signature, non_finite_state, state_mismatch (names, shapes or dtypes that do not fit
-    this server's state pool; raised by the session manager).
-    """
-
-    def __init__(self, message: str, code: str = "invalid_snapshot") -> None:
-        super().__init__(message)
-        self.code = code
 
 
 # -- identities ---------------------------------------------------------------------------------------------------

@@ -23,90 +23,52 @@ import re
 import threading
 from collections import OrderedDict
 from concurrent.futures import Future, ThreadPoolExecutor
-from dataclasses import dataclass
-from typing import Any, Literal
+from typing import Any
 
 import numpy as np
 import torch
 from llguidance import LLMatcher, LLTokenizer, TokenizerWrapper
 from llguidance.gbnf_to_lark import any_to_lark
 
+from kvfree.engine.protocol import Grammar, GrammarError
 from kvfree.engine.text.tokenizer import Tokenizer, byte_level_decoder
-
-GrammarKind = Literal["json_schema", "json_object", "regex", "choice", "lark"]
-GRAMMAR_KINDS: tuple[str, ...] = ("json_schema", "json_object", "regex", "choice", "lark")
 
 # How JSON is laid out (llguidance's JSON options; a schema's "x-guidance" overrides them).
 JSON_STYLE: dict[str, Any] = {"whitespace_flexible": False, "item_separator": ", ", "key_separator": ": "}
-MAX_GRAMMAR_CHARS = 1 << 20  # a grammar's source text (a schema, a regex, a Lark file): 1 MiB
 
 
-class GrammarError(ValueError):
-    """A grammar that cannot be compiled (bad syntax, an unsupported JSON-schema keyword): the client's to fix."""
 
-
-@dataclass(frozen=True)
-class Grammar:
-    """What a request's output must match. Hashable: equal grammars share one compilation.
-
-    kind / source:
-      - "json_schema": a JSON schema, as JSON text;
-      - "json_object": any JSON object (source ignored, "");
-      - "regex": a regular expression (Rust `regex` syntax) the whole output must match;
-      - "choice": a JSON list of strings, the output being exactly one of them;
-      - "lark": a Lark grammar in llguidance's dialect (`%json {...}` inlines a schema); GBNF (llama.cpp's, with
-        `::=`) is converted to it.
-    """
-
-    kind: GrammarKind
-    source: str = ""
-
-    def __post_init__(self) -> None:
-        if self.kind not in GRAMMAR_KINDS:
-            raise GrammarError(f"unknown grammar kind {self.kind!r}; one of {', '.join(GRAMMAR_KINDS)}")
-        if not isinstance(self.source, str) or len(self.source) > MAX_GRAMMAR_CHARS:
-            raise GrammarError(f"a grammar's source must be a string of at most {MAX_GRAMMAR_CHARS} characters")
-
-    @classmethod
-    def json_schema(cls, schema: dict[str, Any] | bool) -> Grammar:
-        """Output valid for `schema` (a dict, or True/False as JSON schema allows)."""
-        return cls("json_schema", json.dumps(schema, sort_keys=False, ensure_ascii=False))
-
-    @classmethod
-    def choice(cls, options: list[str]) -> Grammar:
-        return cls("choice", json.dumps(list(options), ensure_ascii=False))
-
-    def llguidance(self) -> str:
-        """This grammar in the form `LLMatcher` compiles. Raises GrammarError for a source that is not even
-        well-formed (a schema that is not JSON, an empty choice list)."""
-        if self.kind == "json_object":
-            return LLMatcher.grammar_from_json_schema({"type": "object"}, defaults=JSON_STYLE)
-        if self.kind == "json_schema":
-            try:
-                schema = json.loads(self.source)
-            except ValueError as e:
-                raise GrammarError(f"the JSON schema is not valid JSON: {e}") from None
-            if not isinstance(schema, dict | bool):
-                raise GrammarError("a JSON schema must be an object (or true/false)")
-            return LLMatcher.grammar_from_json_schema(schema, defaults=JSON_STYLE)
-        if self.kind == "regex":
-            return LLMatcher.grammar_from_regex(self.source)
-        if self.kind == "choice":
-            try:
-                options = json.loads(self.source)
-            except ValueError:
-                options = None
-            if not isinstance(options, list) or not options or not all(isinstance(o, str) and o for o in options):
-                raise GrammarError("choice must be a non-empty list of non-empty strings")
-            return LLMatcher.grammar_from_lark("start: " + " | ".join(lark_string(o) for o in options))
-        source = any_to_lark(self.source) if "::=" in self.source else self.source
-        return LLMatcher.grammar_from_lark(source)
+def llguidance_source(grammar: Grammar) -> str:
+    """`grammar` in the form `LLMatcher` compiles. Raises GrammarError for a source that is not even
+    well-formed (a schema that is not JSON, an empty choice list)."""
+    if grammar.kind == "json_object":
+        return LLMatcher.grammar_from_json_schema({"type": "object"}, defaults=JSON_STYLE)
+    if grammar.kind == "json_schema":
+        try:
+            schema = json.loads(grammar.source)
+        except ValueError as e:
+            raise GrammarError(f"the JSON schema is not valid JSON: {e}") from None
+        if not isinstance(schema, dict | bool):
+            raise GrammarError("a JSON schema must be an object (or true/false)")
+        return LLMatcher.grammar_from_json_schema(schema, defaults=JSON_STYLE)
+    if grammar.kind == "regex":
+        return LLMatcher.grammar_from_regex(grammar.source)
+    if grammar.kind == "choice":
+        try:
+            options = json.loads(grammar.source)
+        except ValueError:
+            options = None
+        if not isinstance(options, list) or not options or not all(isinstance(o, str) and o for o in options):
+            raise GrammarError("choice must be a non-empty list of non-empty strings")
+        return LLMatcher.grammar_from_lark("start: " + " | ".join(lark_string(o) for o in options))
+    source = any_to_lark(grammar.source) if "::=" in grammar.source else grammar.source
+    return LLMatcher.grammar_from_lark(source)
 
 
 def check_grammar(grammar: Grammar) -> None:
     """Raise GrammarError if `grammar` cannot be compiled for any tokenizer (its syntax, its JSON-schema keywords);
     what depends on the vocabulary (a special token's name) is checked when it is compiled for one."""
-    is_error, messages = LLMatcher.validate_grammar_with_warnings(grammar.llguidance())
+    is_error, messages = LLMatcher.validate_grammar_with_warnings(llguidance_source(grammar))
     if is_error:
         raise GrammarError(_first_lines(messages[0]))
 
@@ -223,7 +185,7 @@ class GrammarCompiler:
             if compiled is not None:
                 self._cache.move_to_end(grammar)
         if compiled is None:
-            compiled = LLMatcher(self.lltokenizer, grammar.llguidance(), log_level=0)
+            compiled = LLMatcher(self.lltokenizer, llguidance_source(grammar), log_level=0)
             if compiled.is_error():
                 raise GrammarError(_first_lines(compiled.get_error()))
             with self._lock:

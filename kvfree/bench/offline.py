@@ -12,9 +12,9 @@ from typing import Any
 
 import torch
 
-from kvfree.engine.core.sampling import SamplingParams
 from kvfree.engine.core.stepper import StepRecord
 from kvfree.engine.llm import LLM
+from kvfree.engine.protocol import SamplingParams
 
 
 def random_prompts(count: int, tokens: int, vocab_size: int, seed: int = 0) -> list[list[int]]:

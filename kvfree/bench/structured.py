@@ -38,12 +38,12 @@ from kvfree.bench.harness import Goal, environment, print_goals, write_json
 from kvfree.bench.offline import random_prompts
 from kvfree.bench.serve import git_commit
 from kvfree.checkpoints import default_checkpoint_path
-from kvfree.engine.core.sampling import SamplingParams
 from kvfree.engine.llm import LLM
 from kvfree.engine.model.hybrid_lm import HybridLM
 from kvfree.engine.model.loader import resolve_device, resolve_dtype, save_model
 from kvfree.engine.model.presets import PRESETS, preset_config
-from kvfree.engine.text.grammar import Grammar, GrammarCompiler, fill_masks
+from kvfree.engine.protocol import Grammar, SamplingParams
+from kvfree.engine.text.grammar import GrammarCompiler, fill_masks
 from kvfree.engine.text.tokenizer import Tokenizer
 
 TARGET = Goal("cuda", "constrained_over_free", ">=", 0.90,
