@@ -9,47 +9,12 @@ from pathlib import Path
 
 from kvfree.engine.model.config import parse_overrides
 from kvfree.engine.model.presets import PRESETS
+from kvfree.load_args import add_load_args
 
 
 def _add_model_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--model", "-m", default=None, help="checkpoint directory (default: the one shipped with kvfree)")
     add_load_args(p)
-
-
-def add_load_args(p: argparse.ArgumentParser) -> None:
-    """How to load a model: device, dtype and config overrides (shared by generate and serve)."""
-    p.add_argument("--device", default="auto", help="cpu, cuda, cuda:1, ... (default: cuda if available)")
-    p.add_argument("--dtype", default="auto", help="float32, bfloat16 or float16 (default: bf16 on GPU, fp32 on CPU)")
-    p.add_argument(
-        "--set",
-        dest="overrides",
-        action="append",
-        default=[],
-        metavar="KEY=VALUE",
-        help="override a config value at load, e.g. --set gka.num_iter=10 (VALUE is JSON; repeatable)",
-    )
-    p.add_argument(
-        "--enforce-eager",
-        action="store_true",
-        help="on a GPU, run without CUDA graphs (default: every decode batch size replays a graph captured at "
-        "start-up, and prefill steps of all-Mamba-2 models one captured per token bucket, where the mixers allow it)",
-    )
-    p.add_argument(
-        "--tensor-parallel-size",
-        "-tp",
-        type=int,
-        default=1,
-        metavar="N",
-        help="split every layer's heads among N processes, one per GPU (cuda:0 .. cuda:N-1; with --device cpu, N CPU "
-        "processes): a model too big for one GPU, or more room for sessions (default: 1)",
-    )
-    p.add_argument(
-        "--kv-cache-dtype",
-        choices=["auto", "fp8"],
-        default="auto",
-        help="the attention layers' KV cache: auto (the model's dtype) or fp8 (e4m3 with a scale per session and KV "
-        "head: half the bytes of bf16, so about twice the sessions at long context)",
-    )
 
 
 def cmd_generate(args: argparse.Namespace) -> int:
@@ -167,22 +132,8 @@ def cmd_loadtest(args: argparse.Namespace) -> int:
 
 
 def cmd_bench(args: argparse.Namespace) -> int:
-    if "--sessions" in args.forwarded:
-        # Like --serve: it starts `kvfree serve` and times session turns over HTTP.
-        from kvfree.bench.sessions import main as session_bench_main
-
-        return session_bench_main(args.forwarded)
-    if "--structured" in args.forwarded:
-        # Grammar-constrained rows against free ones; it builds tool-call grammars, so it lives above engine and server.
-        from kvfree.bench.structured import main as structured_bench_main
-
-        return structured_bench_main(args.forwarded)
-    if "--serve" in args.forwarded:
-        # The served benchmark starts `kvfree serve` and drives it over HTTP, so it lives above engine and loadtest.
-        from kvfree.bench.serve import main as serve_bench_main
-
-        return serve_bench_main(args.forwarded)
-    from kvfree.bench.step import main as bench_main
+    # Every benchmark lives in kvfree/bench/, above the engine and the server; each has its own parser.
+    from kvfree.bench.cli import main as bench_main
 
     return bench_main(args.forwarded)
 
@@ -372,11 +323,8 @@ def build_parser() -> argparse.ArgumentParser:
     _add_forwarding_parser(
         sub,
         "bench",
-        "time a preset's model step (decode at several batch sizes, one long prefill) against its floor, "
-        "or LLM.generate end to end (--offline), or a checkpoint served over HTTP to streaming clients against "
-        "LLM.generate of the same work (--serve; `kvfree bench --serve --help`), or a session's next turn by where "
-        "its state was parked against recomputing it (--sessions; `kvfree bench --sessions --help`), or a decode batch "
-        "with grammar-constrained rows against the same batch free (--structured)",
+        "run a benchmark: kvfree bench {step,offline,serve,sessions,structured,context,layers,stores,op-host-cost,"
+        "kv-cache-quality,kernels} [ARGS] (`kvfree bench --help` lists them; `kvfree bench serve --help` and so on)",
         cmd_bench,
     )
     _add_forwarding_parser(

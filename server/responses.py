@@ -20,7 +20,7 @@ import uuid
 from collections import OrderedDict
 from collections.abc import Callable
 from dataclasses import asdict, dataclass, field
-from typing import Annotated, Any, ClassVar, Literal, get_args
+from typing import TYPE_CHECKING, Annotated, Any, ClassVar, Literal, get_args
 
 from openai.types.responses import (
     FunctionTool,
@@ -57,7 +57,6 @@ from pydantic import (
 )
 
 from kvfree.engine.protocol import Grammar, SamplingParams
-from kvfree.engine.sessions.store import SessionStore
 from kvfree.engine.text.tokenizer import IncrementalDetokenizer, Tokenizer
 from kvfree.server.errors import not_found
 from kvfree.server.protocol import (
@@ -85,6 +84,9 @@ from kvfree.server.protocol import (
 from kvfree.server.reasoning import ReasoningFormat, ReasoningStreamParser
 from kvfree.server.structured_outputs import format_grammar
 from kvfree.server.tools import ContentDelta, DeltaToolCall, ToolCallFormat, ToolCallStreamParser
+
+if TYPE_CHECKING:  # (a type only: the engine handle opens the store, `EngineHandle.session_store`)
+    from kvfree.engine.sessions.store import SessionStore
 
 MAX_METADATA = 16
 

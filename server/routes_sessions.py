@@ -13,8 +13,7 @@ from starlette.requests import ClientDisconnect
 from starlette.types import Receive, Scope, Send
 
 from kvfree.engine.protocol import SamplingParams, SessionNotFound, SessionRecord, SnapshotError
-from kvfree.engine.state.packed import PackedState
-from kvfree.engine.state.snapshot import check_signature, entries, header_length, metadata, parse_header, record
+from kvfree.engine.state.snapshot import check_header, header_length, parse_header
 from kvfree.server.auth import OwnerDep, api_key_owner
 from kvfree.server.chat_template import render_chat
 from kvfree.server.errors import APIError, error_responses, invalid_request, not_found
@@ -191,28 +190,9 @@ async def restore(request: Request, state: StateDep, owner: OwnerDep) -> Session
         state.snapshot_files.give_back(carrier)
 
 
-def check_snapshot_header(head: bytes | bytearray, fingerprint: str, hmac_key: bytes | None) -> int | None:
-    """Refuse a snapshot from its header alone, with the SnapshotError codes the engine would give: not a kvfree
-    snapshot (invalid_snapshot), a version this server cannot read (unsupported_version), a missing or wrong
-    signature when the server has a key (bad_signature), another model (model_mismatch).
-
-    head: the file's first bytes, at least `header_length(head)` of them. Returns the file size the header implies
-    (a version-2 header places every tensor), None for a version-1 file (the engine checks its length). The
-    checksum over the tensors, and whether they fit the pool, are the engine's to check once the file is whole.
-    """
-    header = parse_header(head)
-    meta = metadata(header)
-    check_signature(meta, hmac_key)
-    record(meta, fingerprint, PackedState.empty())
-    if meta["version"] == "1":
-        return None
-    packed = entries(header)
-    return header_length(head) + (packed[-1].end if packed else 0)
-
-
 async def receive_snapshot(request: Request, path: str, fingerprint: str, hmac_key: bytes | None) -> None:
     """Write the request body into the file `path` as it arrives, refusing a bad snapshot (SnapshotError) as soon
-    as its header has arrived (`check_snapshot_header`), or its length shows it cut short or overlong; an empty
+    as its header has arrived (`check_header`), or its length shows it cut short or overlong; an empty
     body is a 400. The writes run on a worker thread, `SNAPSHOT_CHUNK_BYTES` or more at a time (a body arrives in
     pieces of 64 KB: one thread hop each would cost more than the writes)."""
     head = bytearray()  # the body until its header is whole and checked; nothing is written before
@@ -228,7 +208,7 @@ async def receive_snapshot(request: Request, path: str, fingerprint: str, hmac_k
                     head += chunk
                     if len(head) < 8 or len(head) < header_length(head):
                         continue
-                    expected = check_snapshot_header(head, fingerprint, hmac_key)
+                    expected = check_header(head, fingerprint, hmac_key)
                     checked, chunk, head = True, head, bytearray()
                 if expected is not None and total > expected:
                     raise SnapshotError(

@@ -60,6 +60,17 @@ def test_model_bench_script_on_the_cpu(tmp_path):
     assert report["cuda_graphs"] is False and report["environment"]["torch"] == torch.__version__
 
 
+def test_model_bench_times_a_prompt_longer_than_half_the_kv_cache(tmp_path):
+    """A model with a KV cache: the prefill is timed over and over on one slot sized for the prompt (it overflowed on
+    the second call: `--preset attention-370m --prefill-tokens 16384` failed on an H200)."""
+    from kvfree.bench.step import main
+
+    out = tmp_path / "model.json"
+    args = ["--preset", "tiny-attention", "--device", "cpu", "--batch", "1", "--prefill-tokens", "96"]
+    assert main([*args, "--out", str(out)]) == 0
+    assert json.loads(out.read_text())["prefill"]["tokens"] == 96
+
+
 def test_offline_bench_on_the_cpu(tmp_path):
     from kvfree.bench.step import main
 

@@ -227,3 +227,17 @@ def test_serve_with_a_checkpoint_the_engine_cannot_load_says_why_in_one_line(tmp
     assert result.returncode == 2, result.stderr
     assert "kvfree serve: error:" in result.stderr and "no such checkpoint directory" in result.stderr
     assert "Traceback" not in result.stderr
+
+
+def test_bench_names_every_benchmark_and_takes_the_old_flags(capsys):
+    from kvfree.bench.cli import BENCHMARKS, choose
+
+    assert main(["bench", "--help"]) == 0
+    listed = capsys.readouterr().out
+    assert all(f"  {name} " in listed for name in BENCHMARKS)
+    assert choose(["serve", "CKPT", "--clients", "1"]) == ("serve", ["CKPT", "--clients", "1"])
+    assert choose(["--serve", "CKPT"]) == ("serve", ["--serve", "CKPT"])  # the spelling from before the subcommands
+    assert choose(["--sessions", "CKPT"])[0] == "sessions" and choose(["--structured"])[0] == "structured"
+    assert choose(["--preset", "tiny"]) == ("step", ["--preset", "tiny"])
+    assert main(["bench", "no-such-bench"]) == 2
+    assert "unknown benchmark 'no-such-bench'" in capsys.readouterr().err

@@ -477,3 +477,23 @@ def peek_snapshot(path: str | Path, expected_fingerprint: str, hmac_key: bytes |
     meta = metadata(parse_header(head))
     check_signature(meta, hmac_key)
     return record(meta, expected_fingerprint, PackedState.empty())
+
+
+def check_header(head: bytes | bytearray, fingerprint: str, hmac_key: bytes | None) -> int | None:
+    """Refuse a snapshot from its header alone (an upload, before the rest arrives), with the SnapshotError codes the
+    engine would give: not a kvfree
+    snapshot (invalid_snapshot), a version this server cannot read (unsupported_version), a missing or wrong
+    signature when the server has a key (bad_signature), another model (model_mismatch).
+
+    head: the file's first bytes, at least `header_length(head)` of them. Returns the file size the header implies
+    (a version-2 header places every tensor), None for a version-1 file (the engine checks its length). The
+    checksum over the tensors, and whether they fit the pool, are the engine's to check once the file is whole.
+    """
+    header = parse_header(head)
+    meta = metadata(header)
+    check_signature(meta, hmac_key)
+    record(meta, fingerprint, PackedState.empty())
+    if meta["version"] == "1":
+        return None
+    packed = entries(header)
+    return header_length(head) + (packed[-1].end if packed else 0)

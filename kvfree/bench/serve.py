@@ -45,9 +45,9 @@ import httpx
 from kvfree.bench.harness import Goal, environment, print_goals, write_json
 from kvfree.bench.offline import offline_run, random_prompts
 from kvfree.checkpoints import CONFIG_FILE, CheckpointError, default_checkpoint_path
-from kvfree.cli import add_load_args
 from kvfree.engine.model.config import parse_overrides
 from kvfree.engine.model.loader import resolve_device, resolve_dtype
+from kvfree.load_args import add_load_args
 from kvfree.loadtest.cli import positive
 from kvfree.loadtest.progress import Progress
 from kvfree.loadtest.report import json_safe
@@ -508,9 +508,9 @@ def run(args: argparse.Namespace) -> int:
 def build_parser() -> argparse.ArgumentParser:
     """The parser of `kvfree bench --serve` (every flag's help says what it does)."""
     p = argparse.ArgumentParser(
-        prog="kvfree bench", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+        prog="kvfree bench serve", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
     )
-    p.add_argument("--serve", action="store_true", required=True, help="this mode: serve over HTTP vs LLM.generate")
+    p.add_argument("--serve", action="store_true", help=argparse.SUPPRESS)  # (the old spelling)
     p.add_argument(
         "checkpoint",
         nargs="?",

@@ -47,8 +47,8 @@ from kvfree.bench.harness import Goal, environment, print_goals, write_json
 from kvfree.bench.offline import random_prompts
 from kvfree.bench.serve import ServerProcess, ServerStartError, git_commit, sigterm_exits, vocab_size_of
 from kvfree.checkpoints import default_checkpoint_path
-from kvfree.cli import add_load_args
 from kvfree.engine.model.loader import resolve_device, resolve_dtype
+from kvfree.load_args import add_load_args
 from kvfree.loadtest.cli import positive
 from kvfree.loadtest.prom import ITL_HISTOGRAM, MetricsSnapshot, engine_pace, histogram_quantiles
 
@@ -381,9 +381,9 @@ def run(args: argparse.Namespace) -> int:
 
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(
-        prog="kvfree bench", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+        prog="kvfree bench sessions", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
     )
-    p.add_argument("--sessions", action="store_true", required=True, help="this mode: session turns by tier")
+    p.add_argument("--sessions", action="store_true", help=argparse.SUPPRESS)  # (the old spelling)
     p.add_argument("checkpoint", nargs="?", type=Path, default=None, help="checkpoint directory (default: shipped)")
     p.add_argument("--context", type=positive(int), default=2048, help="tokens a session holds (default: %(default)s)")
     p.add_argument("--new-tokens", type=positive(int), default=16, help="new tokens per turn (default: %(default)s)")

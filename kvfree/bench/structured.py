@@ -276,7 +276,7 @@ def compile_times(tokenizer: Tokenizer) -> dict[str, float]:
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(
-        prog="kvfree bench --structured", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+        prog="kvfree bench structured", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
     )
     parser.add_argument("--structured", action="store_true", help=argparse.SUPPRESS)
     parser.add_argument("--models", nargs="+", default=["default", "mamba2-370m"], choices=["default", *PRESETS],
