@@ -107,8 +107,8 @@ class LLM:
             raise ValueError(f"prompt token id {bad[0]!r} is outside the vocabulary [0, {vocab})")
         return ids
 
-    def _request(self, prompt: Prompt, params: SamplingParams, outputs: list[RequestOutput]) -> Request:
-        """A checked scheduler request whose outputs are appended to `outputs`."""
+    def _request(self, prompt: Prompt, params: SamplingParams) -> Request:
+        """A checked scheduler request."""
         ids = self.encode(prompt)
         if self.pool.bytes_per_token() and len(ids) + params.max_tokens > self.pool.max_context:
             raise ValueError(
@@ -117,7 +117,7 @@ class LLM:
             )
         if params.grammar is not None:
             self.grammars.compile(params.grammar)  # a GrammarError (ValueError) now, not an output later
-        return Request(f"llm-{next(self._ids)}", ids, params, emit=outputs.append)
+        return Request(f"llm-{next(self._ids)}", ids, params)
 
     @property
     def engine(self) -> Stepper:
@@ -133,15 +133,18 @@ class LLM:
             self._engine = Stepper(scheduler, self.runner)
         return self._engine
 
-    def _drive(self, requests: list[Request]) -> Iterator[None]:
-        """Step the engine until `requests` are done, yielding after each step (so callers can stream). If the
-        caller stops early or a step fails, the requests are aborted and their slots freed."""
+    def _drive(self, requests: list[Request], outputs: list[list[RequestOutput]]) -> Iterator[None]:
+        """Step the engine until `requests` are done, appending each one's outputs to its list in `outputs` and
+        yielding after each step (so callers can stream). If the caller stops early or a step fails, the requests
+        are aborted and their slots freed."""
         engine = self.engine
+        lists = {req.request_id: out for req, out in zip(requests, outputs, strict=True)}
         for req in requests:
             engine.scheduler.add(req)
         try:
             while engine.has_work:
-                engine.step()
+                for request_id, out in engine.step():
+                    lists[request_id].append(out)
                 yield
         except Exception:
             engine.discard_in_flight()  # a failed step's tokens are not coming
@@ -163,17 +166,17 @@ class LLM:
         per_prompt = params if isinstance(params, list) else [params] * len(prompts)
         if len(per_prompt) != len(prompts):
             raise ValueError(f"got {len(per_prompt)} SamplingParams for {len(prompts)} prompts")
-        outputs: list[list[RequestOutput]] = [[] for _ in prompts]
-        requests = [self._request(p, sp, out) for p, sp, out in zip(prompts, per_prompt, outputs, strict=True)]
-        for _ in self._drive(requests):
+        requests = [self._request(p, sp) for p, sp in zip(prompts, per_prompt, strict=True)]
+        outputs: list[list[RequestOutput]] = [[] for _ in requests]
+        for _ in self._drive(requests, outputs):
             pass
         return [_completion(req, outs) for req, outs in zip(requests, outputs, strict=True)]
 
     def stream(self, prompt: Prompt, params: SamplingParams | None = None) -> Iterator[str]:
         """Complete one prompt, yielding text as it is produced. `last_sequence` holds the record afterwards."""
         outputs: list[RequestOutput] = []
-        req = self._request(prompt, params or SamplingParams(), outputs)
-        for _ in self._drive([req]):
+        req = self._request(prompt, params or SamplingParams())
+        for _ in self._drive([req], [outputs]):
             self.last_sequence = req.sequences[0] if req.sequences else None
             while outputs:
                 delta = outputs.pop(0).text

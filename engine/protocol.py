@@ -243,6 +243,54 @@ class SessionPage:
     records: tuple[SessionRecord, ...]
     has_more: bool
 
+# -- the session operations a front runs on the engine --------------------------------------------------------------
+class SessionOperations:
+    """A front's session operations, each written once here as one `call` by name: whoever holds the engine (its
+    handle, engine/serving/handle.py, or the server's client of that handle, server/lifecycle.py) implements `call`,
+    and the engine runs the method of that name (`EngineCore.call`, between steps). Errors are the engine's:
+    SessionNotFound, SessionBusy, PoolExhausted, SessionLimitError, SnapshotError, SessionStoreError."""
+
+    async def call(self, method: str, *args: Any) -> Any:
+        """Run the engine's method `method` (one of `ENGINE_CALLS`) with `args` on its thread; its result or error."""
+        raise NotImplementedError
+
+    async def create_session(self, owner: str | None) -> SessionRecord:
+        return await self.call("create_session", owner)
+
+    async def get_session(self, session_id: str, owner: str | None) -> SessionRecord:
+        return await self.call("get_session", session_id, owner)
+
+    async def list_sessions(self, owner: str | None, limit: int, after: str | None, order: str) -> SessionPage:
+        """Up to `limit` of `owner`'s sessions by creation time ("asc" or "desc"), those after `after` if given."""
+        return await self.call("list_sessions", owner, limit, after, order)
+
+    async def delete_session(self, session_id: str, owner: str | None) -> None:
+        await self.call("delete_session", session_id, owner)
+
+    async def discard_session(self, session_id: str, owner: str | None) -> None:
+        """Delete a session now or, while a request still uses it (one just aborted, say), when that request ends."""
+        await self.call("discard_session", session_id, owner)
+
+    async def fork_session(self, session_id: str, owner: str | None) -> SessionRecord:
+        return await self.call("fork_session", session_id, owner)
+
+    async def export_session(self, session_id: str, owner: str | None, path: str) -> int:
+        """Write the session's snapshot into the file `path` (made by the caller, who removes it; the engine opens it
+        by name, so it lies on the engine's host); returns its size in bytes."""
+        return await self.call("export_session", session_id, owner, path)
+
+    async def restore_session(self, path: str, owner: str | None) -> SessionRecord:
+        """A new session of `owner` from the snapshot file `path` (the caller's to remove)."""
+        return await self.call("restore_session", path, owner)
+
+
+# What a front may run on the engine by name: the session operations above, and the phases of a shutdown.
+SESSION_CALLS = frozenset(name for name in vars(SessionOperations) if name.endswith(("_session", "_sessions")))
+ENGINE_CALLS = SESSION_CALLS | {"has_work", "abort_all", "persist_all"}
+# The calls that answer a SessionRecord (the others answer a SessionPage or plain values: ints, bools, None).
+RECORD_CALLS = frozenset({"create_session", "get_session", "fork_session", "restore_session"})
+
+
 # -- what an engine is built from --------------------------------------------------------------------------------------
 
 @dataclass

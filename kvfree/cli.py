@@ -279,7 +279,9 @@ def build_parser() -> argparse.ArgumentParser:
         "--api-keys-file",
         type=Path,
         default=None,
-        help="one API key per line; or set KVFREE_API_KEYS=key1,key2 (no keys: no auth)",
+        help="one API key per line; or set KVFREE_API_KEYS=key1,key2 (no keys: no auth). /health, /ready, /ping, "
+        "/version and /metrics stay open without a key (for probes and Prometheus): keep the port private or put a "
+        "proxy in front to close them",
     )
     p.add_argument("--max-body-bytes", type=int, default=64 * 1024 * 1024, help="largest request body accepted")
     p.add_argument(

@@ -35,7 +35,7 @@ from kvfree.engine.protocol import (
     SessionBusy,
     SessionLimitError,
     SessionNotFound,
-    SessionPage,
+    SessionOperations,
     SessionRecord,
     SessionStoreError,
     SnapshotError,
@@ -121,7 +121,7 @@ def http_errors(metrics: Metrics | None = None) -> Iterator[None]:
 # -- the engine, as the routes see it -------------------------------------------------------------------------------
 
 
-class EngineClient:
+class EngineClient(SessionOperations):
     """The server's side of the engine: checks, generation, session operations, health and stats.
 
     Session operations raise the engine's exceptions (wrap them in `http_errors()`, or catch the ones a route
@@ -265,33 +265,9 @@ class EngineClient:
         gen._stream, gen._first = stream, first
         return gen
 
-    # -- sessions (the engine's exceptions are raised as they are) ------------------------------------------------
-    async def create_session(self, owner: str | None) -> SessionRecord:
-        return await self._engine.create_session(owner)
-
-    async def get_session(self, session_id: str, owner: str | None) -> SessionRecord:
-        return await self._engine.get_session(session_id, owner)
-
-    async def list_sessions(self, owner: str | None, limit: int, after: str | None, order: str) -> SessionPage:
-        return await self._engine.list_sessions(owner, limit, after, order)
-
-    async def delete_session(self, session_id: str, owner: str | None) -> None:
-        await self._engine.delete_session(session_id, owner)
-
-    async def discard_session(self, session_id: str, owner: str | None) -> None:
-        """Delete a session now or, while a request still uses it (one just aborted, say), when that request ends."""
-        await self._engine.discard_session(session_id, owner)
-
-    async def fork_session(self, session_id: str, owner: str | None) -> SessionRecord:
-        return await self._engine.fork_session(session_id, owner)
-
-    async def export_session(self, session_id: str, owner: str | None, path: str) -> int:
-        """Write the session's snapshot into the file `path` (the caller's: it made it and removes it); its size."""
-        return await self._engine.export_session(session_id, owner, path)
-
-    async def restore_session(self, path: str, owner: str | None) -> SessionRecord:
-        """A new session of `owner` from the snapshot file `path` (the caller's to remove)."""
-        return await self._engine.restore_session(path, owner)
+    # -- sessions: `SessionOperations`' methods, each this one call (the engine's exceptions are raised as they are)
+    async def call(self, method: str, *args: Any) -> Any:
+        return await self._engine.call(method, *args)
 
 
 # -- one request ----------------------------------------------------------------------------------------------------

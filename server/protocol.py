@@ -868,7 +868,11 @@ class SessionInfo(ResponseModel):
     last_used: int | None = Field(default=None, description="Unix time of the last request that used it.")
     model: str
     num_tokens: int = Field(description="Tokens the state has consumed.")
-    location: str = Field(description="Where the state is now: `gpu` (a pool slot), `host` memory or `disk`.")
+    location: str = Field(
+        description="Where the state is now: `gpu`, a state-pool slot, ready to decode (the tier keeps this name on a "
+        "CPU-only server, whose pool is in host RAM); `host`: idle, packed in host "
+        "memory; `disk`: in the session store (a directory or Redis)."
+    )
     state_bytes: int = Field(
         description="Bytes of state the session holds: fixed for recurrent layers, whatever the context; layers "
         "with a KV cache (the attention baseline) add their filled entries."

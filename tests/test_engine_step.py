@@ -43,10 +43,25 @@ def llm() -> LLM:
     return LLM(TINY_CHECKPOINT, max_sessions=64)
 
 
+# Where each request's outputs go, by request id (`_request` adds one): what a driver does with a step's outputs.
+ROUTES: dict[str, list] = {}
+
+
+class RoutingStepper(Stepper):
+    """The stepper, each step's outputs appended to their requests' lists in ROUTES."""
+
+    def step(self, send=None):
+        outputs = super().step(send)
+        for request_id, out in outputs:
+            ROUTES.get(request_id, []).append(out)
+        return outputs
+
+
 def _engine(llm: LLM, overlap: bool, sessions: SessionManager | None = None) -> Stepper:
     if sessions is None:  # (not `or`: an empty manager is falsy)
         sessions = SessionManager(llm.pool, fingerprint="test", max_host_sessions=0)
-    return Stepper(Scheduler(sessions, llm.tokenizer, max_waiting=1024, max_batch_tokens=4096), llm.runner, overlap)
+    scheduler = Scheduler(sessions, llm.tokenizer, max_waiting=1024, max_batch_tokens=4096)
+    return RoutingStepper(scheduler, llm.runner, overlap)
 
 
 def _decode_step_ops(llm: LLM, sequences: int) -> tuple[OpCounter, OpCounter]:
@@ -56,7 +71,7 @@ def _decode_step_ops(llm: LLM, sequences: int) -> tuple[OpCounter, OpCounter]:
     prompts = [llm.tokenizer.encode(f"prompt {i} " * (1 + i % 3)) for i in range(sequences)]
     for i, ids in enumerate(prompts):
         params = SamplingParams(temperature=0.8, top_p=0.9, seed=i, max_tokens=50, ignore_eos=True)
-        engine.scheduler.add(Request(f"r{i}", ids, params, emit=lambda out: None))
+        engine.scheduler.add(Request(f"r{i}", ids, params))
     while any(not r.sequences or not r.sequences[0].prefill_done for r in engine.scheduler.running):
         engine.step()
     engine.step()  # one plain decode step first
@@ -93,7 +108,9 @@ def _collect(engine: Stepper, requests: list[Request]) -> None:
 
 
 def _request(rid: str, ids: list[int], params: SamplingParams, outputs: list, **kw) -> Request:
-    return Request(rid, ids, params, emit=outputs.append, **kw)
+    """A request whose outputs the engine's steps append to `outputs`."""
+    ROUTES[rid] = outputs
+    return Request(rid, ids, params, **kw)
 
 
 def _tokens(outputs: list[RequestOutput], index: int = 0) -> list[int]:
@@ -156,10 +173,10 @@ def test_a_graphed_prefill_is_launched_before_the_step_in_flight_is_read(llm, gr
     sessions = SessionManager(llm.pool, fingerprint="test", max_host_sessions=0)
     engine = Stepper(Scheduler(sessions, llm.tokenizer), runner, overlap=True)
     params = SamplingParams(temperature=0, max_tokens=6, ignore_eos=True)
-    engine.scheduler.add(Request("a", llm.tokenizer.encode("Hello"), params, emit=lambda out: None))
+    engine.scheduler.add(Request("a", llm.tokenizer.encode("Hello"), params))
     engine.step()  # step 0: a's prompt
     engine.step()  # step 1: a decodes (step 0 read)
-    engine.scheduler.add(Request("b", llm.tokenizer.encode("Another prompt"), params, emit=lambda out: None))
+    engine.scheduler.add(Request("b", llm.tokenizer.encode("Another prompt"), params))
     del runner.events[:]
     engine.step()  # step 2: a decodes, b's prompt is fed
     assert engine.history[-1].prefill_tokens > 0
@@ -302,8 +319,8 @@ def test_a_request_no_slot_can_ever_be_freed_for_is_refused_not_kept_waiting():
     params = SamplingParams(temperature=0, max_tokens=3, ignore_eos=True)
 
     def request(name: str, session=None) -> Request:
-        return Request(name, llm.tokenizer.encode(f"{name} says hi"), params, emit=got.setdefault(name, []).append,
-                       session=session)  # fmt: skip
+        ids = llm.tokenizer.encode(f"{name} says hi")
+        return _request(name, ids, params, got.setdefault(name, []), session=session)
 
     s1, s2 = sessions.create(owner=None), sessions.create(owner=None)
     _run_all(engine, [request("warm1", s1), request("warm2", s2)])  # both resident now, idle

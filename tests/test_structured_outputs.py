@@ -241,9 +241,9 @@ def test_the_overlapped_step_reads_a_rows_token_before_its_next_mask(llm: LLM) -
         grammars = [Grammar.json_schema(PLACE), None]
         for i, (prompt, grammar) in enumerate(zip(prompts, grammars, strict=True)):
             params = SamplingParams(max_tokens=40, temperature=0.7, seed=3, grammar=grammar)
-            engine.scheduler.add(Request(f"r{i}", llm.tokenizer.encode(prompt), params, emit=outputs.append))
+            engine.scheduler.add(Request(f"r{i}", llm.tokenizer.encode(prompt), params))
         while engine.has_work:
-            engine.step()
+            outputs += [out for _, out in engine.step()]
         tokens: dict[str, list[int]] = {"r0": [], "r1": []}
         for out in outputs:
             tokens[out.request_id] += out.token_ids

@@ -4,7 +4,8 @@ The scheduler decides and never calls the model. `schedule()` admits waiting req
 the SessionManager, which evicts idle sessions to host memory or disk when the pool is full), picks every
 running sequence for one decode token, and spends the rest of the step's token budget on prefill chunks, so a
 long prompt is fed over several steps and never stalls the others. The runner runs that `ScheduledStep`;
-`postprocess()` appends the sampled tokens, checks stops and emits. Everything here runs on the engine thread.
+`postprocess()` appends the sampled tokens, checks stops and returns each request's new outputs. Everything here
+runs on the engine thread.
 
 What is scheduled is counted when scheduled (prefilled, decoded, num_sampled): the device runs steps in order, so
 the next step can be scheduled before the previous one's tokens reach the host (engine/core/stepper.py).
@@ -15,7 +16,6 @@ from __future__ import annotations
 import math
 import time
 from collections import deque
-from collections.abc import Callable
 from concurrent.futures import Future
 from dataclasses import dataclass, field
 
@@ -47,7 +47,6 @@ class Request:
     request_id: str
     prompt_token_ids: list[int]
     params: SamplingParams
-    emit: Callable[[RequestOutput], None]
     n: int = 1
     session: Session | None = None
     prefill_only: bool = False
@@ -63,6 +62,11 @@ class Request:
 
 
 
+# What a step hands back for one request: a choice's new tokens, or the error that ends the request (its request id
+# first, so that whoever submitted it finds it).
+Output = tuple[str, RequestOutput | Exception]
+
+
 @dataclass
 class ScheduledStep:
     """One engine step, as decided by the scheduler.
@@ -74,6 +78,7 @@ class ScheduledStep:
         after this step; `sample_source[i]` is the prefill row whose logits row `len(decode) + i` reads.
     admitted: sequences new this step (their sampling rows are set up before anything runs).
     prompt_done: prefill-only requests whose prompt is in after this step.
+    refused: the errors of requests that failed while this step was decided, before they ran.
     """
 
     decode: list[Sequence] = field(default_factory=list)
@@ -84,6 +89,7 @@ class ScheduledStep:
     sample_source: list[int] = field(default_factory=list)
     admitted: list[Sequence] = field(default_factory=list)
     prompt_done: list[Request] = field(default_factory=list)
+    refused: list[Output] = field(default_factory=list)
 
     @property
     def runs_model(self) -> bool:
@@ -223,7 +229,7 @@ class Scheduler:
                     return  # its grammar is still compiling: the step goes on without it
                 req.grammar.exception()  # nothing else to run: wait for the compiler
             if req.grammar is not None and req.grammar.exception() is not None:
-                self._refuse(req, req.grammar.exception())
+                self._refuse(step, req, req.grammar.exception())
                 continue
             try:
                 slots = self._take_slots(req)
@@ -237,10 +243,10 @@ class Scheduler:
                     return  # a running request frees a slot when it ends: wait for it
                 # Nothing runs, so nothing will free a slot: idle sessions hold them all and cannot move out (host
                 # memory full, no session store). Waiting would be forever; the request fails now (HTTP 429).
-                self._refuse(req, exc)
+                self._refuse(step, req, exc)
                 continue
             except Exception as exc:  # the session's stored state cannot be loaded: this request fails, not the step
-                self._refuse(req, exc)
+                self._refuse(step, req, exc)
                 continue
             self.waiting.popleft()
             self._start(req, slots)
@@ -262,12 +268,13 @@ class Scheduler:
             self.running.append(req)
         return bool(ready)
 
-    def _refuse(self, req: Request, exc: Exception) -> None:
-        """Fail the first waiting request before it ran: the session keeps what it had."""
+    def _refuse(self, step: ScheduledStep, req: Request, exc: Exception) -> None:
+        """Fail the first waiting request before it ran (its error goes out with `step`): the session keeps what it
+        had."""
         self.waiting.popleft()
         req.settled = True
         self._release_session(req)
-        req.emit(exc)  # type: ignore[arg-type]
+        step.refused.append((req.request_id, exc))
 
     def _take_slots(self, req: Request) -> list[int]:
         """One slot per choice: the session's own for choice 0, ephemeral ones for the rest (all or nothing)."""
@@ -349,8 +356,9 @@ class Scheduler:
             if seq.matcher is not None and not seq.finished:
                 seq.advance_grammar(token)
 
-    def postprocess(self, step: ScheduledStep, sampled: SampledTokens) -> None:
-        """Append each sampled token (dropping those of sequences that finished meanwhile), emit, retire."""
+    def postprocess(self, step: ScheduledStep, sampled: SampledTokens) -> list[Output]:
+        """Append each sampled token (dropping those of sequences that finished meanwhile), retire what finished;
+        return the new outputs, one per choice that gained tokens or ended."""
         touched: list[Sequence] = []
         for seq, token, logprob in zip(step.sample, sampled.token_ids, sampled.logprobs, strict=True):
             if not seq.finished:
@@ -367,8 +375,7 @@ class Scheduler:
         for req in self.running if ended else ():  # a finished turn is stored before its last event goes out
             if req.request_id in ended and req.session is not None and all(s.finished for s in req.sequences):
                 self._settle_session(req)
-        self._emit(touched)
-        self.retire()
+        return self._outputs(touched) + self.retire()
 
     def _fail(self, seq: Sequence, error: Exception) -> None:
         """The request of `seq` fails with `error` (its other choices end with it)."""
@@ -378,18 +385,21 @@ class Scheduler:
                 for other in req.sequences:
                     other.finish_reason = other.finish_reason or "abort"
 
-    def _emit(self, seqs: list[Sequence]) -> None:
+    def _outputs(self, seqs: list[Sequence]) -> list[Output]:
+        """What `seqs` gained since their last output (their request's failure instead, once, if it failed)."""
         by_id = {r.request_id: r for r in self.running}
+        outputs: list[Output] = []
         for seq in seqs:
             req = by_id[seq.request_id]
             if req.failure is not None:
                 if seq.index == 0:
-                    req.emit(req.failure)  # type: ignore[arg-type]
+                    outputs.append((req.request_id, req.failure))
                 continue
             new_tokens = seq.output_token_ids[seq.emitted_tokens :]
             new_logprobs = seq.logprobs[seq.emitted_tokens :] if seq.params.logprobs is not None else []
             seq.emitted_tokens = len(seq.output_token_ids)
-            req.emit(
+            outputs.append((
+                req.request_id,
                 RequestOutput(
                     request_id=req.request_id,
                     index=seq.index,
@@ -400,23 +410,26 @@ class Scheduler:
                     prompt_tokens=len(req.prompt_token_ids),
                     cached_tokens=req.cached_tokens,
                     completion_tokens=len(seq.output_token_ids),
-                )
-            )
+                ),
+            ))  # fmt: skip
+        return outputs
 
-    def retire(self) -> None:
-        """Free what finished requests hold; sessions keep their state (and what it consumed)."""
-        still = []
+    def retire(self) -> list[Output]:
+        """Free what finished requests hold; sessions keep their state (and what it consumed). Returns the last
+        outputs of the choices that were aborted."""
+        still, outputs = [], []
         for req in self.running:
             if all(s.finished for s in req.sequences):
                 aborted = [s for s in req.sequences if s.finish_reason == "abort"]
                 if aborted:
-                    self._emit(aborted)
+                    outputs += self._outputs(aborted)
                 for extra in req.ephemeral:
                     self.sessions.delete(extra)
                 self._release_session(req)
             else:
                 still.append(req)
         self.running = still
+        return outputs
 
     def _settle_session(self, req: Request) -> None:
         """Record what the turn fed into the session and, under write-through, store its state."""

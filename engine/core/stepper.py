@@ -1,4 +1,5 @@
-"""Stepper: the one driver of the engine step, schedule -> run -> postprocess, used by `LLM` and the server.
+"""Stepper: the one driver of the engine step, schedule -> run -> postprocess, used by `LLM` and the server; a step
+returns its outputs.
 
 With `overlap` (the default on a GPU) the host work of a step overlaps the device work of the next: step k is
 scheduled and launched, and only then are step k-1's tokens waited for and postprocessed, while the device runs
@@ -20,7 +21,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 
 from kvfree.engine.core.model_runner import ModelRunner, StepHandle
-from kvfree.engine.core.scheduler import SampledTokens, ScheduledStep, Scheduler
+from kvfree.engine.core.scheduler import Output, SampledTokens, ScheduledStep, Scheduler
 
 
 @dataclass
@@ -70,8 +71,6 @@ class Stepper:
         overlap: postprocess each step while the device runs the next (None: on a GPU only, where it helps; on a
             CPU the device work is the host's, so there is nothing to overlap).
         history: how many `StepRecord`s to keep.
-        on_outputs: called after each postprocess, when requests have been handed their new outputs (the server
-            sends them on from there, without waiting for the rest of the step).
     """
 
     def __init__(
@@ -80,7 +79,6 @@ class Stepper:
         runner: ModelRunner,
         overlap: bool | None = None,
         history: int = 4096,
-        on_outputs: Callable[[], None] | None = None,
     ) -> None:
         self.scheduler = scheduler
         self.runner = runner
@@ -89,7 +87,6 @@ class Stepper:
         self.history: deque[StepRecord] = deque(maxlen=history)  # the latest steps, for benchmarks and metrics
         self.totals = StepTotals()
         self._wait = 0.0
-        self.on_outputs = on_outputs
 
     @property
     def has_work(self) -> bool:
@@ -99,17 +96,27 @@ class Stepper:
     def steps(self) -> int:
         return self.totals.steps
 
-    def step(self) -> None:
-        """Schedule and launch one step; postprocess it (or, overlapped, the one before it)."""
+    def step(self, send: Callable[[list[Output]], None] | None = None) -> list[Output]:
+        """Schedule and launch one step; postprocess it (or, overlapped, the one before it). Returns what the
+        postprocess produced: each request's new outputs, and the errors of requests that failed, in order.
+
+        send: where the outputs of the step in flight go when they are ready before this step's launch (an eager
+            prefill takes the host tens of milliseconds to launch, and streams should not wait for it): a serving
+            loop sends them at once. Without it they are returned with the rest.
+        """
         start, self._wait = time.perf_counter(), 0.0
         step = self.scheduler.schedule()
+        outputs = list(step.refused)
         previous, self._in_flight = self._in_flight, None
         if previous is not None and step.prefill and not self.runner.replays_prefill(step):
             # Launching an eager prefill takes the host tens of milliseconds (hundreds of kernel launches): the
             # tokens of the step in flight go out first rather than wait for it. A replayed one (a CUDA graph) is
             # one upload and one replay to queue, so it goes first and the device does not idle behind the host.
-            self._postprocess(*previous)
+            outputs += self._postprocess(*previous)
             previous = None
+            if send is not None and outputs:
+                send(outputs)
+                outputs = []
         launched = None
         if step.runs_model and previous is not None and _follows_grammar(step):
             # A constrained row's mask depends on the token the step in flight is sampling: the forward pass goes
@@ -119,26 +126,27 @@ class Stepper:
             sampled = self._result(previous[1])
             self.scheduler.advance_grammars(previous[0], sampled)
             launched = (step, self.runner.sample(step, logits))
-            self._finish(previous[0], sampled)
+            outputs += self.scheduler.postprocess(previous[0], sampled)
             previous = None
         elif step.runs_model:
             launched = (step, self.runner.launch(step))
         if previous is not None:
-            self._postprocess(*previous)
+            outputs += self._postprocess(*previous)
         if launched is not None:
             if self.overlap:
                 self._in_flight = launched
             else:
-                self._postprocess(*launched)
+                outputs += self._postprocess(*launched)
         if launched is None and previous is None:
-            self.scheduler.retire()  # only aborted requests left: free their slots
+            outputs += self.scheduler.retire()  # only aborted requests left: free their slots
         prefill_tokens = sum(map(len, step.chunks))
         record = StepRecord(start, time.perf_counter(), len(step.decode), prefill_tokens, self._wait)
         self.history.append(record)
         self.totals.add(record)
+        return outputs
 
-    def _postprocess(self, step: ScheduledStep, handle: StepHandle) -> None:
-        self._finish(step, self._result(handle))
+    def _postprocess(self, step: ScheduledStep, handle: StepHandle) -> list[Output]:
+        return self.scheduler.postprocess(step, self._result(handle))
 
     def _result(self, handle: StepHandle) -> SampledTokens:
         """A launched step's tokens (waiting for the device, counted as the step's wait)."""
@@ -146,11 +154,6 @@ class Stepper:
         sampled = handle.result()
         self._wait += time.perf_counter() - start
         return sampled
-
-    def _finish(self, step: ScheduledStep, sampled: SampledTokens) -> None:
-        self.scheduler.postprocess(step, sampled)
-        if self.on_outputs is not None:
-            self.on_outputs()
 
     def discard_in_flight(self) -> None:
         """Forget the step in flight without reading it (its requests are being failed)."""

@@ -1,8 +1,9 @@
 """EngineCore: the serving engine itself, synchronous and single-threaded: model, pool, sessions, scheduler, steps.
 
 Whoever drives it calls everything from one thread: `ThreadDriver` from its engine thread (engine and HTTP front in
-one process), the engine process's loop (engine/serving/process_driver.py) when the front runs in a process of its own.
-A request's outputs go to the `emit` callback it was submitted with, during `step()`; the driver forwards them.
+one process), the engine process's loop (engine/serving/process_loop.py) when the front runs in a process of its
+own.
+Each `step()` returns the outputs it produced, each with its request id; the driver sends them to their requests.
 What a front may learn of the engine is its `info` (an EngineInfo), the `SessionRecord`s its session operations
 return, and `stats()`: plain records, so that they can cross a process boundary.
 """
@@ -19,14 +20,14 @@ from typing import Any
 
 import torch
 
-from kvfree.engine.core.scheduler import Request, Scheduler
+from kvfree.engine.core.scheduler import Output, Request, Scheduler
 from kvfree.engine.core.stepper import Stepper
 from kvfree.engine.parallel.runtime import Runtime, start_runtime
 from kvfree.engine.protocol import (
+    ENGINE_CALLS,
     EngineConfig,
     EngineInfo,
     QueueFull,
-    RequestOutput,
     SamplingParams,
     SessionBusy,
     SessionNotFound,
@@ -40,15 +41,8 @@ from kvfree.engine.state.snapshot import write_snapshot
 
 log = logging.getLogger("kvfree.engine")
 
-Emit = Callable[[RequestOutput | BaseException], None]
-
 STEP_WINDOW = 256  # the steps `stats` averages its step timings over
 
-# What a front may run on the engine by name (`EngineCore.call`): session operations and the phases of a shutdown.
-CALLS = frozenset({
-    "create_session", "get_session", "list_sessions", "delete_session", "discard_session", "fork_session",
-    "export_session", "restore_session", "has_work", "abort_all", "persist_all",
-})  # fmt: skip
 
 
 
@@ -71,7 +65,6 @@ class EngineCore:
         write_through: store each session's state after every turn (nothing completed is lost on a crash).
         async_writes: with write_through, store from a background thread (the turn's last event does not wait).
         hmac_key: if set, snapshots are signed and only signed snapshots are accepted.
-        on_outputs: called after each step's outputs have been emitted (the driver forwards them from there).
     """
 
     def __init__(
@@ -88,7 +81,6 @@ class EngineCore:
         store: SessionStore | None = None,
         write_through: bool = False,
         async_writes: bool = False,
-        on_outputs: Callable[[], None] | None = None,
     ) -> None:
         self.runtime = runtime
         self.tokenizer = runtime.tokenizer
@@ -102,12 +94,11 @@ class EngineCore:
             grammars=runtime.grammars,
         )
         runtime.grammars.warm_up()  # structured output's tokenizer, on a thread: ready before the first grammar
-        # schedule, run, postprocess
-        self.stepper = Stepper(self.scheduler, runtime.runner, on_outputs=self._outputs_ready)
+        # Each step: schedule, run, postprocess, return the outputs.
+        self.stepper = Stepper(self.scheduler, runtime.runner)
         # Serving: every prefill graph a step can meet is captured before the first request, not in its middle.
         runtime.runner.capture_prefill_graphs(self.scheduler.max_prefill_tokens)
         self.sessions.tiers.warm_up()  # (likewise the kernels and pinned memory of the first session move)
-        self.on_outputs = on_outputs
         self.info = self._describe()
         # A session's state: fixed bytes, plus per token of context for a KV cache (`stats` runs every few steps).
         self._fixed_bytes, self._token_bytes = runtime.pool.bytes_per_session(0), runtime.pool.bytes_per_token()
@@ -129,10 +120,6 @@ class EngineCore:
             fingerprint=self.fingerprint,
         )
 
-    def _outputs_ready(self) -> None:
-        if self.on_outputs is not None:
-            self.on_outputs()
-
     @property
     def session_store(self) -> SessionStore | None:
         """Where sessions are stored beyond this process (None: nowhere but `snapshot_dir`, if set)."""
@@ -149,15 +136,15 @@ class EngineCore:
         writer = self.sessions.tiers.writer
         return (writer is not None and writer.pending > 0) or self.sessions.tiers.moving
 
-    def step(self) -> None:
-        """One engine step; a failing step fails its requests instead of the engine."""
+    def step(self, send: Callable[[list[Output]], None] | None = None) -> list[Output]:
+        """One engine step, returning its outputs (`Stepper.step`, which says what `send` is for); a failing step
+        fails its requests instead of the engine (their errors are its outputs)."""
         try:
             with torch.inference_mode():
-                self.stepper.step()
+                return self.stepper.step(send)
         except Exception as exc:
             log.exception("engine step failed; failing the requests in flight")
-            self._fail_in_flight(exc)
-        self._outputs_ready()
+            return self._fail_in_flight(exc)
 
     def poll_store(self) -> None:
         """The session store's background work, between steps: apply the writes and spills that landed, renew the
@@ -166,12 +153,13 @@ class EngineCore:
         self.sessions.tiers.poll()
         self.sessions.leases.renew()
 
-    def _fail_in_flight(self, exc: Exception) -> None:
-        """Send `exc` to every request in flight and free their slots. A session in the failed batch may hold a
-        half-updated state, so it starts over (its next turn re-prefills the whole prompt)."""
+    def _fail_in_flight(self, exc: Exception) -> list[Output]:
+        """Fail every request in flight with `exc` (the outputs returned) and free their slots. A session in the
+        failed batch may hold a half-updated state, so it starts over (its next turn re-prefills the whole prompt)."""
         self.stepper.discard_in_flight()
+        outputs: list[Output] = []
         for req in self.scheduler.running:
-            req.emit(exc)  # type: ignore[arg-type]
+            outputs.append((req.request_id, exc))
             for seq in req.sequences:
                 seq.finish_reason = seq.finish_reason or "abort"
                 seq.prefilled = seq.decoded = 0  # nothing of the failed batch stays in the reset session
@@ -181,12 +169,12 @@ class EngineCore:
                 req.session.reset()
                 req.settled = True  # nothing of the failed turn is recorded or stored: the store keeps the last one
                 req.session.store_version = -1  # a shared store's copy (the last completed turn) wins next time
-        self.scheduler.retire()
+        return outputs + self.scheduler.retire()
 
     def call(self, method: str, args: Sequence[Any]) -> Any:
-        """Run one of `CALLS` by name with `args`: how either driver carries a front's session operation or shutdown
-        phase to the engine's thread."""
-        if method not in CALLS:
+        """Run one of `ENGINE_CALLS` by name with `args`: how either driver carries a front's session operation or
+        shutdown phase to the engine's thread."""
+        if method not in ENGINE_CALLS:
             raise ValueError(f"unknown engine call {method!r}")
         if method == "has_work":
             return self.has_work
@@ -198,7 +186,6 @@ class EngineCore:
         request_id: str,
         prompt_token_ids: list[int],
         params: SamplingParams,
-        emit: Emit,
         *,
         n: int = 1,
         session_id: str | None = None,
@@ -206,7 +193,7 @@ class EngineCore:
         prefill_only: bool = False,
         detokenize: bool = True,
     ) -> None:
-        """Queue a request; its outputs go to `emit` during later steps. Raises QueueFull, SessionNotFound or
+        """Queue a request; its outputs come out of later steps. Raises QueueFull, SessionNotFound or
         SessionBusy (nothing queued). Without `detokenize` the outputs carry token ids only (no text) and stop
         strings are the caller's to find."""
         session = self.sessions.get(session_id, owner) if session_id else None
@@ -217,7 +204,7 @@ class EngineCore:
         try:
             self.scheduler.add(
                 Request(
-                    request_id, prompt_token_ids, params, emit, n=n, session=session, prefill_only=prefill_only,
+                    request_id, prompt_token_ids, params, n=n, session=session, prefill_only=prefill_only,
                     detokenize=detokenize,
                 )  # fmt: skip
             )
@@ -232,12 +219,10 @@ class EngineCore:
         self.scheduler.abort(request_id, choice)
 
     def abort_all(self) -> None:
-        """Abort every request and step until their slots are free and their sessions released."""
+        """Abort every request (shutdown): the driver's next steps end them, free their slots and release their
+        sessions, and their outputs say "abort"."""
         for req in [*self.scheduler.waiting, *self.scheduler.running]:
             self.scheduler.abort(req.request_id)
-        while self.stepper.has_work:
-            self.stepper.step()
-        self._outputs_ready()
 
     def persist_all(self) -> int:
         """Store every session that has a place to go (shutdown)."""

@@ -1,10 +1,10 @@
 """EngineHandle: what an HTTP front holds of an engine, whichever driver runs it (a thread here, or its own process).
 
 The two drivers, `ThreadDriver` (engine/serving/thread_driver.py) and `ProcessDriver`
-(engine/serving/process_driver.py), differ only
-in how a command reaches the `EngineCore` and how outputs come back: each implements `_submit`, `_call` (one of
-`EngineCore.CALLS` by name) and `abort`. Everything a front uses is written once here: `generate`, the session
-operations (answering `SessionRecord`s), and the drain that ends `shutdown`.
+(engine/serving/process_driver.py), differ only in how a command reaches the `EngineCore` and how outputs come back:
+each implements `_submit`, `call` (one of `ENGINE_CALLS` by name) and `abort`. Everything else a front uses is
+written once: `generate` and the drain that ends `shutdown` here, the session operations in `SessionOperations`
+(engine/protocol.py), each one `call`.
 """
 
 from __future__ import annotations
@@ -15,13 +15,14 @@ import uuid
 from collections.abc import AsyncIterator, Callable
 from typing import Any
 
-from kvfree.engine.protocol import EngineInfo, EngineStopped, RequestOutput, SamplingParams, SessionPage, SessionRecord
+from kvfree.engine.protocol import EngineInfo, EngineStopped, RequestOutput, SamplingParams, SessionOperations
 
 Outputs = asyncio.Queue  # of RequestOutput | BaseException: one request's outputs, as the driver delivers them
 
 
-class EngineHandle:
-    """The interface a front uses; a driver implements `alive`, `_submit`, `_call` and `abort`.
+class EngineHandle(SessionOperations):
+    """The interface a front uses; a driver implements `alive`, `_submit`, `call` and `abort` (the session
+    operations are `SessionOperations`', each one `call`).
 
     Attributes: `info` (the engine's facts, an EngineInfo), `tokenizer`, `accepting` (False before `start()` and once
     `shutdown()` began).
@@ -41,7 +42,7 @@ class EngineHandle:
         """Hand the request to the engine; its outputs (or an admission error) arrive on `outputs`."""
         raise NotImplementedError
 
-    async def _call(self, method: str, *args: Any) -> Any:
+    async def call(self, method: str, *args: Any) -> Any:
         """`EngineCore.call(method, args)` on the engine's side, between steps; raises its exception."""
         raise NotImplementedError
 
@@ -88,43 +89,16 @@ class EngineHandle:
         finally:
             self._forget(request_id)
 
-    # -- sessions -------------------------------------------------------------------------------------------------
-    async def create_session(self, owner: str | None) -> SessionRecord:
-        return await self._call("create_session", owner)
-
-    async def get_session(self, session_id: str, owner: str | None) -> SessionRecord:
-        return await self._call("get_session", session_id, owner)
-
-    async def list_sessions(self, owner: str | None, limit: int, after: str | None, order: str) -> SessionPage:
-        return await self._call("list_sessions", owner, limit, after, order)
-
-    async def delete_session(self, session_id: str, owner: str | None) -> None:
-        await self._call("delete_session", session_id, owner)
-
-    async def discard_session(self, session_id: str, owner: str | None) -> None:
-        """Delete a session now or, while a request still uses it (one just aborted, say), when that request ends."""
-        await self._call("discard_session", session_id, owner)
-
-    async def fork_session(self, session_id: str, owner: str | None) -> SessionRecord:
-        return await self._call("fork_session", session_id, owner)
-
-    async def export_session(self, session_id: str, owner: str | None, path: str) -> int:
-        """Write the session's snapshot into the file `path` (made by the caller, who removes it; the engine process
-        opens it by name, so it lies on this host); returns its size in bytes."""
-        return await self._call("export_session", session_id, owner, path)
-
-    async def restore_session(self, path: str, owner: str | None) -> SessionRecord:
-        """A new session of `owner` from the snapshot file `path` (the caller's to remove)."""
-        return await self._call("restore_session", path, owner)
-
     # -- shutdown -------------------------------------------------------------------------------------------------
     async def _drain(self, grace_seconds: float) -> None:
         """Let running requests finish for up to `grace_seconds`, abort the rest, persist sessions."""
         deadline = time.monotonic() + grace_seconds
-        while time.monotonic() < deadline and await self._call("has_work"):
+        while time.monotonic() < deadline and await self.call("has_work"):
             await asyncio.sleep(0.05)
-        await self._call("abort_all")
-        await self._call("persist_all")
+        await self.call("abort_all")
+        while await self.call("has_work"):  # the driver steps the aborted requests out (their slots freed)
+            await asyncio.sleep(0.01)
+        await self.call("persist_all")
 
 
 async def stream_outputs(

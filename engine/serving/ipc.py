@@ -5,7 +5,7 @@ Each message is one msgpack array whose first element says what it is:
 front -> engine
     ("submit", request_id, prompt_token_ids, params, n, session_id, owner, prefill_only, detokenize)
     ("abort", request_id, choice)            the whole request (choice None), or one of its choices
-    ("call", call_id, method, args)         one of `EngineCore.CALLS`: session operations, shutdown phases
+    ("call", call_id, method, args)         one of `ENGINE_CALLS`: session operations, shutdown phases
 engine -> front
     ("ready", info)                          once, after the model is loaded
     ("outputs", [[request_id, output], ...]) every request's outputs of one step, in one frame
@@ -31,6 +31,7 @@ import msgpack
 
 from kvfree.checkpoints import CheckpointError
 from kvfree.engine.protocol import (
+    RECORD_CALLS,
     EngineInfo,
     EngineStopped,
     GrammarError,
@@ -95,8 +96,6 @@ def record_from_wire(values: dict[str, Any]) -> SessionRecord:
     return SessionRecord(**values)
 
 
-# The calls (`EngineCore.CALLS`) that answer a SessionRecord; the others answer plain values (ints, bools, None).
-RECORD_CALLS = frozenset({"create_session", "get_session", "fork_session", "restore_session"})
 
 
 def result_to_wire(value: Any) -> Any:

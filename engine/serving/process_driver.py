@@ -129,7 +129,7 @@ class ProcessDriver(EngineHandle):
         if self.alive:
             try:
                 await self._drain(grace_seconds)
-                await self._call("stop")
+                await self.call("stop")
             except EngineStopped:
                 log.error("the engine process stopped during shutdown")
         else:
@@ -196,7 +196,7 @@ class ProcessDriver(EngineHandle):
                 self.on_death()
 
     # -- EngineHandle ---------------------------------------------------------------------------------------------
-    async def _call(self, method: str, *args: Any) -> Any:
+    async def call(self, method: str, *args: Any) -> Any:
         if not self.alive:
             raise EngineStopped("the engine process has stopped; restart the server")
         call_id = next(self._ids)

@@ -11,12 +11,12 @@ from __future__ import annotations
 import logging
 import signal
 import time
-from collections.abc import Callable
 from multiprocessing.connection import Connection
 
 import torch
 
-from kvfree.engine.protocol import EngineConfig, RequestOutput
+from kvfree.engine.core.scheduler import Output
+from kvfree.engine.protocol import EngineConfig
 from kvfree.engine.serving.engine_core import EngineCore, build_engine
 from kvfree.engine.serving.ipc import (
     ERRORS,
@@ -60,10 +60,9 @@ class ProcessLoop:
     def __init__(self, core: EngineCore, conn: Connection) -> None:
         self.core = core
         self.conn = conn
-        self.outbox: list[list] = []  # [request_id, wire output] of this step
+        self.refused: list[Output] = []  # the errors of this round's submits, refused at admission
         self._stats_sent = 0.0
         self._front_gone: OSError | None = None  # a send of outputs found the pipe closed (inside a step)
-        core.on_outputs = self._send_outputs
 
     def run(self) -> None:
         torch.set_grad_enabled(False)
@@ -81,10 +80,11 @@ class ProcessLoop:
                             return
                         if not self.conn.poll(0):
                             break
-                    self._send_outputs()  # admission errors of this round's submits
+                    self._send_outputs(self.refused)
+                    self.refused = []
                 shape = self._shape()
                 if core.has_work:
-                    core.step()
+                    self._send_outputs(core.step(self._send_outputs))
                 if self._front_gone is not None:
                     raise self._front_gone
                 core.poll_store()
@@ -120,11 +120,11 @@ class ProcessLoop:
             _, request_id, prompt, params, n, session_id, owner, prefill_only, detokenize = message
             try:
                 self.core.submit(
-                    request_id, prompt, params_from_wire(params), self._emitter(request_id), n=n,
-                    session_id=session_id, owner=owner, prefill_only=prefill_only, detokenize=detokenize,
+                    request_id, prompt, params_from_wire(params), n=n, session_id=session_id, owner=owner,
+                    prefill_only=prefill_only, detokenize=detokenize,
                 )  # fmt: skip
             except Exception as exc:  # refused at admission: the request's one output is the error
-                self.outbox.append([request_id, output_to_wire(exc)])
+                self.refused.append((request_id, exc))
         elif kind == "abort":
             _, request_id, choice = message
             self.core.abort(request_id, choice)
@@ -144,15 +144,10 @@ class ProcessLoop:
                 self._send(["result", call_id, True, value])
         return True
 
-    def _emitter(self, request_id: str) -> Callable[[RequestOutput | BaseException], None]:
-        def emit(out: RequestOutput | BaseException) -> None:
-            self.outbox.append([request_id, output_to_wire(out)])
-
-        return emit
-
-    def _send_outputs(self) -> None:
-        if self.outbox:
-            items, self.outbox = self.outbox, []
+    def _send_outputs(self, outputs: list[Output]) -> None:
+        """One frame of outputs, each with its request id."""
+        if outputs:
+            items = [[request_id, output_to_wire(out)] for request_id, out in outputs]
             try:
                 self._send(["outputs", items])
             except OSError as exc:

@@ -23,14 +23,13 @@ from typing import Any
 
 import torch
 
+from kvfree.engine.core.scheduler import Output
 from kvfree.engine.protocol import (
     EngineConfig,
     EngineInfo,
     EngineStopped,
-    QueueFull,
     RequestOutput,
     SamplingParams,
-    SessionBusy,
 )
 from kvfree.engine.serving.engine_core import EngineCore, build_engine
 from kvfree.engine.serving.handle import EngineHandle, Outputs
@@ -50,11 +49,12 @@ class ThreadDriver(EngineHandle):
 
     def __init__(self, core: EngineCore) -> None:
         self.engine_core = core
-        core.on_outputs = self._flush
         self.info: EngineInfo = core.info
         self.tokenizer = core.tokenizer
         self._loop_ref: asyncio.AbstractEventLoop | None = None
-        self._pending: list[tuple[asyncio.Queue, RequestOutput | BaseException]] = []  # this step's emissions
+        # Each running request's queue, by request id (added on the event loop before the request is submitted,
+        # read on the engine thread when its outputs come).
+        self._queues: dict[str, Outputs] = {}
         self._commands: queue.Queue[tuple[Callable[[], Any], Callable[[Any, BaseException | None], None]] | None]
         self._commands = queue.Queue()
         self._thread = threading.Thread(target=self._loop, name="kvfree-engine", daemon=True)
@@ -110,14 +110,15 @@ class ThreadDriver(EngineHandle):
                     return
                 self._run_command(*command)
             if core.has_work:
-                core.step()
+                self._deliver(core.step(self._deliver))
             core.poll_store()
 
-    def _flush(self) -> None:
-        """Hand this step's outputs to the event loop in one call."""
-        if self._pending:
-            items, self._pending = self._pending, []
-            self._loop_ref.call_soon_threadsafe(_deliver, items)
+    def _deliver(self, outputs: list[Output]) -> None:
+        """Hand a step's outputs to the event loop in one call (on the engine thread). A request whose stream has
+        closed meanwhile has no queue: its outputs are dropped."""
+        items = [(queue_, out) for request_id, out in outputs if (queue_ := self._queues.get(request_id)) is not None]
+        if items:
+            self._loop_ref.call_soon_threadsafe(_put_all, items)
 
     def _drain_commands(self, block: bool, timeout: float | None = None) -> list:
         items = []
@@ -139,7 +140,7 @@ class ThreadDriver(EngineHandle):
         else:
             done(result, None)
 
-    async def call(self, fn: Callable[[], Any]) -> Any:
+    async def on_engine_thread(self, fn: Callable[[], Any]) -> Any:
         """Run `fn()` on the engine thread (between steps) and return its result, or raise its exception."""
         if not self.alive:
             raise EngineStopped("the engine thread has stopped; restart the server")
@@ -161,22 +162,23 @@ class ThreadDriver(EngineHandle):
         return await future
 
     # -- EngineHandle -------------------------------------------------------------------------------------------
-    async def _call(self, method: str, *args: Any) -> Any:
-        return await self.call(lambda: self.engine_core.call(method, args))
+    async def call(self, method: str, *args: Any) -> Any:
+        return await self.on_engine_thread(lambda: self.engine_core.call(method, args))
 
     async def _submit(
         self, request_id: str, prompt_token_ids: list[int], params: SamplingParams, outputs: Outputs, *, n: int,
         session_id: str | None, owner: str | None, prefill_only: bool, detokenize: bool,
     ) -> None:  # fmt: skip
-        def emit(out: RequestOutput | BaseException) -> None:  # on the engine thread, flushed after the step
-            self._pending.append((outputs, out))
-
-        await self.call(
+        self._queues[request_id] = outputs  # (before the engine can have an output for it)
+        await self.on_engine_thread(
             lambda: self.engine_core.submit(
-                request_id, prompt_token_ids, params, emit, n=n, session_id=session_id, owner=owner,
+                request_id, prompt_token_ids, params, n=n, session_id=session_id, owner=owner,
                 prefill_only=prefill_only, detokenize=detokenize,
             )
         )  # fmt: skip
+
+    def _forget(self, request_id: str) -> None:
+        self._queues.pop(request_id, None)
 
     def abort(self, request_id: str, choice: int | None = None) -> None:
         """Thread-safe: stop a request (client disconnected, or its front found a stop string), or one choice of it."""
@@ -188,9 +190,6 @@ class ThreadDriver(EngineHandle):
         return self.engine_core.stats()
 
 
-def _deliver(items: list[tuple[asyncio.Queue, RequestOutput | BaseException]]) -> None:
+def _put_all(items: list[tuple[Outputs, RequestOutput | BaseException]]) -> None:
     for queue_, out in items:
         queue_.put_nowait(out)
-
-
-__all__ = ["ThreadDriver", "EngineConfig", "EngineStopped", "QueueFull", "RequestOutput", "SessionBusy"]
