@@ -326,7 +326,8 @@ def build_parser() -> argparse.ArgumentParser:
         sub,
         "bench",
         "run a benchmark: kvfree bench {step,offline,serve,sessions,structured,context,layers,stores,op-host-cost,"
-        "kv-cache-quality,kernels} [ARGS] (`kvfree bench --help` lists them; `kvfree bench serve --help` and so on)",
+        "kv-cache-quality,kernels} [ARGS] (`kvfree bench --help` lists them; `kvfree bench serve --help` and so on; "
+        "the old spellings --serve, --sessions, --structured and --offline still work)",
         cmd_bench,
     )
     _add_forwarding_parser(
