@@ -44,9 +44,8 @@ def test_launching_a_step_never_makes_the_host_wait_for_the_device():
 
     def steps(debug: bool) -> int:
         engine = llm.engine
-        outputs: list = []
-        requests = [llm._request(f"prompt {i} " * (3 * i + 1), mixed[i % len(mixed)], outputs) for i in range(9)]
-        requests.append(llm._request("forked prompt", SamplingParams(max_tokens=5, temperature=1.0, seed=9), outputs))
+        requests = [llm._request(f"prompt {i} " * (3 * i + 1), mixed[i % len(mixed)]) for i in range(9)]
+        requests.append(llm._request("forked prompt", SamplingParams(max_tokens=5, temperature=1.0, seed=9)))
         requests[-1].n = 3  # three choices share one prefill: the state is forked to two more slots
         for req in requests:
             engine.scheduler.add(req)
