@@ -325,7 +325,7 @@ class EngineCore:
             "engine_steps": totals.steps,
             "engine_step_seconds": seconds / len(recent) if recent else 0.0,
             "engine_device_wait_fraction": sum(r.wait for r in recent) / seconds if seconds > 0 else 0.0,
-            # Since start, for differences over an interval (`kvfree bench --serve` reports them per level).
+            # Since start, for differences over an interval (`kvfree bench serve` reports them per level).
             "engine_busy_seconds": totals.seconds,
             "engine_device_wait_seconds": totals.wait,
             "engine_decode_rows": totals.decode_rows,

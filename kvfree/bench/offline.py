@@ -1,5 +1,5 @@
 """Offline throughput: `LLM.generate` of many prompts end to end (prefill included), and where an engine step's
-time goes (host vs device), for `kvfree bench --offline`."""
+time goes (host vs device), for `kvfree bench offline`."""
 
 from __future__ import annotations
 

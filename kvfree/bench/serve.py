@@ -1,8 +1,8 @@
-"""`kvfree bench --serve`: a checkpoint served over HTTP to closed-loop streaming clients, against `LLM.generate`
+"""`kvfree bench serve`: a checkpoint served over HTTP to closed-loop streaming clients, against `LLM.generate`
 of the same work in the same run.
 
-    kvfree bench --serve ./mamba2-370m --clients 1 64 256                    # GPU: bf16, CUDA graphs
-    kvfree bench --serve tests/tiny_checkpoint --device cpu --clients 1 32    # CPU, the tiny test model
+    kvfree bench serve ./mamba2-370m --clients 1 64 256                    # GPU: bf16, CUDA graphs
+    kvfree bench serve tests/tiny_checkpoint --device cpu --clients 1 32    # CPU, the tiny test model
 
 The work: prompts of --prompt-tokens random token ids, each continued by --max-tokens greedy tokens with EOS
 ignored. At C clients, C x --requests-per-client requests go through C closed-loop clients streaming
@@ -55,7 +55,7 @@ from kvfree.loadtest.served_levels import level_numbers, run_served_levels
 from kvfree.server.settings import ServerSettings
 
 SERVER_DEFAULTS = ServerSettings()
-WARMUP_PROMPTS = 8  # as `kvfree bench --offline`: at most this many prompts, 4 tokens generated each, before timing
+WARMUP_PROMPTS = 8  # as `kvfree bench offline`: at most this many prompts, 4 tokens generated each, before timing
 WARMUP_TOKENS = 4
 
 
@@ -506,7 +506,7 @@ def run(args: argparse.Namespace) -> int:
 
 
 def build_parser() -> argparse.ArgumentParser:
-    """The parser of `kvfree bench --serve` (every flag's help says what it does)."""
+    """The parser of `kvfree bench serve` (every flag's help says what it does)."""
     p = argparse.ArgumentParser(
         prog="kvfree bench serve", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
     )
@@ -618,7 +618,7 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def main(argv: list[str] | None = None) -> int:
-    """`kvfree bench --serve ...` (`argv` as after `bench`)."""
+    """`kvfree bench serve ...` (`argv` as after `bench`)."""
     argv = list(sys.argv[1:] if argv is None else argv)
     parser = build_parser()
     args = parser.parse_args(argv)
@@ -632,7 +632,7 @@ def main(argv: list[str] | None = None) -> int:
         parse_overrides(args.overrides)
         return run(args)
     except (CheckpointError, ServerStartError, ValueError) as e:
-        print(f"kvfree bench --serve: error: {e}", file=sys.stderr)
+        print(f"kvfree bench serve: error: {e}", file=sys.stderr)
         return 2
 
 

@@ -1,7 +1,7 @@
-"""`kvfree bench --sessions`: what a session's next turn costs by where its state was parked, against recomputing it.
+"""`kvfree bench sessions`: what a session's next turn costs by where its state was parked, against recomputing it.
 
-    kvfree bench --sessions ./mamba2-370m                                   # GPU: bf16
-    kvfree bench --sessions tests/tiny_checkpoint --device cpu --context 512
+    kvfree bench sessions ./mamba2-370m                                   # GPU: bf16
+    kvfree bench sessions tests/tiny_checkpoint --device cpu --context 512
 
 `kvfree serve` is started in a subprocess on a free loopback port with two state slots, two host-memory slots and a
 snapshot directory, so that idle sessions are pushed out by newer ones: GPU slot -> host memory -> disk. For each
@@ -353,7 +353,7 @@ def run(args: argparse.Namespace) -> int:
                     numbers["under_load"] = measure_under_load(url, args, vocab_size)
                 numbers["load_itl_p99_over_p50"] = numbers["under_load"]["load_itl_p99_over_p50"]
         except ServerStartError as e:
-            print(f"kvfree bench --sessions: {e}", file=sys.stderr)
+            print(f"kvfree bench sessions: {e}", file=sys.stderr)
             return 2
     payload = {
         "what": "a session's next turn by where its state was parked (GPU slot, host memory, disk) against "

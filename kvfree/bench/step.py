@@ -1,8 +1,9 @@
-"""`kvfree bench`: time a preset's model step on this machine, against the floor measured in the same run.
+"""`kvfree bench step` (the default of `kvfree bench`): time a preset's model step on this machine, against the floor
+measured in the same run.
 
-    kvfree bench --preset mamba2-370m --batch 1 16 64 256 --prefill-tokens 8192      # GPU: bf16, CUDA graphs
+    kvfree bench step --preset mamba2-370m --batch 1 16 64 256 --prefill-tokens 8192 # GPU: bf16, CUDA graphs
     python -m kvfree.bench.step --preset tiny --device cpu --batch 1 8             # CPU reference path
-    kvfree bench --offline --prompts 256 --prompt-tokens 512 --max-tokens 64         # LLM.generate end to end
+    kvfree bench offline --prompts 256 --prompt-tokens 512 --max-tokens 64         # LLM.generate end to end
 
 For each batch size B the decode step (embedding to logits, one token for B sessions in a B-slot pool) is timed
 through the CUDA graph the server replays and eagerly; one long prompt is timed through prefill. The floor of a

@@ -1,7 +1,7 @@
-"""`kvfree bench --structured`: what grammar-constrained rows cost a decode batch, against the same batch free.
+"""`kvfree bench structured`: what grammar-constrained rows cost a decode batch, against the same batch free.
 
-    kvfree bench --structured                                    # GPU: the embedded model and mamba2-370m, bf16
-    kvfree bench --structured --models default --device cpu --rows 8 --constrained 2 --max-tokens 32
+    kvfree bench structured                                    # GPU: the embedded model and mamba2-370m, bf16
+    kvfree bench structured --models default --device cpu --rows 8 --constrained 2 --max-tokens 32
 
 For each model, `LLM.generate` runs `--rows` prompts of `--prompt-tokens` random ids, every row sampled (temperature
 1, seeded) for exactly `--max-tokens` tokens, in two ways: all rows free (EOS ignored), and `--constrained` of them
