@@ -376,3 +376,11 @@ class SnapshotError(ValueError):
 
 class SnapshotMismatchError(ValueError):
     """Exported state tensors that do not fit this pool's model (wrong names, shapes or dtypes)."""
+
+
+# Every error above: what a front answers with an HTTP status (server/lifecycle.py), and what crosses a process
+# boundary by its name (engine/serving/ipc.py).
+FRONT_ERRORS: tuple[type[Exception], ...] = (
+    GrammarError, QueueFull, EngineStopped, SessionNotFound, SessionBusy, PoolExhausted, SessionLimitError,
+    SessionStoreError, SnapshotError, SnapshotMismatchError,
+)  # fmt: skip

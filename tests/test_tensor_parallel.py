@@ -238,8 +238,9 @@ def test_a_layer_whose_heads_do_not_divide_is_refused_by_name(tmp_path):
 
 @pytest.mark.parametrize("shape", ["hmf_8b_gka", "hmf_32b_gka"])
 def test_hmf_shapes_split_among_eight_ranks_each_holding_an_eighth(shape: str) -> None:
-    """What a TP=8 run of `kvfree bench context` builds (issue 34's shapes), checked without GPUs: every layer's heads divide
-    among 8 ranks, and each rank holds an eighth of the weights and of every session's state (8 KV heads: one each)."""
+    """What a TP=8 run of `kvfree bench context` builds (issue 34's shapes), checked without GPUs: every layer's heads
+    divide among 8 ranks, and each rank holds an eighth of the weights and of every session's state (8 KV heads: one
+    each)."""
     from pathlib import Path
 
     from kvfree.bench.context import SHAPES, random_model

@@ -11,7 +11,6 @@ import torch
 
 from kvfree.checkpoints import default_checkpoint_path
 from kvfree.engine.core.model_runner import ModelRunner
-from kvfree.engine.model.config import ModelConfig
 from kvfree.engine.model.hybrid_lm import HybridLM, kv_cache_torch_dtype
 from kvfree.engine.model.tensor_parallel import ONE_RANK
 from kvfree.engine.parallel.ranks import RankSpec, Workers, build_rank, free_address
@@ -36,17 +35,9 @@ class Runtime:
     workers: Workers | None = None
     _fingerprint: str | None = None
 
-    @property
-    def model(self) -> HybridLM:
-        return self.runner.model
-
-    @property
-    def pool(self) -> StatePool:
-        return self.runner.pool
-
-    @property
-    def config(self) -> ModelConfig:
-        return self.runner.model.config
+    def __post_init__(self) -> None:
+        self.model: HybridLM = self.runner.model
+        self.pool: StatePool = self.runner.pool
 
     @property
     def fingerprint(self) -> str:

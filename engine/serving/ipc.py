@@ -31,34 +31,22 @@ import msgpack
 
 from kvfree.checkpoints import CheckpointError
 from kvfree.engine.protocol import (
+    FRONT_ERRORS,
     RECORD_CALLS,
     EngineInfo,
-    EngineStopped,
-    GrammarError,
-    PoolExhausted,
-    QueueFull,
     RequestOutput,
     SamplingParams,
-    SessionBusy,
-    SessionLimitError,
-    SessionNotFound,
     SessionPage,
     SessionRecord,
-    SessionStoreError,
     SnapshotError,
-    SnapshotMismatchError,
     TokenLogprob,
 )
 
 # The engine's exceptions a front answers with an HTTP status (server/lifecycle.py), or the CLI with a one-line error
 # (a checkpoint that cannot be loaded), by name.
 ERRORS: dict[str, type[Exception]] = {
-    cls.__name__: cls
-    for cls in (
-        QueueFull, PoolExhausted, SessionLimitError, SessionNotFound, SessionBusy, EngineStopped, SessionStoreError,
-        SnapshotError, SnapshotMismatchError, CheckpointError, GrammarError, ValueError, KeyError, TypeError,
-    )
-}  # fmt: skip
+    cls.__name__: cls for cls in (*FRONT_ERRORS, CheckpointError, ValueError, KeyError, TypeError)
+}
 
 
 def pack(message: tuple | list) -> bytes:
