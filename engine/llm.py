@@ -79,7 +79,7 @@ class LLM:
         self.runner, self.model, self.pool = runtime.runner, runtime.model, runtime.pool
         self.tokenizer, self.grammars = runtime.tokenizer, runtime.grammars
         self.prefill_chunk = prefill_chunk
-        self._engine: Stepper | None = None
+        self._stepper: Stepper | None = None
         self._ids = itertools.count()
         self.last_sequence: Sequence | None = None
 
@@ -123,15 +123,15 @@ class LLM:
     def engine(self) -> Stepper:
         """The same engine step and continuous-batching scheduler the server uses, over this LLM's pool (created
         on first use, so a server, which builds its own over the same pool, never makes this one)."""
-        if self._engine is None:
+        if self._stepper is None:
             # Offline requests hold slots only while they run: no session tiers, no snapshots.
             sessions = SessionManager(self.pool, fingerprint="offline", max_host_sessions=0)
             scheduler = Scheduler(
                 sessions, self.tokenizer, max_waiting=sys.maxsize, max_batch_tokens=self.prefill_chunk,
                 grammars=self.grammars,
             )
-            self._engine = Stepper(scheduler, self.runner)
-        return self._engine
+            self._stepper = Stepper(scheduler, self.runner)
+        return self._stepper
 
     def _drive(self, requests: list[Request], outputs: list[list[RequestOutput]]) -> Iterator[None]:
         """Step the engine until `requests` are done, appending each one's outputs to its list in `outputs` and

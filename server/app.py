@@ -43,7 +43,7 @@ def engine_config(settings: ServerSettings) -> EngineConfig:
     )  # fmt: skip
 
 
-def build_engine(
+def build_driver(
     settings: ServerSettings, on_engine_death: Callable[[], None] | None = None
 ) -> ThreadDriver | ProcessDriver:
     """Load the checkpoint into an (unstarted) engine sized by `settings`: in a process of its own (the default), or
@@ -64,7 +64,7 @@ def create_app(
     on_engine_death: called when an engine process dies while serving (`kvfree serve` then exits); until the app
     stops, /health answers 503 and requests get 503.
     """
-    engine = engine or build_engine(settings, on_engine_death)
+    engine = engine or build_driver(settings, on_engine_death)
     keys = APIKeys.from_sources(settings.api_keys_file)
     name = settings.served_model_name or _default_name(settings.model)
     metrics = Metrics(model_name=name)

@@ -6,7 +6,7 @@ admission errors become HTTP errors before a response or a stream is started) ->
 counted, TTFT and inter-token latency timed as they arrive) -> `finish` (usage and metrics) or `aclose` (the
 client went away: the engine aborts the request and frees its slots). The session operations, health and stats go
 through `EngineClient` too, and what the routes need to know of the engine is its `EngineInfo`. Routes never hold
-the engine: an `ProcessDriver` (the engine core in a process of its own, the default) or an `ThreadDriver` (on a
+the engine: a `ProcessDriver` (the engine core in a process of its own, the default) or a `ThreadDriver` (on a
 thread of this process), which answer to the same calls. Outputs arrive as token ids; their text and stop strings
 are made here (server/detokenize.py).
 """
@@ -24,6 +24,7 @@ import anyio
 from fastapi import Request
 
 from kvfree.engine.protocol import (
+    FRONT_ERRORS,
     EngineInfo,
     EngineStopped,
     Grammar,
@@ -64,18 +65,7 @@ STORE_PING_TIMEOUT_S = 2.0  # a store that does not answer a ping this fast is r
 
 # -- engine errors --------------------------------------------------------------------------------------------------
 
-ENGINE_ERRORS = (
-    QueueFull,
-    PoolExhausted,
-    SessionLimitError,
-    SessionNotFound,
-    SessionBusy,
-    EngineStopped,
-    SessionStoreError,
-    SnapshotError,
-    SnapshotMismatchError,
-    GrammarError,
-)
+ENGINE_ERRORS = FRONT_ERRORS  # (the contract's list: every error the engine answers a front with)
 
 
 def engine_error(exc: Exception) -> APIError:

@@ -1,5 +1,6 @@
-"""The package's shape: one import name, imports that point one way, a server that reaches the engine through one
-module, and a wheel that installs only `kvfree`."""
+"""The package's shape: one import name, imports that point one way (the engine's wings on floors, no circles), a
+server that reaches the engine through the contract, the text wing and the handle, and a wheel that installs only
+`kvfree`."""
 
 from __future__ import annotations
 

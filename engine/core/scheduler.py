@@ -5,7 +5,7 @@ the SessionManager, which evicts idle sessions to host memory or disk when the p
 running sequence for one decode token, and spends the rest of the step's token budget on prefill chunks, so a
 long prompt is fed over several steps and never stalls the others. The runner runs that `ScheduledStep`;
 `postprocess()` appends the sampled tokens, checks stops and returns each request's new outputs. Everything here
-runs on the engine thread.
+runs on the engine's one thread (a ThreadDriver's, or the engine process's loop).
 
 What is scheduled is counted when scheduled (prefilled, decoded, num_sampled): the device runs steps in order, so
 the next step can be scheduled before the previous one's tokens reach the host (engine/core/stepper.py).

@@ -24,7 +24,7 @@ __all__ = ["ConfigError", "ModelConfig", "parse_overrides"]
 class _ModelConfigFields(StrictConfig):
     """A whole hybrid model (docs/design/architecture.md §2): the fields every model has.
 
-    `ModelConfig` below adds one optional sub-config per mixer kind, from the registry `engine.layers.MIXERS`.
+    `ModelConfig` below adds one optional sub-config per mixer kind, from the registry `engine.model.layers.MIXERS`.
     """
 
     vocab_size: PositiveInt

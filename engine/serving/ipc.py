@@ -5,9 +5,11 @@ Each message is one msgpack array whose first element says what it is:
 front -> engine
     ("submit", request_id, prompt_token_ids, params, n, session_id, owner, prefill_only, detokenize)
     ("abort", request_id, choice)            the whole request (choice None), or one of its choices
-    ("call", call_id, method, args)         one of `ENGINE_CALLS`: session operations, shutdown phases
+    ("call", call_id, method, args)         one of `ENGINE_CALLS` (session operations, shutdown phases), or
+                                             "stop": the loop answers and exits
 engine -> front
     ("ready", info)                          once, after the model is loaded
+    ("failed", name, message, code)          instead, when the engine could not start (a bad checkpoint)
     ("outputs", [[request_id, output], ...]) every request's outputs of one step, in one frame
     ("result", call_id, ok, value)           a call's return value, or (ok False) its exception
     ("stats", stats)                         the engine's counters, pushed a few times a second

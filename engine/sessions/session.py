@@ -1,4 +1,4 @@
-"""Session: one conversation's state on the server, as the registry and the tiers see it; the errors of their calls."""
+"""Session: one conversation's state on the server, as the registry and the tiers see it."""
 
 from __future__ import annotations
 
