@@ -1,8 +1,8 @@
 """What every benchmark script shares: median timings, the HBM bandwidth measured in the same run, the environment;
-and what the kernel check scripts (kvfree/bench/kernels) share: their command line and steps, the CUDA-graph replay
-check of
-a decode step, a decode step's timing row with its launch-configuration sweep, per-kernel profiles, the table's
-head and the goals.
+and what the kernel check scripts (kvfree/bench/kernels) share: their frame (`CheckScript`: the command line, the
+sizes `Sizes`, the steps and the result), the CUDA-graph replay check of a decode step, a decode step's timing row
+with its launch-configuration sweep, per-kernel profiles, the table's head and the goals. What else they share is
+kvfree/bench/kernels/common.py.
 
 Speed claims come from these scripts' JSON (BENCHMARKS.md), never from timed tests. On a GPU, times are medians of
 `triton.testing.do_bench` (CUDA events, L2 flushed between runs) when Triton is there, else of CUDA events.
@@ -13,6 +13,7 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import datetime
+import functools
 import itertools
 import json
 import os
@@ -244,30 +245,46 @@ def script_device(smoke: bool, script: str) -> torch.device | None:
     return torch.device("cuda")
 
 
-def script_args(argv: list[str] | None, doc: str, name: str, *flags: tuple[str, str | None]
+# A check script's option beyond --out and --smoke: (flag, help) is a switch; (flag, help, keywords) takes a value,
+# the keywords going to argparse (type, default).
+Flag = tuple[str, str | None] | tuple[str, str | None, dict[str, Any]]
+
+
+def script_args(argv: list[str] | None, doc: str, name: str, *flags: Flag, script: str | None = None
                 ) -> tuple[argparse.Namespace, torch.device | None]:  # fmt: skip
-    """A kernel check script's command line (`--out`, the folder for NAME.json; the switches `flags`, each (flag,
-    help); `--smoke`) parsed from `argv`, and its device (`script_device`: None when it cannot run)."""
+    """A kernel check script's command line (`--out`, the folder for NAME.json; then `flags`; `--smoke`) parsed from
+    `argv`, and its device (`script_device`, as `script`, by default kvfree.bench.kernels.NAME: None when it cannot
+    run)."""
     ap = argparse.ArgumentParser(description=doc.split("\n\n")[0])
     ap.add_argument("--out", default="docs/bench", help=f"folder for {name}.json")
-    for flag, what in flags:
-        ap.add_argument(flag, action="store_true", help=what)
+    for flag, what, *value in flags:
+        ap.add_argument(flag, help=what, **(value[0] if value else {"action": "store_true"}))
     ap.add_argument("--smoke", action="store_true", help="tiny sizes on the CPU under the Triton interpreter")
     a = ap.parse_args(argv)
-    return a, script_device(a.smoke, f"kvfree.bench.kernels.{name}")
+    return a, script_device(a.smoke, script or f"kvfree.bench.kernels.{name}")
 
 
-def measure_hbm(res: dict[str, Any], device: torch.device, log: RunLog) -> None:
-    """`res["hbm_copy_GBps"]`: the device-to-device copy bandwidth in GB/s (`hbm_bandwidth`; 1 without a GPU)."""
-    res["hbm_copy_GBps"] = (hbm_bandwidth(device) or 1e9) / 1e9
-    log.say(f"{res['device']}: HBM copy {res['hbm_copy_GBps']:.0f} GB/s")
+def measure_hbm(res: dict[str, Any], device: torch.device, log: RunLog, key: str = "hbm_copy_GBps",
+                label: str = "HBM copy", gib: float = 2.0) -> None:  # fmt: skip
+    """`res[key]`: the device-to-device copy bandwidth in GB/s (`hbm_bandwidth` of `gib`; 1 without a GPU), said as
+    `label`. The copy's buffers go back to the device, not kept in the allocator's cache for the steps after."""
+    res[key] = (hbm_bandwidth(device, gib) or 1e9) / 1e9
+    if device.type == "cuda":
+        torch.cuda.empty_cache()
+    log.say(f"{res['device']}: {label} {res[key]:.0f} GB/s")
 
 
-def table_head(res: dict[str, Any]) -> list[str]:
-    """A check script's table's first lines: the device, versions and copy bandwidth; the checks passed."""
+def table_head(res: dict[str, Any], has: str | None = None, line: Callable[[str, dict[str, Any]], str] | None = None,
+               key: str | None = "hbm_copy_GBps", label: str = "HBM copy") -> list[str]:  # fmt: skip
+    """A check script's table's first lines: the device, versions and copy bandwidth (`measure_hbm`'s `key`; None:
+    not measured); the checks passed; then `line(name, check)` for each check (those with the field `has`)."""
     bad = [k for k, v in res["checks"].items() if not v.get("ok")]
-    return [f"{res['device']}  torch {res['torch']}  triton {res['triton']}  HBM copy {res['hbm_copy_GBps']:.0f} GB/s",
-            f"checks: {len(res['checks']) - len(bad)}/{len(res['checks'])} ok" + (f"  FAILED {bad}" if bad else "")]
+    head = f"{res['device']}  torch {res['torch']}  triton {res['triton']}"
+    lines = [head + (f"  {label} {res[key]:.0f} GB/s" if key else ""),
+             f"checks: {len(res['checks']) - len(bad)}/{len(res['checks'])} ok" + (f"  FAILED {bad}" if bad else "")]
+    if line is not None:
+        lines += [line(k, v) for k, v in res["checks"].items() if has is None or has in v]
+    return lines
 
 
 def run_script(steps: list[tuple[str, Callable[[], object]]], res: dict[str, Any], path: Path, log: RunLog,
@@ -277,6 +294,104 @@ def run_script(steps: list[tuple[str, Callable[[], object]]], res: dict[str, Any
     print(table(res), flush=True)
     print_goals(res.get("goals", []), device_type)
     return status
+
+
+class Sizes(dict[str, Any]):
+    """A check script's sizes (its `SZ`): the real ones, until `--smoke` swaps in the tiny ones, in place, so that the
+    script's functions, which read SZ when they run, see them."""
+
+    def __init__(self, real: dict[str, Any], smoke: dict[str, Any]) -> None:
+        super().__init__(real)
+        self.smoke = smoke
+
+    def use_smoke(self) -> None:
+        self.clear()
+        self.update(self.smoke)
+
+
+@dataclass(frozen=True)
+class Step:
+    """A check script's step: `run(device, result)`; skipped without a GPU when `gpu_only`, and when the switch
+    `unless` (a flag, "--skip-fla") is given."""
+
+    name: str
+    run: Callable[[torch.device, dict[str, Any]], object]
+    gpu_only: bool = False
+    unless: str | None = None
+
+    def chosen(self, args: argparse.Namespace, device: torch.device) -> bool:
+        skipped = self.unless is not None and getattr(args, _dest(self.unless))
+        return not skipped and (device.type == "cuda" or not self.gpu_only)
+
+
+def _dest(flag: str) -> str:
+    return flag.removeprefix("--").replace("-", "_")
+
+
+class CheckScript:
+    """A kernel check script's frame: its command line, sizes, log and steps, run by `main`.
+
+    It writes NAME.json; `script` is how it is named in messages (default kvfree.bench.kernels.NAME). `flags`: its
+    options beyond --out and --smoke (`script_args`), of which --smoke turns on the switches `smoke_sets`.
+    `sections`: the result's tables after "checks", each starting empty. `goals`: judged after the last step, from
+    the result's "goals_values". `measure(result, device, log)`: what is measured before the steps (the copy
+    bandwidth, `measure_hbm`), or None. The script's steps are added in order by the decorator `step`, its result's
+    shapes and its table by `shapes` and `table`; `args` is the parsed command line once `main` runs.
+    """
+
+    def __init__(self, name: str, doc: str, sizes: Sizes, *, sections: Sequence[str], flags: Sequence[Flag] = (),
+                 smoke_sets: Sequence[str] = (), goals: Sequence[Goal] = (),
+                 measure: Callable[[dict[str, Any], torch.device, RunLog], None] | None = measure_hbm,
+                 script: str | None = None) -> None:  # fmt: skip
+        self.name, self.doc, self.sizes, self.script = name, doc, sizes, script
+        self.sections, self.flags, self.smoke_sets, self.goals = tuple(sections), tuple(flags), smoke_sets, list(goals)
+        self.measure = measure
+        self.log = RunLog()
+        self.steps: list[Step] = []
+        self.args = argparse.Namespace()
+        self._shapes: Callable[[], dict[str, Any]] = dict  # (set by the decorators below)
+        self._table: Callable[[dict[str, Any]], str] = lambda res: ""
+
+    def step(self, name: str, *, gpu_only: bool = False, unless: str | None = None
+             ) -> Callable[[Callable[[torch.device, dict[str, Any]], object]], Callable[..., object]]:  # fmt: skip
+        """Decorator: the function `(device, result)` is the script's next step, `name` (see `Step`)."""
+
+        def add(run: Callable[[torch.device, dict[str, Any]], object]) -> Callable[..., object]:
+            self.steps.append(Step(name, run, gpu_only, unless))
+            return run
+
+        return add
+
+    def shapes(self, fn: Callable[[], dict[str, Any]]) -> Callable[[], dict[str, Any]]:
+        """Decorator: `fn()` is the result's "shapes", its sizes in words (called once the sizes are chosen)."""
+        self._shapes = fn
+        return fn
+
+    def table(self, fn: Callable[[dict[str, Any]], str]) -> Callable[[dict[str, Any]], str]:
+        """Decorator: `fn(result)` is the short table printed last."""
+        self._table = fn
+        return fn
+
+    def main(self, argv: list[str] | None = None) -> int:
+        """Parse `argv`, switch to the tiny sizes with --smoke, start the result (the environment, its shapes, the
+        sections), measure, then `run_script` the steps chosen and the goals into NAME.json under --out, printing the
+        table. Returns the exit status (2: no device to run on)."""
+        a, dev = script_args(argv, self.doc, self.name, *self.flags, script=self.script)
+        if dev is None:
+            return 2
+        self.args = a
+        if a.smoke:
+            self.sizes.use_smoke()
+            for flag in self.smoke_sets:
+                setattr(a, _dest(flag), True)
+        res = environment(dev) | {"shapes": self._shapes(), "checks": {}} | {name: {} for name in self.sections}
+        res |= ({"goals_values": {}} if self.goals else {}) | {"errors": []}
+        if self.measure is not None:
+            self.measure(res, dev, self.log)
+        steps = [(s.name, functools.partial(s.run, dev, res)) for s in self.steps if s.chosen(a, dev)]
+        if self.goals:
+            steps.append(("goals", lambda: res.update(goals=goal_rows(self.goals, res["goals_values"], dev.type))))
+        return run_script(steps, res, Path(a.out) / f"{self.name}.json", self.log, self._table, dev.type)
 
 
 def run_steps(steps: list[tuple[str, Callable[[], object]]], res: dict[str, Any], path: Path, log: RunLog) -> int:

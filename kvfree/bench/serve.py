@@ -41,6 +41,7 @@ from pathlib import Path
 from typing import Any
 
 import httpx
+import torch
 
 from kvfree.bench.harness import Goal, environment, print_goals, write_json
 from kvfree.bench.offline import offline_run, random_prompts
@@ -215,6 +216,35 @@ def vocab_size_of(checkpoint: Path) -> int:
         raise CheckpointError(f"{checkpoint}: no readable vocab_size in {CONFIG_FILE} ({e})") from None
 
 
+@dataclass(frozen=True)
+class ServedCheckpoint:
+    """What a benchmark that serves a checkpoint settles first (`kvfree bench serve`, `kvfree bench sessions`): the
+    checkpoint and its vocabulary, where and in what dtype it runs, and where its JSON goes (default:
+    docs/bench/KIND-CHECKPOINT.json)."""
+
+    path: Path
+    vocab_size: int
+    device: torch.device
+    dtype: torch.dtype
+    out: Path
+
+    @classmethod
+    def from_args(cls, args: argparse.Namespace, kind: str) -> ServedCheckpoint:
+        device = resolve_device(args.device)
+        out = args.out or Path("docs/bench") / f"{kind}-{args.checkpoint.resolve().name}.json"
+        return cls(args.checkpoint, vocab_size_of(args.checkpoint), device, resolve_dtype(args.dtype, device), out)
+
+    @property
+    def dtype_name(self) -> str:
+        return str(self.dtype).removeprefix("torch.")
+
+
+def print_targets_and_path(payload: dict[str, Any]) -> None:
+    """A served benchmark's last lines: its targets, met or missed, and where its JSON went."""
+    print_goals(payload["targets"], payload["device_type"])
+    print(f"wrote {payload['out']}")
+
+
 def _level_seed(seed: int, clients: int) -> int:
     """The prompts' seed of a level: the served and offline runs of one level draw the same prompts."""
     return seed * 100_003 + clients
@@ -385,18 +415,14 @@ def print_table(payload: dict[str, Any]) -> None:
             f"{'-' if chunks is None else f'{chunks:.2f}':>10} "
             f"{'-' if cpu is None else f'{cpu:.0%}':>10} {_engine_columns(r['server_engine'])}"
         )
-    print_goals(payload["targets"], payload["device_type"])
-    print(f"wrote {payload['out']}")
+    print_targets_and_path(payload)
 
 
 def run(args: argparse.Namespace) -> int:
     """The whole benchmark: serve, the levels over HTTP, stop, the offline runs, the JSON and the table."""
-    checkpoint: Path = args.checkpoint
-    vocab_size = vocab_size_of(checkpoint)
-    device = resolve_device(args.device)
-    dtype = resolve_dtype(args.dtype, device)
-    dtype_name = str(dtype).removeprefix("torch.")
-    out = args.out or Path("docs/bench") / f"serve-{checkpoint.resolve().name}.json"
+    served = ServedCheckpoint.from_args(args, "serve")
+    checkpoint, vocab_size, device, dtype, out = served.path, served.vocab_size, served.device, served.dtype, served.out
+    dtype_name = served.dtype_name
     if args.server_log is not None:
         log_path = args.server_log
         log_path.parent.mkdir(parents=True, exist_ok=True)

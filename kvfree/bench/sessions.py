@@ -43,11 +43,17 @@ from typing import Any
 
 import httpx
 
-from kvfree.bench.harness import Goal, environment, print_goals, write_json
+from kvfree.bench.harness import Goal, environment, write_json
 from kvfree.bench.offline import random_prompts
-from kvfree.bench.serve import ServerProcess, ServerStartError, git_commit, sigterm_exits, vocab_size_of
+from kvfree.bench.serve import (
+    ServedCheckpoint,
+    ServerProcess,
+    ServerStartError,
+    git_commit,
+    print_targets_and_path,
+    sigterm_exits,
+)
 from kvfree.checkpoints import default_checkpoint_path
-from kvfree.engine.model.loader import resolve_device, resolve_dtype
 from kvfree.load_args import add_load_args
 from kvfree.loadtest.cli import positive
 from kvfree.loadtest.prom import ITL_HISTOGRAM, MetricsSnapshot, engine_pace, histogram_quantiles
@@ -316,16 +322,12 @@ def print_table(payload: dict[str, Any]) -> None:
             print(f"{phase:>12} turns: ITL p50 {x['itl_p50_ms']:.2f} ms, p99 {x['itl_p99_ms']:.2f} ms "
                   f"({x['p99_over_p50']:.2f}x), {x['turns']} turns; the server's: p50 {srv.get('p50', math.nan):.2f}"
                   f" ms, p99 {srv.get('p99', math.nan):.2f} ms")  # fmt: skip
-    print_goals(payload["targets"], payload["device_type"])
-    print(f"wrote {payload['out']}")
+    print_targets_and_path(payload)
 
 
 def run(args: argparse.Namespace) -> int:
-    checkpoint: Path = args.checkpoint
-    vocab_size = vocab_size_of(checkpoint)
-    device = resolve_device(args.device)
-    dtype = resolve_dtype(args.dtype, device)
-    out = args.out or Path("docs/bench") / f"sessions-{checkpoint.resolve().name}.json"
+    served = ServedCheckpoint.from_args(args, "sessions")
+    checkpoint, vocab_size, device, dtype, out = served.path, served.vocab_size, served.device, served.dtype, served.out
     with tempfile.TemporaryDirectory(prefix="kvfree-session-bench-") as tmp:
         serve_args = [str(checkpoint), "--device", str(device), "--dtype", str(dtype).removeprefix("torch.")]
         serve_args += ["--max-sessions", str(SLOTS), "--max-host-sessions", str(SLOTS), "--snapshot-dir", tmp]

@@ -18,5 +18,7 @@ exits 1 when a check fails; `--smoke` runs it with tiny sizes on the CPU under T
                   PyTorch's flash attention at the same shape, the reference op, attention-370m end to end
                   (attention.json)
 
-The timing helpers they share are kvfree.bench.harness (the engine's benchmarks use it too).
+The timing helpers they share, and their frame (`CheckScript`: command line, sizes, steps, result), are
+kvfree.bench.harness (the engine's benchmarks use it too); their shared checks, timing loops and table pieces,
+and the steps of the slot-pool ops (gdn, gka), are kvfree/bench/kernels/common.py.
 """

@@ -30,24 +30,12 @@ import subprocess
 import sys
 import time
 from collections.abc import Callable
-from pathlib import Path
 
 import torch
 import torch.nn.functional as F
 
-from kvfree.bench.harness import (
-    Goal,
-    RunLog,
-    bench,
-    cu_seqlens,
-    environment,
-    goal_rows,
-    rel_err,
-    run_script,
-    script_args,
-    sync,
-    untouched_equal,
-)
+from kvfree.bench import harness
+from kvfree.bench.kernels.common import failure, first_call_s, optional, record, table_rows
 from kvfree.kernels.common import poisoned_outputs
 
 f64 = torch.float64
@@ -79,16 +67,26 @@ SMOKE = {
     "e2e": ("tiny-attention", 32),
     "layers": 4,
 }
-SZ = REAL
+SZ = harness.Sizes(REAL, SMOKE)
 GOALS = [
-    Goal("cuda", "ratio_370m", ">=", 0.70,
-         "prefill kernel on one 16K prompt at attention-370m's shape (H16 D64) over causal flash attention's tokens/s"),
-    Goal("cuda", "ratio_h16d128", ">=", 0.70,
-         "prefill kernel on one 16K prompt at H16 D128 over causal flash attention's tokens/s"),
-    Goal("cuda", "e2e_tokens_per_s", ">=", 150_000, "attention-370m, one 16K prompt end to end (tokens/s)"),
+    harness.Goal("cuda", "ratio_370m", ">=", 0.70, "prefill kernel on one 16K prompt at attention-370m's shape (H16 "
+                 "D64) over causal flash attention's tokens/s"),
+    harness.Goal("cuda", "ratio_h16d128", ">=", 0.70,
+                 "prefill kernel on one 16K prompt at H16 D128 over causal flash attention's tokens/s"),
+    harness.Goal("cuda", "e2e_tokens_per_s", ">=", 150_000, "attention-370m, one 16K prompt end to end (tokens/s)"),
 ]  # fmt: skip
-RUN = RunLog()
-say = RUN.say
+SCRIPT = harness.CheckScript("attention", __doc__, SZ, sections=("timing", "anchors", "rope", "end_to_end"),
+                             goals=GOALS, flags=[("--skip-e2e", "skip the end-to-end model prefill")], measure=None)
+main = SCRIPT.main  # (argv): `python -m kvfree.bench.kernels --op OP` calls it
+say = SCRIPT.log.say
+
+
+@SCRIPT.shapes
+def shapes() -> dict:
+    return {"timing": {k: f"Hq={h} Hkv={kv} D={d}" for k, (h, kv, d) in SZ["shapes"].items()},
+            "checks": {k: f"Hq={h} Hkv={kv} D={d}" for k, (h, kv, d) in SZ["check_shapes"].items()},
+            "prompts": f"1x{SZ['T']} and {SZ['packed']}x{SZ['T'] // SZ['packed']}, bf16; continued: half cached",
+            "end_to_end": f"{SZ['e2e'][0]}, one prompt of {SZ['e2e'][1]} tokens, random weights"}  # fmt: skip
 
 
 def make_case(shape: tuple[int, int, int], lens: list[int], past: list[int], window: int | None, dtype: torch.dtype,
@@ -105,7 +103,7 @@ def make_case(shape: tuple[int, int, int], lens: list[int], past: list[int], win
     slots = torch.randperm(N + 2, generator=gen, device=dev)[:N].to(torch.int32)
     length = torch.zeros(N + 2, dtype=torch.int64, device=dev)
     length[slots.long()] = torch.tensor(past, device=dev)
-    cu = cu_seqlens(lens, dev)
+    cu = harness.cu_seqlens(lens, dev)
     plan = plan_prefill(q, length, slots, cu, cu.tolist(), k_cache, window)
     return {"q": q, "k": k, "v": v, "k_cache": k_cache, "v_cache": v_cache, "length": length, "slots": slots,
             "cu": cu, "plan": plan, "window": window}  # fmt: skip
@@ -134,6 +132,7 @@ def to_fp8(c: dict, gen: torch.Generator) -> None:
 
 
 # ---------------------------------------------------------------------------------------------------------------------
+@SCRIPT.step("checks")
 def check_correctness(dev: torch.device, res: dict) -> None:
     from kvfree.kernels.attention import chunk, reference
     from kvfree.kernels.attention.reference import dequantize
@@ -152,7 +151,7 @@ def check_correctness(dev: torch.device, res: dict) -> None:
         before = (c["k_cache"].clone(), c["v_cache"].clone())
         with poisoned_outputs():
             out = kernel_call(c)()
-        sync()
+        harness.sync()
         if fp8:
             keys = dequantize(c["k_cache"], f64, c["k_scale"][:, None].double())
             values = dequantize(c["v_cache"], f64, c["v_scale"][:, None].double())
@@ -161,13 +160,12 @@ def check_correctness(dev: torch.device, res: dict) -> None:
         want = reference._attend_prefill(c["q"].to(f64), c["k"].to(f64), c["v"].to(f64), keys, values, c["plan"],
                                          window, None, None)  # fmt: skip
         tol = 1e-5 if dtype == torch.float32 else 1e-2
-        row = {"o_rel": rel_err(out, want), "tol": tol,
+        row = {"o_rel": harness.rel_err(out, want), "tol": tol,
                "cache_unchanged": bool(torch.equal(c["k_cache"].view(torch.uint8), before[0].view(torch.uint8))
                                        and torch.equal(c["v_cache"].view(torch.uint8), before[1].view(torch.uint8)))}
         row["ok"] = row["cache_unchanged"] and row["o_rel"] <= tol  # (NaN fails)
         tag = f"kernel_{name}_{'w' + str(window) if window else 'causal'}_{str(dtype)[6:]}{'_fp8' if fp8 else ''}"
-        res["checks"][tag] = row
-        say(f"check {tag}: {json.dumps(row)}")
+        record(res, SCRIPT.log, "checks", tag, row, f"check {tag}")
         del c, keys, values, want
 
     # The rotation: the Triton RoPE is the reference's bit for bit (the cache stores the rotated keys).
@@ -175,7 +173,7 @@ def check_correctness(dev: torch.device, res: dict) -> None:
     want = reference._rotate(c["q"], c["k"], c["plan"].pos, 10000.0)
     got = chunk.rotate(c["q"], c["k"], c["plan"], 10000.0)
     same = bool(torch.equal(got[0], want[0]) and torch.equal(got[1], want[1]))
-    res["checks"]["rope_bit_equal"] = {"ok": same, "o_rel": rel_err(got[0], want[0])}
+    res["checks"]["rope_bit_equal"] = {"ok": same, "o_rel": harness.rel_err(got[0], want[0])}
     say(f"check rope bit for bit: {same}")
 
     # The whole op, Triton against the reference from the same pools: cache bytes, lengths, untouched rows.
@@ -191,13 +189,12 @@ def check_correctness(dev: torch.device, res: dict) -> None:
             outs[impl] = (o, k_cache, v_cache, length)
         (o_r, k_r, v_r, n_r), (o_t, k_t, v_t, n_t) = outs["reference"], outs["triton"]
         same = torch.equal(k_t, k_r) and torch.equal(v_t, v_r) and torch.equal(n_t, n_r)
-        row = {"o_rel_to_reference_op": rel_err(o_t, o_r), "tol": 1e-2, "same_cache_and_lengths": bool(same),
-               "untouched_equal": untouched_equal(k_t, c["k_cache"], c["slots"])
-               and untouched_equal(v_t, c["v_cache"], c["slots"])}  # fmt: skip
+        row = {"o_rel_to_reference_op": harness.rel_err(o_t, o_r), "tol": 1e-2, "same_cache_and_lengths": bool(same),
+               "untouched_equal": harness.untouched_equal(k_t, c["k_cache"], c["slots"])
+               and harness.untouched_equal(v_t, c["v_cache"], c["slots"])}  # fmt: skip
         row["ok"] = row["same_cache_and_lengths"] and row["untouched_equal"] and row["o_rel_to_reference_op"] <= 1e-2
         tag = f"op_{'w' + str(window) if window else 'causal'}"
-        res["checks"][tag] = row
-        say(f"check {tag}: {json.dumps(row)}")
+        record(res, SCRIPT.log, "checks", tag, row, f"check {tag}")
 
 
 # ---------------------------------------------------------------------------------------------------------------------
@@ -212,9 +209,10 @@ def flash_ms(B: int, T: int, H: int, D: int, dev: torch.device, gen: torch.Gener
         with sdpa_kernel(backends):
             return F.scaled_dot_product_attention(q, k, v, is_causal=True)
 
-    return bench(run, dev)
+    return harness.bench(run, dev)
 
 
+@SCRIPT.step("timing")
 def time_kernels(dev: torch.device, res: dict) -> None:
     from kvfree.kernels.attention import chunk, reference
 
@@ -244,11 +242,8 @@ def time_kernels(dev: torch.device, res: dict) -> None:
             if tag.endswith("fp8"):
                 to_fp8(c, gen)
             fn = kernel_call(c)
-            t0 = time.time()
-            fn()
-            sync()
-            first = time.time() - t0
-            ms = bench(fn, dev)
+            first = first_call_s(fn)
+            ms = harness.bench(fn, dev)
             new = sum(lens)
             row = {"ms": ms, "Mtok_s": new / ms / 1e3, "anchor_ms": anchor, "anchor_Mtok_s": new / anchor / 1e3,
                    "ratio_to_flash": anchor / ms, "first_call_s": first}  # fmt: skip
@@ -259,9 +254,9 @@ def time_kernels(dev: torch.device, res: dict) -> None:
                 for bm, bn, w, s in SZ["sweep"]:
                     cfg = {"block_m": bm, "block_n": bn, "num_warps": w, "num_stages": s}
                     try:
-                        sweep[f"M{bm}_N{bn}_w{w}_s{s}"] = bench(kernel_call(c, **cfg), dev)
+                        sweep[f"M{bm}_N{bn}_w{w}_s{s}"] = harness.bench(kernel_call(c, **cfg), dev)
                     except Exception as e:  # a config that does not compile (shared memory) is reported, not fatal
-                        sweep[f"M{bm}_N{bn}_w{w}_s{s}"] = f"{type(e).__name__}: {str(e)[:120]}"
+                        sweep[f"M{bm}_N{bn}_w{w}_s{s}"] = failure(e)
                 row["sweep_ms"] = sweep
                 res["goals_values"][f"ratio_{name}"] = row["ratio_to_flash"]
             if tag in (f"1x{T}", f"{P}x{T // P}"):  # the whole op, and the reference op, on the same inputs
@@ -272,18 +267,18 @@ def time_kernels(dev: torch.device, res: dict) -> None:
                     impl(c["q"], c["k"], c["v"], c["k_cache"], c["v_cache"], c["length"], c["slots"], c["cu"],
                          cu_seqlens_cpu=c["plan"].cu)  # fmt: skip
 
-                row["triton_op_ms"] = bench(lambda: op(chunk.chunk_attention), dev)
-                row["reference_op_ms"] = bench(lambda: op(reference.chunk_attention), dev, rep=50)
+                row["triton_op_ms"] = harness.bench(lambda: op(chunk.chunk_attention), dev)
+                row["reference_op_ms"] = harness.bench(lambda: op(reference.chunk_attention), dev, rep=50)
                 row["reference_op_Mtok_s"] = new / row["reference_op_ms"] / 1e3
             rows[tag] = row
             say(f"{name} {tag}: {json.dumps(row)}")
             del c
         # The rotation alone: the Triton RoPE against the reference's fp32 passes.
         c = make_case(shape, [T], [0], None, torch.bfloat16, dev, gen)
-        rope = {"triton_ms": bench(lambda c=c: chunk.rotate(c["q"], c["k"], c["plan"], 10000.0), dev),
-                "reference_ms": bench(lambda c=c: reference._rotate(c["q"], c["k"], c["plan"].pos, 10000.0), dev)}
-        res["rope"][name] = rope
-        say(f"{name} rope 1x{T}: {json.dumps(rope)}")
+        rope = {"triton_ms": harness.bench(lambda c=c: chunk.rotate(c["q"], c["k"], c["plan"], 10000.0), dev),
+                "reference_ms": harness.bench(lambda c=c: reference._rotate(c["q"], c["k"], c["plan"].pos, 10000.0),
+                                              dev)}  # fmt: skip
+        record(res, SCRIPT.log, "rope", name, rope, f"{name} rope 1x{T}")
         del c
         if dev.type == "cuda":
             torch.cuda.empty_cache()
@@ -331,6 +326,7 @@ print(json.dumps({"tokens": tokens, "ms": ms, "tokens_per_s": tokens / ms * 1e3,
 """
 
 
+@SCRIPT.step("end_to_end", unless="--skip-e2e")
 def time_end_to_end(dev: torch.device, res: dict) -> None:
     preset, tokens = SZ["e2e"]
     # after: the default dispatch (Triton on a GPU); before: the attention op on its reference, the rest unchanged.
@@ -344,8 +340,7 @@ def time_end_to_end(dev: torch.device, res: dict) -> None:
             raise RuntimeError(f"the {impl} prefill exited {proc.returncode}:\n{proc.stdout[-2000:]}"
                                f"\n{proc.stderr[-3000:]}")  # fmt: skip
         row = json.loads(proc.stdout.strip().splitlines()[-1]) | {"wall_s": time.time() - t0}
-        res["end_to_end"][when] = row
-        say(f"end to end ({when}): {json.dumps(row)}")
+        record(res, SCRIPT.log, "end_to_end", when, row, f"end to end ({when})")
     res["goals_values"]["e2e_tokens_per_s"] = res["end_to_end"]["after"]["tokens_per_s"]
     # The "before" the kernel alone explains: the after figure with each layer's op time swapped for the reference's.
     op = res["timing"].get("370m", {}).get(f"1x{SZ['T']}", {})
@@ -356,51 +351,23 @@ def time_end_to_end(dev: torch.device, res: dict) -> None:
 
 
 # ---------------------------------------------------------------------------------------------------------------------
+@SCRIPT.table
 def table(res: dict) -> str:
-    lines = [f"{res['device']}  torch {res['torch']}  triton {res['triton']}"]
-    bad = [k for k, v in res["checks"].items() if not v.get("ok")]
-    n_ok = len(res["checks"]) - len(bad)
-    lines.append(f"checks: {n_ok}/{len(res['checks'])} ok" + (f"  FAILED {bad}" if bad else ""))
-    for k, v in res["checks"].items():
-        err = v.get("o_rel", v.get("o_rel_to_reference_op"))
-        lines.append(f"  {k:36s} rel {err:.1e}  ok {v['ok']}")
-    lines.append(f"{'kernel (bf16)':28s} {'ms':>8s} {'Mtok/s':>8s} {'flash':>8s} {'x flash':>8s} {'op ms':>8s} "
-                 f"{'ref ms':>8s}")  # fmt: skip
-    for name, rows in res["timing"].items():
-        for tag, r in rows.items():
-            lines.append(f"  {name + ' ' + tag:26s} {r['ms']:8.3f} {r['Mtok_s']:8.2f} {r['anchor_Mtok_s']:8.2f} "
-                         f"{r['ratio_to_flash']:8.2f} {r.get('triton_op_ms', float('nan')):8.3f} "
-                         f"{r.get('reference_op_ms', float('nan')):8.2f}")  # fmt: skip
-            if "sweep_ms" in r:
-                lines.append("    sweep ms: " + ", ".join(f"{c} {m:.3f}" if isinstance(m, float) else f"{c} failed"
-                                                     for c, m in r["sweep_ms"].items()))  # fmt: skip
+    def check_line(k: str, v: dict) -> str:
+        return f"  {k:36s} rel {v.get('o_rel', v.get('o_rel_to_reference_op')):.1e}  ok {v['ok']}"
+
+    lines = harness.table_head(res, line=check_line, key=None)
+    kernels = {f"{name} {tag}": r for name, rows in res["timing"].items() for tag, r in rows.items()}
+    lines += table_rows("kernel (bf16)", 28, kernels, [
+        ("ms", "ms", "8.3f"), ("Mtok/s", "Mtok_s", "8.2f"), ("flash", "anchor_Mtok_s", "8.2f"),
+        ("x flash", "ratio_to_flash", "8.2f"), ("op ms", optional("triton_op_ms"), "8.3f"),
+        ("ref ms", optional("reference_op_ms"), "8.2f"),
+    ], sweep="sweep_ms", label="sweep ms", fmt=".3f")  # fmt: skip
     for name, r in res["rope"].items():
         lines.append(f"  rope {name}: triton {r['triton_ms']:.3f} ms, reference {r['reference_ms']:.3f} ms")
     for impl, r in res["end_to_end"].items():
         lines.append(f"  end to end {impl:28s} {r['ms']:9.1f} ms {r['tokens_per_s']:12,.0f} tokens/s")
     return "\n".join(lines)
-
-
-def main(argv: list[str] | None = None) -> int:
-    global SZ
-    a, dev = script_args(argv, __doc__, "attention", ("--skip-e2e", "skip the end-to-end model prefill"))
-    if dev is None:
-        return 2
-    if a.smoke:
-        SZ = SMOKE
-    out_dir = Path(a.out)
-    res = environment(dev) | {
-        "shapes": {"timing": {k: f"Hq={h} Hkv={kv} D={d}" for k, (h, kv, d) in SZ["shapes"].items()},
-                   "checks": {k: f"Hq={h} Hkv={kv} D={d}" for k, (h, kv, d) in SZ["check_shapes"].items()},
-                   "prompts": f"1x{SZ['T']} and {SZ['packed']}x{SZ['T'] // SZ['packed']}, bf16; continued: half cached",
-                   "end_to_end": f"{SZ['e2e'][0]}, one prompt of {SZ['e2e'][1]} tokens, random weights"},
-        "checks": {}, "timing": {}, "anchors": {}, "rope": {}, "end_to_end": {}, "goals_values": {}, "errors": [],
-    }  # fmt: skip
-    steps = [("checks", lambda: check_correctness(dev, res)), ("timing", lambda: time_kernels(dev, res))]
-    if not a.skip_e2e:
-        steps.append(("end_to_end", lambda: time_end_to_end(dev, res)))
-    steps.append(("goals", lambda: res.update(goals=goal_rows(GOALS, res["goals_values"], dev.type))))
-    return run_script(steps, res, out_dir / "attention.json", RUN, table, dev.type)
 
 
 if __name__ == "__main__":

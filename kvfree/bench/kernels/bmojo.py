@@ -25,29 +25,13 @@ Writes DIR/bmojo.json, prints a short table last, and exits 1 when a check fails
 from __future__ import annotations
 
 import contextlib
-import json
 import sys
 from collections.abc import Callable, Iterator
-from pathlib import Path
 
 import torch
 
-from kvfree.bench.harness import (
-    RunLog,
-    cu_seqlens,
-    decode_timings,
-    environment,
-    graph_matches_eager,
-    measure_hbm,
-    median_ms,
-    profile_device_us,
-    rel_err,
-    run_script,
-    script_args,
-    sync,
-    table_head,
-    untouched_equal,
-)
+from kvfree.bench import harness
+from kvfree.bench.kernels.common import check_decode_graph, lens_tag, random_slots, record, sweep_text, table_rows
 from kvfree.kernels import common
 from kvfree.kernels.common import poisoned_outputs
 
@@ -76,9 +60,16 @@ SMOKE = {
     "prefill_lens": ([40], [20] * 2),
     "prefill_sweep": [(16, 16, 4)],
 }
-SZ = REAL
-RUN = RunLog()
-say = RUN.say
+SZ = harness.Sizes(REAL, SMOKE)
+SCRIPT = harness.CheckScript("bmojo", __doc__, SZ, sections=("decode", "prefill", "profile"))
+main = SCRIPT.main  # (argv): `python -m kvfree.bench.kernels --op OP` calls it
+
+
+@SCRIPT.shapes
+def shapes() -> dict:
+    return {"op": SZ["shape"], "pool": SZ["pool"], "decode": f"bf16; B in {list(SZ['decode_batches'])}",
+            "prefill": f"bf16, lens {SZ['prefill_lens']} from new sessions",
+            "checks": f"decode B={SZ['check_B']}; prefill lens {SZ['check_lens']}"}  # fmt: skip
 
 
 @contextlib.contextmanager
@@ -164,19 +155,20 @@ def check_rows(o: torch.Tensor, o_ref: torch.Tensor, p: dict, ref: dict, before:
     """Relative errors of the output and of every state field in the named rows (integer fields: equal or not),
     whether the other rows are unchanged, and whether all of it is within `tol`."""
     i = idx.long()
-    row: dict = {"o_rel": rel_err(o, o_ref)}
+    row: dict = {"o_rel": harness.rel_err(o, o_ref)}
     worst = row["o_rel"]
     for name in FIELDS:
         if name in EXACT:
             row[f"{name}_equal"] = bool(torch.equal(p[name][i], ref[name][i]))
         elif p[name].numel():
-            row[f"{name}_rel"] = rel_err(p[name][i], ref[name][i])
+            row[f"{name}_rel"] = harness.rel_err(p[name][i], ref[name][i])
             worst = max(worst, row[f"{name}_rel"])
-    row["untouched_equal"] = all(untouched_equal(p[n], before[n], idx) for n in FIELDS)
+    row["untouched_equal"] = all(harness.untouched_equal(p[n], before[n], idx) for n in FIELDS)
     row["ok"] = bool(row["untouched_equal"] and all(row[f"{n}_equal"] for n in EXACT) and worst <= tol)
     return row
 
 
+@SCRIPT.step("checks")
 def check_correctness(dev: torch.device, res: dict) -> None:
     from kvfree.kernels.bmojo import chunk, fused_recurrent, reference
 
@@ -190,7 +182,7 @@ def check_correctness(dev: torch.device, res: dict) -> None:
         p = make_pools(dev, gen, dtype, positions(dev, gen, SZ["pool"]))
         ref = {n: x.to(f64) if n in KV else x.clone() for n, x in p.items()}
         before = {n: x.clone() for n, x in p.items()}
-        idx = torch.randperm(SZ["pool"], generator=gen, device=dev)[:B].to(torch.int32)
+        idx = random_slots(SZ["pool"], B, gen, dev)
         q = torch.randn(B, s["Hq"], s["dh"], generator=gen, device=dev).to(dtype)
         k, v = (torch.randn(B, s["Hkv"], s["dh"], generator=gen, device=dev).to(dtype) for _ in range(2))
         y = torch.randn(B, s["D"], generator=gen, device=dev)
@@ -200,16 +192,15 @@ def check_correctness(dev: torch.device, res: dict) -> None:
                                                 s["taps"])  # fmt: skip
         row = check_rows(o, o_ref, p, ref, before, idx, tol[dtype])
         row["boundary_sessions"] = int(((before["t"][idx.long()] % s["w"] == 0) & (before["t"][idx.long()] > 0)).sum())
-        res["checks"][f"decode_B{B}_{name}"] = row
-        say(f"check decode {name}: {json.dumps(row)}")
+        record(res, SCRIPT.log, "checks", f"decode_B{B}_{name}", row, f"check decode {name}")
 
         lens = SZ["check_lens"]
         T = sum(lens)
-        cu = cu_seqlens(lens, dev)
+        cu = harness.cu_seqlens(lens, dev)
         p = make_pools(dev, gen, dtype, positions(dev, gen, SZ["pool"]))
         ref = {n: x.to(f64) if n in KV else x.clone() for n, x in p.items()}
         before = {n: x.clone() for n, x in p.items()}
-        idx = torch.randperm(SZ["pool"], generator=gen, device=dev)[: len(lens)].to(torch.int32)
+        idx = random_slots(SZ["pool"], len(lens), gen, dev)
         q = torch.randn(T, s["Hq"], s["dh"], generator=gen, device=dev).to(dtype)
         k, v = (torch.randn(T, s["Hkv"], s["dh"], generator=gen, device=dev).to(dtype) for _ in range(2))
         y = torch.randn(T, s["D"], generator=gen, device=dev)
@@ -218,14 +209,13 @@ def check_correctness(dev: torch.device, res: dict) -> None:
         o_ref = reference.chunk_bmojo(q.to(f64), k.to(f64), v.to(f64), y, *fields(ref), idx, cu, fading, s["taps"],
                                       cu_seqlens_cpu=cu.tolist())  # fmt: skip
         row = check_rows(o, o_ref, p, ref, before, idx, tol[dtype])
-        res["checks"][f"prefill_{name}"] = row
-        say(f"check prefill {name}: {json.dumps(row)}")
-        sync()
+        record(res, SCRIPT.log, "checks", f"prefill_{name}", row, f"check prefill {name}")
+        harness.sync()
 
     if dev.type == "cuda":  # the decode step inside a CUDA graph, replayed on new inputs, twice (boundaries move)
         B = SZ["check_B"]
         p = make_pools(dev, gen, torch.bfloat16, positions(dev, gen, SZ["pool"]))
-        idx = torch.randperm(SZ["pool"], generator=gen, device=dev)[:B].to(torch.int32)
+        idx = random_slots(SZ["pool"], B, gen, dev)
 
         def new_inputs() -> list[torch.Tensor]:
             return [torch.randn(B, s["Hq"], s["dh"], generator=gen, device=dev).to(torch.bfloat16),
@@ -233,10 +223,9 @@ def check_correctness(dev: torch.device, res: dict) -> None:
                       for _ in range(2)), torch.randn(B, s["D"], generator=gen, device=dev)]  # fmt: skip
 
         inp = new_inputs()
-        ok = graph_matches_eager(lambda st: fused_recurrent.fused_recurrent_bmojo(*inp, *st, idx, fading, s["taps"]),
-                                 fields(p), inp, new_inputs, replays=3)  # fmt: skip
-        res["checks"]["decode_cuda_graph"] = {"ok": ok, "equal_to_eager": ok}
-        say(f"check decode graph replay equals eager (3 steps): {ok}")
+        check_decode_graph(res, SCRIPT.log,
+                           lambda st: fused_recurrent.fused_recurrent_bmojo(*inp, *st, idx, fading, s["taps"]),
+                           fields(p), inp, new_inputs, replays=3)  # fmt: skip
 
 
 def state_bytes(B: int) -> int:
@@ -248,6 +237,7 @@ def state_bytes(B: int) -> int:
     return B * (kv * (s["w"] + s["m_f"] + s["m_e"]) + kv + 4 + 2 * 4 * L * s["D"] + 3 * 8 * 2)
 
 
+@SCRIPT.step("decode")
 def time_decode(dev: torch.device, res: dict) -> None:
     from kvfree.kernels.bmojo import fused_recurrent, reference
 
@@ -257,21 +247,21 @@ def time_decode(dev: torch.device, res: dict) -> None:
     p = make_pools(dev, gen, torch.bfloat16, positions(dev, gen, SZ["pool"]))
     weight_bytes = 2 * s["D"] * s["Hkv"] * s["dh"] * 2
     for B in SZ["decode_batches"]:
-        idx = torch.randperm(SZ["pool"], generator=gen, device=dev)[:B].to(torch.int32)
+        idx = random_slots(SZ["pool"], B, gen, dev)
         q = torch.randn(B, s["Hq"], s["dh"], generator=gen, device=dev).to(torch.bfloat16)
         k, v = (torch.randn(B, s["Hkv"], s["dh"], generator=gen, device=dev).to(torch.bfloat16) for _ in range(2))
         y = torch.randn(B, s["D"], generator=gen, device=dev)
         args = (q, k, v, y, *fields(p), idx, fading, s["taps"])
         sweep = {f"BN{bn}_S{ns or 'auto'}": lambda args=args, bn=bn, ns=ns: fused_recurrent.launch(
             *args, block_n=bn, num_splits=ns) for bn, ns in SZ["decode_sweep"]}  # fmt: skip
-        row = decode_timings(lambda args=args: fused_recurrent.fused_recurrent_bmojo(*args),
-                             lambda args=args: reference.fused_recurrent_bmojo(*args), sweep, state_bytes(B),
-                             res["hbm_copy_GBps"], dev)  # fmt: skip
+        row = harness.decode_timings(lambda args=args: fused_recurrent.fused_recurrent_bmojo(*args),
+                                     lambda args=args: reference.fused_recurrent_bmojo(*args), sweep, state_bytes(B),
+                                     res["hbm_copy_GBps"], dev)  # fmt: skip
         row["fading_weights_us"] = weight_bytes / res["hbm_copy_GBps"] / 1e3
-        res["decode"][f"B{B}"] = row
-        say(f"decode B={B}: {json.dumps(row)}")
+        record(res, SCRIPT.log, "decode", f"B{B}", row, f"decode B={B}")
 
 
+@SCRIPT.step("prefill")
 def time_prefill(dev: torch.device, res: dict) -> None:
     from kvfree.kernels.bmojo import chunk, reference
 
@@ -279,9 +269,8 @@ def time_prefill(dev: torch.device, res: dict) -> None:
     gen = torch.Generator(device=dev).manual_seed(3)
     fading = Fading(dev, gen)
     for lens in SZ["prefill_lens"]:
-        T = sum(lens)
-        tag = f"B1_T{T}" if len(lens) == 1 else f"{len(lens)}x{lens[0]}"
-        cu = cu_seqlens(lens, dev)
+        T, tag = sum(lens), lens_tag(lens)
+        cu = harness.cu_seqlens(lens, dev)
         cu_cpu = cu.tolist()
         idx = torch.arange(len(lens), dtype=torch.int32, device=dev)
         q = torch.randn(T, s["Hq"], s["dh"], generator=gen, device=dev).to(torch.bfloat16)
@@ -298,7 +287,7 @@ def time_prefill(dev: torch.device, res: dict) -> None:
                     p[n].copy_(fresh[n])
                 fn(q_, k_, v_, y_, *fields(p), idx_, cu_, fading, s["taps"], cu_seqlens_cpu=cu_cpu_, **kw)
 
-            return median_ms(call, dev, rep_ms=100)
+            return harness.median_ms(call, dev, rep_ms=100)
 
         row: dict = {}
         for bm, bn, nw in SZ["prefill_sweep"]:
@@ -308,12 +297,12 @@ def time_prefill(dev: torch.device, res: dict) -> None:
         row["default"] = {"ms": ms, "Mtok_s": T / ms / 1e3}
         ms = run(reference.chunk_bmojo)
         row["reference"] = {"ms": ms, "Mtok_s": T / ms / 1e3}
-        res["prefill"][tag] = row
-        say(f"prefill {tag}: {json.dumps(row)}")
+        record(res, SCRIPT.log, "prefill", tag, row, f"prefill {tag}")
     if dev.type == "cuda":
         torch.cuda.empty_cache()
 
 
+@SCRIPT.step("profile", gpu_only=True)
 def profile_kernels(dev: torch.device, res: dict) -> None:
     """Device time per kernel of one default prefill (B=1 T=16384) and one decode step at the largest batch (torch
     profiler, a few calls after warm-up): which launch the time goes to."""
@@ -332,63 +321,38 @@ def profile_kernels(dev: torch.device, res: dict) -> None:
         torch.randn(B, h, s["dh"], generator=gen, device=dev).to(torch.bfloat16) for h in (s["Hq"], s["Hkv"], s["Hkv"])
     ]
     y_dec = torch.randn(B, s["D"], generator=gen, device=dev)
-    cu = cu_seqlens([T], dev)
+    cu = harness.cu_seqlens([T], dev)
     one = torch.zeros(1, dtype=torch.int32, device=dev)
-    idx = torch.randperm(SZ["pool"], generator=gen, device=dev)[:B].to(torch.int32)
+    idx = random_slots(SZ["pool"], B, gen, dev)
     calls = {
         "prefill": lambda: chunk.chunk_bmojo(
             *pre, y_pre, *fields(p), one, cu, fading, s["taps"], cu_seqlens_cpu=[0, T]
         ),
         "decode": lambda: fused_recurrent.fused_recurrent_bmojo(*dec, y_dec, *fields(p), idx, fading, s["taps"]),
     }
-    profile_device_us(calls, res["profile"], RUN, top=15)
+    harness.profile_device_us(calls, res["profile"], SCRIPT.log, top=15)
 
 
+def check_line(k: str, v: dict) -> str:
+    worst = max(x for n, x in v.items() if n.endswith("_rel"))
+    return f"  {k:20s} o {v['o_rel']:.1e}  worst state {worst:.1e}  untouched {v['untouched_equal']}"
+
+
+@SCRIPT.table
 def table(res: dict) -> str:
     nan = float("nan")
-    lines = table_head(res)
-    for k, v in res["checks"].items():
-        if "o_rel" in v:
-            worst = max(x for n, x in v.items() if n.endswith("_rel"))
-            lines.append(f"  {k:20s} o {v['o_rel']:.1e}  worst state {worst:.1e}  untouched {v['untouched_equal']}")
-    lines.append(f"{'decode (bf16)':16s} {'us':>8s} {'graph us':>9s} {'floor':>7s} {'x floor':>8s} {'fad W us':>9s} "
-                 f"{'ref us':>8s}")  # fmt: skip
-    for k, v in res["decode"].items():
-        lines.append(f"  {k:14s} {v['triton_us']:8.1f} {v.get('triton_graph_per_step_us', nan):9.1f} "
-                     f"{v['floor_us']:7.1f} {v['over_floor']:8.2f} {v['fading_weights_us']:9.1f} "
-                     f"{v['reference_us']:8.1f}")  # fmt: skip
-        lines.append("    sweep: " + ", ".join(f"{c} {u:.1f}" for c, u in v["sweep_us"].items()))
+    lines = harness.table_head(res, "o_rel", check_line)
+    lines += table_rows("decode (bf16)", 16, res["decode"], [
+        ("us", "triton_us", "8.1f"), ("graph us", lambda k, v: v.get("triton_graph_per_step_us", nan), "9.1f"),
+        ("floor", "floor_us", "7.1f"), ("x floor", "over_floor", "8.2f"), ("fad W us", "fading_weights_us", "9.1f"),
+        ("ref us", "reference_us", "8.1f")])  # fmt: skip
     lines.append(f"{'prefill (bf16)':28s} {'ms':>8s} {'Mtok/s':>8s}")
     for k, v in res["prefill"].items():
         for c in ("default", "reference"):
             lines.append(f"  {k + ' ' + c:26s} {v[c]['ms']:8.3f} {v[c]['Mtok_s']:8.2f}")
-        lines.append("    sweep Mtok/s: " + ", ".join(f"{c} {r['Mtok_s']:.2f}" for c, r in v.items()
-                                                     if c not in ("default", "reference")))  # fmt: skip
+        sweep = {c: r["Mtok_s"] for c, r in v.items() if c not in ("default", "reference")}
+        lines.append("    sweep Mtok/s: " + sweep_text(sweep, ".2f"))
     return "\n".join(lines)
-
-
-def main(argv: list[str] | None = None) -> int:
-    global SZ
-    a, dev = script_args(argv, __doc__, "bmojo")
-    if dev is None:
-        return 2
-    if a.smoke:
-        SZ = SMOKE
-    res = environment(dev) | {
-        "shapes": {"op": SZ["shape"], "pool": SZ["pool"], "decode": f"bf16; B in {list(SZ['decode_batches'])}",
-                   "prefill": f"bf16, lens {SZ['prefill_lens']} from new sessions",
-                   "checks": f"decode B={SZ['check_B']}; prefill lens {SZ['check_lens']}"},
-        "checks": {}, "decode": {}, "prefill": {}, "profile": {}, "errors": [],
-    }  # fmt: skip
-    measure_hbm(res, dev, RUN)
-    steps = [
-        ("checks", lambda: check_correctness(dev, res)),
-        ("decode", lambda: time_decode(dev, res)),
-        ("prefill", lambda: time_prefill(dev, res)),
-    ]
-    if dev.type == "cuda":
-        steps.append(("profile", lambda: profile_kernels(dev, res)))
-    return run_script(steps, res, Path(a.out) / "bmojo.json", RUN, table, dev.type)
 
 
 if __name__ == "__main__":

@@ -23,29 +23,12 @@ Writes DIR/bmojo_f.json, prints a short table last, and exits 1 when a check fai
 
 from __future__ import annotations
 
-import json
 import sys
-from pathlib import Path
 
 import torch
 
-from kvfree.bench.harness import (
-    Goal,
-    RunLog,
-    bench,
-    cu_seqlens,
-    environment,
-    goal_rows,
-    graph_matches_eager,
-    graph_per_call_ms,
-    measure_hbm,
-    rel_err,
-    run_script,
-    script_args,
-    sync,
-    table_head,
-    untouched_equal,
-)
+from kvfree.bench import harness
+from kvfree.bench.kernels.common import check_decode_graph, failure, optional, record, table_rows
 from kvfree.kernels.common import poisoned_outputs
 
 f64 = torch.float64
@@ -78,13 +61,22 @@ SMOKE = {
     "prefill": {"1x40": ([40], [0]), "2x20": ([20, 20], [0, 0])},
     "prefill_sweep": [(16, 16, 4, 1)],
 }
-SZ = REAL
+SZ = harness.Sizes(REAL, SMOKE)
 GOALS = [
-    Goal("cuda", "decode_B256_over_floor", "<=", 1.3,
+    harness.Goal("cuda", "decode_B256_over_floor", "<=", 1.3,
          "decode at B=256 (hmf 8B shape, W=2048), time over its HBM floor (ring rows read and written)"),
 ]  # fmt: skip
-RUN = RunLog()
-say = RUN.say
+SCRIPT = harness.CheckScript("bmojo_f", __doc__, SZ, sections=("decode", "prefill"), goals=GOALS)
+main = SCRIPT.main  # (argv): `python -m kvfree.bench.kernels --op OP` calls it
+
+
+@SCRIPT.shapes
+def shapes() -> dict:
+    Hq, Hkv, D = SZ["shape"]
+    return {"op": f"Hq={Hq} Hkv={Hkv} D={D} W={SZ['W']}, rings in the activation dtype at random pool slots",
+            "decode": f"bf16; B in {list(SZ['decode_batches'])}, sessions past 2W",
+            "prefill": {k: f"lens {v[0][:2]}{'...' if len(v[0]) > 2 else ''} past {v[1][:1]}"
+                        for k, v in SZ["prefill"].items()}}  # fmt: skip
 
 
 def make_pools(S: int, dtype: torch.dtype, dev: torch.device, gen: torch.Generator) -> dict[str, torch.Tensor]:
@@ -111,13 +103,14 @@ def check_row(o: torch.Tensor, o_ref: torch.Tensor, pools: dict, ref: dict, befo
               tol: float) -> dict:  # fmt: skip
     """The output's relative error, whether the rings and lengths equal the reference's (cast back) and whether the
     rows not named are unchanged."""
-    row = {"o_rel": rel_err(o, o_ref), "tol": tol,
+    row = {"o_rel": harness.rel_err(o, o_ref), "tol": tol,
            "state_equal": all(bool(torch.equal(t, ref[n].to(t.dtype))) for n, t in pools.items()),
-           "untouched_equal": all(untouched_equal(t, before[n], idx) for n, t in pools.items())}  # fmt: skip
+           "untouched_equal": all(harness.untouched_equal(t, before[n], idx) for n, t in pools.items())}  # fmt: skip
     row["ok"] = row["state_equal"] and row["untouched_equal"] and row["o_rel"] <= tol  # (NaN fails)
     return row
 
 
+@SCRIPT.step("checks")
 def check_correctness(dev: torch.device, res: dict) -> None:
     from kvfree.kernels.bmojo_f import chunk, fused_recurrent, reference
 
@@ -141,8 +134,7 @@ def check_correctness(dev: torch.device, res: dict) -> None:
             o = fused_recurrent.fused_recurrent_bmojo_f_attention(*inp, *state_of(pools), idx, W, scale)
         o_ref = reference.fused_recurrent_bmojo_f_attention(*(t.to(f64) for t in inp), *state_of(ref), idx, W, scale)
         row = check_row(o, o_ref, pools, ref, before, idx, tol[dtype])
-        res["checks"][f"decode_B{B}_{name}"] = row
-        say(f"check decode {name}: {json.dumps(row)}")
+        record(res, SCRIPT.log, "checks", f"decode_B{B}_{name}", row, f"check decode {name}")
         del pools, ref, before, o_ref
 
         # prefill: packed prompts continuing sessions at every stage
@@ -151,7 +143,7 @@ def check_correctness(dev: torch.device, res: dict) -> None:
         pools = make_pools(N + 2, dtype, dev, gen)
         idx = torch.randperm(N + 2, generator=gen, device=dev)[:N].to(torch.int32)
         pools["length"][idx.long()] = torch.tensor(past, device=dev)
-        cu = cu_seqlens(lens, dev)
+        cu = harness.cu_seqlens(lens, dev)
         inp = inputs(sum(lens), dtype, dev, gen)
         before = {n: t.clone() for n, t in pools.items()}
         ref = {n: t.to(f64) if t.is_floating_point() else t.clone() for n, t in pools.items()}
@@ -160,10 +152,9 @@ def check_correctness(dev: torch.device, res: dict) -> None:
         o_ref = reference.chunk_bmojo_f_attention(*(t.to(f64) for t in inp), *state_of(ref), idx, cu, W, scale,
                                                   cu_seqlens_cpu=cu.tolist())  # fmt: skip
         row = check_row(o, o_ref, pools, ref, before, idx, tol[dtype])
-        res["checks"][f"prefill_{name}"] = row
-        say(f"check prefill {name}: {json.dumps(row)}")
+        record(res, SCRIPT.log, "checks", f"prefill_{name}", row, f"check prefill {name}")
         del pools, ref, before, o_ref
-        sync()
+        harness.sync()
         if dev.type == "cuda":
             torch.cuda.empty_cache()
 
@@ -173,14 +164,13 @@ def check_correctness(dev: torch.device, res: dict) -> None:
         pools["length"].copy_(torch.randint(0, 5 * W, (B,), generator=gen, device=dev))
         idx = torch.randperm(B, generator=gen, device=dev).to(torch.int32)
         inp = inputs(B, torch.bfloat16, dev, gen)
-        ok = graph_matches_eager(
-            lambda st: fused_recurrent.fused_recurrent_bmojo_f_attention(*inp, *st, idx, W, scale), state_of(pools),
-            inp, lambda: inputs(B, torch.bfloat16, dev, gen),
+        check_decode_graph(
+            res, SCRIPT.log, lambda st: fused_recurrent.fused_recurrent_bmojo_f_attention(*inp, *st, idx, W, scale),
+            state_of(pools), inp, lambda: inputs(B, torch.bfloat16, dev, gen),
         )  # fmt: skip
-        res["checks"]["decode_cuda_graph"] = {"ok": ok, "equal_to_eager": ok}
-        say(f"check decode graph replay equals eager: {ok}")
 
 
+@SCRIPT.step("decode")
 def time_decode(dev: torch.device, res: dict) -> None:
     from kvfree.kernels.bmojo_f import fused_recurrent, reference
 
@@ -197,34 +187,35 @@ def time_decode(dev: torch.device, res: dict) -> None:
         args = (*inp, *state, idx, W, scale)
         moved = fused_recurrent.decode_bytes(B, Hq, Hkv, D, W, 2)
         floor_us = moved / res["hbm_copy_GBps"] / 1e3
-        ms = bench(lambda args=args: fused_recurrent.fused_recurrent_bmojo_f_attention(*args), dev, rep=200)
+        ms = harness.bench(lambda args=args: fused_recurrent.fused_recurrent_bmojo_f_attention(*args), dev, rep=200)
         row = {"floor_us": floor_us, "triton_us": ms * 1e3, "over_floor": ms * 1e3 / floor_us,
                "GBps": moved / ms / 1e6, "MB_moved": moved / 1e6}  # fmt: skip
         if dev.type == "cuda":
-            graph_us = graph_per_call_ms(lambda args=args: fused_recurrent.fused_recurrent_bmojo_f_attention(*args))
+            graph_us = harness.graph_per_call_ms(lambda args=args: fused_recurrent.fused_recurrent_bmojo_f_attention(
+                *args))  # fmt: skip
             row["graph_per_step_us"] = graph_us * 1e3
             row["graph_over_floor"] = row["graph_per_step_us"] / floor_us
-        row["reference_us"] = bench(lambda args=args: reference.fused_recurrent_bmojo_f_attention(*args), dev,
-                                    rep=50) * 1e3  # fmt: skip
+        row["reference_us"] = harness.bench(lambda args=args: reference.fused_recurrent_bmojo_f_attention(*args), dev,
+                                            rep=50) * 1e3  # fmt: skip
         sweep = {}
         for bn, nw, ns in SZ["decode_sweep"]:
             fn = lambda args=args, bn=bn, nw=nw, ns=ns: fused_recurrent.launch(  # noqa: E731
                 *args, block_n=bn, num_warps=nw, num_stages=ns)
             try:
-                sweep[f"N{bn}_w{nw}_s{ns}"] = bench(fn, dev) * 1e3
+                sweep[f"N{bn}_w{nw}_s{ns}"] = harness.bench(fn, dev) * 1e3
             except Exception as e:  # a config that does not compile is reported, not fatal
-                sweep[f"N{bn}_w{nw}_s{ns}"] = f"{type(e).__name__}: {str(e)[:120]}"
+                sweep[f"N{bn}_w{nw}_s{ns}"] = failure(e)
         if B == 1:
             for sp in SZ["decode_splits"]:
                 fn = lambda args=args, sp=sp: fused_recurrent.launch(*args, splits=sp)  # noqa: E731
-                sweep[f"splits{sp or 'auto'}"] = bench(fn, dev) * 1e3
+                sweep[f"splits{sp or 'auto'}"] = harness.bench(fn, dev) * 1e3
         row["sweep_us"] = sweep
-        res["decode"][f"B{B}"] = row
         if B == 256:
             res["goals_values"]["decode_B256_over_floor"] = row["over_floor"]
-        say(f"decode B={B}: {json.dumps(row)}")
+        record(res, SCRIPT.log, "decode", f"B{B}", row, f"decode B={B}")
 
 
+@SCRIPT.step("prefill")
 def time_prefill(dev: torch.device, res: dict) -> None:
     from kvfree.kernels.bmojo_f import chunk, reference
 
@@ -233,7 +224,7 @@ def time_prefill(dev: torch.device, res: dict) -> None:
     gen = torch.Generator(device=dev).manual_seed(3)
     for tag, (lens, past) in SZ["prefill"].items():
         T, N = sum(lens), len(lens)
-        cu = cu_seqlens(lens, dev)
+        cu = harness.cu_seqlens(lens, dev)
         cu_cpu = tuple(cu.tolist())
         pools = make_pools(N, torch.bfloat16, dev, gen)
         idx = torch.arange(N, device=dev, dtype=torch.int32)
@@ -244,9 +235,9 @@ def time_prefill(dev: torch.device, res: dict) -> None:
             pools["length"].copy_(length0)  # every call continues the same past
             impl(*inp, *state_of(pools), idx, cu, W, scale, cu_seqlens_cpu=cu_cpu, **config)
 
-        ms = bench(lambda: op(chunk.chunk_bmojo_f_attention), dev)
+        ms = harness.bench(lambda: op(chunk.chunk_bmojo_f_attention), dev)
         row = {"ms": ms, "Mtok_s": T / ms / 1e3}
-        row["reference_ms"] = bench(lambda: op(reference.chunk_bmojo_f_attention), dev, rep=50)
+        row["reference_ms"] = harness.bench(lambda: op(reference.chunk_bmojo_f_attention), dev, rep=50)
         row["reference_Mtok_s"] = T / row["reference_ms"] / 1e3
         row["speedup"] = row["reference_ms"] / ms
         if tag == next(iter(SZ["prefill"])):
@@ -255,66 +246,31 @@ def time_prefill(dev: torch.device, res: dict) -> None:
                 cfg = {"block_m": bm, "block_n": bn, "num_warps": nw, "num_stages": ns}
                 key = f"M{bm}_N{bn}_w{nw}_s{ns}"
                 try:
-                    sweep[key] = T / bench(lambda cfg=cfg: op(chunk.launch, **cfg), dev) / 1e3
+                    sweep[key] = T / harness.bench(lambda cfg=cfg: op(chunk.launch, **cfg), dev) / 1e3
                 except Exception as e:  # a config that does not compile (shared memory) is reported, not fatal
-                    sweep[key] = f"{type(e).__name__}: {str(e)[:120]}"
+                    sweep[key] = failure(e)
             row["sweep_Mtok_s"] = sweep
-        res["prefill"][tag] = row
-        say(f"prefill {tag}: {json.dumps(row)}")
+        record(res, SCRIPT.log, "prefill", tag, row, f"prefill {tag}")
         del pools, inp
         if dev.type == "cuda":
             torch.cuda.empty_cache()
 
 
+@SCRIPT.table
 def table(res: dict) -> str:
-    lines = table_head(res)
+    lines = harness.table_head(res, "o_rel", lambda k, v: f"  {k:22s} o {v['o_rel']:.1e} (tol {v['tol']:.0e})  "
+                               f"rings/length equal {v['state_equal']}  untouched {v['untouched_equal']}")  # fmt: skip
     lines.insert(1, f"shape {res['shapes']['op']}")
-    for k, v in res["checks"].items():
-        if "o_rel" in v:
-            lines.append(f"  {k:22s} o {v['o_rel']:.1e} (tol {v['tol']:.0e})  rings/length equal {v['state_equal']}  "
-                         f"untouched {v['untouched_equal']}")  # fmt: skip
-    nan = float("nan")
-    lines.append(f"{'decode bf16':14s} {'us':>8s} {'graph us':>9s} {'floor us':>9s} {'x floor':>8s} {'graph x':>8s} "
-                 f"{'GB/s':>7s} {'ref us':>9s}")  # fmt: skip
-    for k, v in res["decode"].items():
-        lines.append(f"  {k:12s} {v['triton_us']:8.1f} {v.get('graph_per_step_us', nan):9.1f} {v['floor_us']:9.1f} "
-                     f"{v['over_floor']:8.2f} {v.get('graph_over_floor', nan):8.2f} {v['GBps']:7.0f} "
-                     f"{v['reference_us']:9.1f}")  # fmt: skip
-        lines.append("    sweep us: " + ", ".join(f"{c} {u:.1f}" if isinstance(u, float) else f"{c} failed"
-                                                for c, u in v["sweep_us"].items()))  # fmt: skip
-    lines.append(f"{'prefill bf16':14s} {'ms':>8s} {'Mtok/s':>8s} {'ref ms':>9s} {'ref Mtok/s':>10s} {'x ref':>7s}")
-    for k, v in res["prefill"].items():
-        lines.append(f"  {k:12s} {v['ms']:8.2f} {v['Mtok_s']:8.3f} {v['reference_ms']:9.1f} "
-                     f"{v['reference_Mtok_s']:10.3f} {v['speedup']:7.1f}")  # fmt: skip
-        if "sweep_Mtok_s" in v:
-            lines.append("    sweep Mtok/s: " + ", ".join(f"{c} {r:.3f}" if isinstance(r, float) else f"{c} failed"
-                                                        for c, r in v["sweep_Mtok_s"].items()))  # fmt: skip
+    lines += table_rows("decode bf16", 14, res["decode"], [
+        ("us", "triton_us", "8.1f"), ("graph us", optional("graph_per_step_us"), "9.1f"),
+        ("floor us", "floor_us", "9.1f"), ("x floor", "over_floor", "8.2f"),
+        ("graph x", optional("graph_over_floor"), "8.2f"), ("GB/s", "GBps", "7.0f"), ("ref us", "reference_us", "9.1f"),
+    ], label="sweep us")  # fmt: skip
+    lines += table_rows("prefill bf16", 14, res["prefill"], [
+        ("ms", "ms", "8.2f"), ("Mtok/s", "Mtok_s", "8.3f"), ("ref ms", "reference_ms", "9.1f"),
+        ("ref Mtok/s", "reference_Mtok_s", "10.3f"), ("x ref", "speedup", "7.1f"),
+    ], sweep="sweep_Mtok_s", label="sweep Mtok/s", fmt=".3f")  # fmt: skip
     return "\n".join(lines)
-
-
-def main(argv: list[str] | None = None) -> int:
-    global SZ
-    a, dev = script_args(argv, __doc__, "bmojo_f")
-    if dev is None:
-        return 2
-    if a.smoke:
-        SZ = SMOKE
-    Hq, Hkv, D = SZ["shape"]
-    res = environment(dev) | {
-        "shapes": {"op": f"Hq={Hq} Hkv={Hkv} D={D} W={SZ['W']}, rings in the activation dtype at random pool slots",
-                   "decode": f"bf16; B in {list(SZ['decode_batches'])}, sessions past 2W",
-                   "prefill": {k: f"lens {v[0][:2]}{'...' if len(v[0]) > 2 else ''} past {v[1][:1]}"
-                               for k, v in SZ["prefill"].items()}},
-        "checks": {}, "decode": {}, "prefill": {}, "goals_values": {}, "errors": [],
-    }  # fmt: skip
-    measure_hbm(res, dev, RUN)
-    steps = [
-        ("checks", lambda: check_correctness(dev, res)),
-        ("decode", lambda: time_decode(dev, res)),
-        ("prefill", lambda: time_prefill(dev, res)),
-        ("goals", lambda: res.update(goals=goal_rows(GOALS, res["goals_values"], dev.type))),
-    ]
-    return run_script(steps, res, Path(a.out) / "bmojo_f.json", RUN, table, dev.type)
 
 
 if __name__ == "__main__":

@@ -28,29 +28,16 @@ Writes DIR/lattice_train.json, prints a short table last, and exits 1 when a che
 
 from __future__ import annotations
 
-import json
 import statistics
 import sys
 import time
 from collections.abc import Callable
-from pathlib import Path
 
 import torch
 import torch.nn.functional as F
 
-from kvfree.bench.harness import (
-    Goal,
-    RunLog,
-    environment,
-    goal_rows,
-    measure_hbm,
-    median_ms,
-    rel_err,
-    run_script,
-    script_args,
-    sync,
-    table_head,
-)
+from kvfree.bench import harness
+from kvfree.bench.kernels.common import record
 from kvfree.kernels.common import poisoned_outputs
 
 f64 = torch.float64
@@ -84,13 +71,26 @@ SMOKE = {
     "reference_calls": 1,
     "rep_ms": 1,
 }
-SZ = REAL
-RUN = RunLog()
-say = RUN.say
+SZ = harness.Sizes(REAL, SMOKE)
 GOALS = [
-    Goal("cuda", "train_speedup_min", ">=", 10.0,
-         "training fwd+bwd speedup over the PyTorch path at the MQAR sizes (min over shapes, x)"),
+    harness.Goal("cuda", "train_speedup_min", ">=", 10.0,
+                 "training fwd+bwd speedup over the PyTorch path at the MQAR sizes (min over shapes, x)"),
 ]  # fmt: skip
+SCRIPT = harness.CheckScript("lattice_train", __doc__, SZ, sections=("timing",), goals=GOALS)
+main = SCRIPT.main  # (argv): `python -m kvfree.bench.kernels --op OP` calls it
+say = SCRIPT.log.say
+
+
+@SCRIPT.shapes
+def shapes() -> dict[str, str]:
+    H, d, m = SZ["Hdm"]
+    return {"op": f"H={H} d={d} m={m} (the MQAR model), fp32 q, k (L2-normalised), gamma = sigmoid(.), S0 orthonormal "
+                  "columns; the Triton path checkpoints every 64 tokens",
+            "checks": f"all variants at (B, T)={SZ['variant_shape']}; dec at {list(SZ['dec_shapes'])} (fp32 v), "
+                      f"{SZ['bf16_shape']} (bf16 v, twice), folded gamma at {SZ['folded_shape']}; against float64 "
+                      f"autograd; tolerance {FP32_TOL} (dv with bf16 v {BF16_DV_TOL})",
+            "timing": f"dec, bf16 v, (B, T) in {list(SZ['time_shapes'])}; PyTorch path: lattice_recurrent fp32, "
+                      "checkpoint_tokens=64"}  # fmt: skip
 
 
 def train_inputs(B: int, T: int, v_dtype: torch.dtype, dev: torch.device, gen: torch.Generator,
@@ -152,20 +152,19 @@ def check_case(name: str, variant: str, B: int, T: int, v_dtype: torch.dtype, de
     dy, ds = upstream(B, T, dev, gen)
     with poisoned_outputs():  # forward and backward buffers both start as NaN
         out = triton_grads(leaves, dy, ds, variant)
-    sync()
+    harness.sync()
     ref = torch_grads([t.detach().to(f64).requires_grad_() for t in leaves], dy, ds, variant, checkpoint_tokens=0)
     # rel_err is NaN where an element was left unwritten (poisoned), and NaN <= tol is False: a failure.
-    errs = {n: rel_err(o, r) for n, o, r in zip(("y", "S", *GRADS), out, ref, strict=True)}
+    errs = {n: harness.rel_err(o, r) for n, o, r in zip(("y", "S", *GRADS), out, ref, strict=True)}
     base = torch_grads(leaves, dy, ds, variant, checkpoint_tokens=0)
-    base_err = max(rel_err(o, r) for o, r in zip(base, ref, strict=True))
+    base_err = max(harness.rel_err(o, r) for o, r in zip(base, ref, strict=True))
     tol = {n: BF16_DV_TOL if n == "dv" and v_dtype == torch.bfloat16 else FP32_TOL for n in errs}
     row = {"variant": variant, "B": B, "T": T, "v": str(v_dtype).removeprefix("torch."),
            "S0": "[B,H,d,m] per sequence" if per_sequence_s0 else "[H,d,m].expand(B) (non-contiguous)",
            "v_rows": "unit norm" if unit_v else "randn", "gamma_max": leaves[4].max().item(), "rel": errs,
            "max_rel": max(errs.values()), "pytorch_fp32_max_rel": base_err,
            "ok": all(e <= tol[n] for n, e in errs.items())}  # fmt: skip
-    res["checks"][name] = row
-    say(f"check {name}: {json.dumps(row)}")
+    record(res, SCRIPT.log, "checks", name, row, f"check {name}")
     if determinism:  # the same inputs again, fresh buffers: equal bit for bit
         again = triton_grads(leaves, dy, ds, variant)
         same = all(torch.equal(a, b) for a, b in zip(out, again, strict=True))
@@ -173,6 +172,7 @@ def check_case(name: str, variant: str, B: int, T: int, v_dtype: torch.dtype, de
         say(f"check {name} twice bit-identical: {same}")
 
 
+@SCRIPT.step("checks")
 def check_correctness(dev: torch.device, res: dict) -> None:
     gen = torch.Generator(device=dev).manual_seed(1)
     f32, bf16 = torch.float32, torch.bfloat16
@@ -195,14 +195,14 @@ def few_calls_ms(fn: Callable[[], object], calls: int) -> tuple[float, float | N
     """(median ms of `calls` host-timed calls after one warm-up, MiB the warm-up allocated at its peak above what
     was allocated before it; None without a GPU). For the PyTorch path: at ~1 s a call do_bench's minimum of 8 calls
     would take most of the run, and a Python token loop's time is its host time once synced."""
-    sync()
+    harness.sync()
     mib = peak_mib(fn)
     times = []
     for _ in range(calls):
-        sync()
+        harness.sync()
         start = time.perf_counter()
         fn()
-        sync()
+        harness.sync()
         times.append(time.perf_counter() - start)
     return statistics.median(times) * 1e3, mib
 
@@ -212,11 +212,11 @@ def peak_mib(fn: Callable[[], object]) -> float | None:
     if not torch.cuda.is_available():
         fn()
         return None
-    sync()
+    harness.sync()
     torch.cuda.reset_peak_memory_stats()
     base = torch.cuda.memory_allocated()
     fn()
-    sync()
+    harness.sync()
     return (torch.cuda.max_memory_allocated() - base) / 2**20
 
 
@@ -233,6 +233,7 @@ def train_bytes(B: int, T: int) -> int:
     return B * H * (T * per_head_token + 2 * ckpt)
 
 
+@SCRIPT.step("timing")
 def time_training(dev: torch.device, res: dict) -> None:
     from kvfree.kernels.lattice.backward import lattice_scan_train
     from kvfree.kernels.lattice.reference import lattice_recurrent
@@ -259,9 +260,9 @@ def time_training(dev: torch.device, res: dict) -> None:
                 return lattice_recurrent(expand_s0(s0, B), q, k, v, gamma, None, "dec", checkpoint_tokens=64)
 
         n, calls = B * T, SZ["reference_calls"]
-        tri_ms = median_ms(tri_step, dev, rep_ms=SZ["rep_ms"])
+        tri_ms = harness.median_ms(tri_step, dev, rep_ms=SZ["rep_ms"])
         ref_ms, ref_mib = few_calls_ms(ref_step, calls)
-        tri_fwd_ms = median_ms(tri_fwd, dev, rep_ms=SZ["rep_ms"])
+        tri_fwd_ms = harness.median_ms(tri_fwd, dev, rep_ms=SZ["rep_ms"])
         ref_fwd_ms, _ = few_calls_ms(ref_fwd, calls)
         row = {"tokens": n,
                "fwd_bwd": {"triton_ms": tri_ms, "triton_Mtok_s": n / tri_ms / 1e3, "pytorch_ms": ref_ms,
@@ -273,19 +274,19 @@ def time_training(dev: torch.device, res: dict) -> None:
         floor_us = train_bytes(B, T) / res["hbm_copy_GBps"] / 1e3
         row["fwd_bwd"] |= {"floor_us": floor_us, "over_floor": tri_ms * 1e3 / floor_us}
         speedups.append(row["fwd_bwd"]["speedup"])
-        res["timing"][f"B{B}_T{T}"] = row
-        say(f"time B={B} T={T}: {json.dumps(row)}")
+        record(res, SCRIPT.log, "timing", f"B{B}_T{T}", row, f"time B={B} T={T}")
     res["goals_values"]["train_speedup_min"] = min(speedups)
 
 
+def check_line(name: str, v: dict) -> str:
+    worst = max(v["rel"], key=lambda n: v["rel"][n])
+    return (f"  {name:24s} max rel {v['max_rel']:.1e} ({worst:6s})  torch fp32 {v['pytorch_fp32_max_rel']:.1e}  "
+            f"y {v['rel']['y']:.1e}  S {v['rel']['S']:.1e}  gamma<={v['gamma_max']:.1f}")
+
+
+@SCRIPT.table
 def table(res: dict) -> str:
-    lines = table_head(res)
-    for name, v in res["checks"].items():
-        if "rel" in v:
-            worst = max(v["rel"], key=lambda n: v["rel"][n])
-            lines.append(f"  {name:24s} max rel {v['max_rel']:.1e} ({worst:6s})  torch fp32 "
-                         f"{v['pytorch_fp32_max_rel']:.1e}  y {v['rel']['y']:.1e}  S {v['rel']['S']:.1e}  "
-                         f"gamma<={v['gamma_max']:.1f}")  # fmt: skip
+    lines = harness.table_head(res, "rel", check_line)
     H, d, m = SZ["Hdm"]
     lines.append(f"{f'dec H{H} d{d} m{m} bf16 v':18s} {'fwd+bwd ms':>10s} {'Mtok/s':>7s} {'torch ms':>9s} "
                  f"{'x':>6s} | {'fwd ms':>7s} {'torch ms':>9s} {'x':>6s} | peak MiB tri/torch")  # fmt: skip
@@ -296,33 +297,6 @@ def table(res: dict) -> str:
                      f"{fb['speedup']:6.1f} | {fw['triton_ms']:7.2f} {fw['pytorch_ms']:9.1f} {fw['speedup']:6.1f} "
                      f"| {mib}")  # fmt: skip
     return "\n".join(lines)
-
-
-def main(argv: list[str] | None = None) -> int:
-    global SZ
-    a, dev = script_args(argv, __doc__, "lattice_train")
-    if dev is None:
-        return 2
-    if a.smoke:
-        SZ = SMOKE
-    H, d, m = SZ["Hdm"]
-    res = environment(dev) | {
-        "shapes": {"op": f"H={H} d={d} m={m} (the MQAR model), fp32 q, k (L2-normalised), gamma = sigmoid(.), S0 "
-                         "orthonormal columns; the Triton path checkpoints every 64 tokens",
-                   "checks": f"all variants at (B, T)={SZ['variant_shape']}; dec at {list(SZ['dec_shapes'])} (fp32 "
-                             f"v), {SZ['bf16_shape']} (bf16 v, twice), folded gamma at {SZ['folded_shape']}; "
-                             f"against float64 autograd; tolerance {FP32_TOL} (dv with bf16 v {BF16_DV_TOL})",
-                   "timing": f"dec, bf16 v, (B, T) in {list(SZ['time_shapes'])}; PyTorch path: lattice_recurrent "
-                             "fp32, checkpoint_tokens=64"},
-        "checks": {}, "timing": {}, "goals_values": {}, "errors": [],
-    }  # fmt: skip
-    measure_hbm(res, dev, RUN)
-    steps = [
-        ("checks", lambda: check_correctness(dev, res)),
-        ("timing", lambda: time_training(dev, res)),
-        ("goals", lambda: res.update(goals=goal_rows(GOALS, res["goals_values"], dev.type))),
-    ]
-    return run_script(steps, res, Path(a.out) / "lattice_train.json", RUN, table, dev.type)
 
 
 if __name__ == "__main__":

@@ -18,27 +18,15 @@ Writes DIR/kernels.json and prints a short table last; exits 1 when a check fail
 
 from __future__ import annotations
 
-import argparse
 import json
 import sys
 import time
-from pathlib import Path
 
 import torch
 import torch.nn.functional as F
 
-from kvfree.bench.harness import (
-    RunLog,
-    cu_seqlens,
-    environment,
-    hbm_bandwidth,
-    median_ms,
-    rel_err,
-    run_steps,
-    script_device,
-    sync,
-    untouched_equal,
-)
+from kvfree.bench import harness
+from kvfree.bench.kernels.common import first_call_s, fla_ops, lens_tag, random_slots, record
 from kvfree.kernels.common import poisoned_outputs
 
 f64 = torch.float64
@@ -85,16 +73,24 @@ SMOKE = {
     "conv_width": 40,
     "conv_lens": ([40], [20] * 2),
 }
-SZ = REAL
-DEV = torch.device("cuda" if torch.cuda.is_available() else "cpu")
-RUN = RunLog()
-say = RUN.say
-rel = rel_err
+SZ = harness.Sizes(REAL, SMOKE)
+SCRIPT = harness.CheckScript(
+    "kernels", __doc__, SZ, sections=("decode", "prefill", "conv", "anchors"), script="kvfree.bench.kernels",
+    flags=[("--budget-s", "seconds after which the optional parts (chunk-size sweep, fla anchors) are skipped",
+            {"type": float, "default": 140.0}), ("--skip-fla", None)],
+    smoke_sets=["--skip-fla"],
+)  # fmt: skip
+main = SCRIPT.main  # (argv): `python -m kvfree.bench.kernels` calls it
+say = SCRIPT.log.say
+rel = harness.rel_err
 
 
-def bench(fn, warmup: int = 25, rep: int = 100) -> float:
-    """Median milliseconds of `fn()` (`benchmarking.median_ms`: do_bench on a GPU, a host clock for --smoke)."""
-    return median_ms(fn, DEV, warmup_ms=warmup, rep_ms=rep)
+@SCRIPT.shapes
+def shapes() -> dict[str, str]:
+    return {"decode": "H=16 P=128 N=128 G=1, bf16 x/B/C, fp32 state, pool 512 rows, random slots",
+            "prefill": "H=16 P=128 N=128 G=1|16, bf16, B=1 T=16384 and 8x4096 packed (cu_seqlens)",
+            "checks": "lens [1,700,64,3,2000,129]; H16/P128/N128 and mamba2-370m H32/P64/N128/G1",
+            "conv": "C=2304 K=4 bf16"}  # fmt: skip
 
 
 def empty_cache() -> None:
@@ -121,7 +117,7 @@ def ssd_inputs(T: int, H: int, P: int, N: int, G: int, dtype: torch.dtype, dev, 
 
 def pool_and_slots(shape, n: int, dtype, dev, gen) -> tuple[torch.Tensor, torch.Tensor]:
     pool = torch.randn(POOL, *shape, generator=gen, device=dev).to(dtype)
-    idx = torch.randperm(POOL, generator=gen, device=dev)[:n].to(torch.int32)
+    idx = random_slots(POOL, n, gen, dev)
     pool[idx[1::3].long()] = 0  # some fresh sessions
     return pool, idx
 
@@ -131,6 +127,7 @@ def as64(d: dict) -> dict:
 
 
 # ---------------------------------------------------------------------------------------------------------------------
+@SCRIPT.step("checks")
 def check_correctness(dev, res: dict) -> None:
     from kvfree.kernels.conv import chunk as cc
     from kvfree.kernels.conv import fused_recurrent as cf
@@ -146,7 +143,7 @@ def check_correctness(dev, res: dict) -> None:
 def _check_all(dev, res, cc, cf, cr, mc, mf, mr) -> None:
     gen = torch.Generator(device=dev).manual_seed(1234)
     lens = SZ["check_lens"]
-    cu = cu_seqlens(lens, dev)
+    cu = harness.cu_seqlens(lens, dev)
     cu_cpu = cu.tolist()
     T = sum(lens)
     for name, H, P, N, G, dtype, chunk, lim in SZ["check_ssd"]:
@@ -158,14 +155,14 @@ def _check_all(dev, res, cc, cf, cr, mc, mf, mr) -> None:
         pool, idx = pool_and_slots((H, P, N), len(lens), torch.float32, dev, gen)
         before, ref_pool = pool.clone(), pool.to(f64)
         y = mc.chunk_mamba2(*args, pool, idx, cu, *params, lim, chunk, cu_seqlens_cpu=cu_cpu)
-        sync()
+        harness.sync()
         y_ref = mr.chunk_mamba2(
             a64["x"], a64["dt"], a64["B"], a64["C"], ref_pool, idx, cu, a64["A"], a64["D"], a64["dt_bias"], lim, chunk
         )
         r = {
             "y_rel": rel(y, y_ref),
             "state_rel": rel(pool[idx.long()], ref_pool[idx.long()]),
-            "untouched_equal": untouched_equal(pool, before, idx),
+            "untouched_equal": harness.untouched_equal(pool, before, idx),
         }
         # then one decode step on the same rows
         dinp = ssd_inputs(len(lens), H, P, N, G, dtype, dev, gen)
@@ -173,20 +170,19 @@ def _check_all(dev, res, cc, cf, cr, mc, mf, mr) -> None:
         before = pool.clone()
         y = mf.fused_recurrent_mamba2(dinp["x"], dinp["dt"], dinp["B"], dinp["C"], pool, idx, dinp["A"], dinp["D"],
                                       dinp["dt_bias"], lim)
-        sync()
+        harness.sync()
         y_ref = mr.fused_recurrent_mamba2(d64["x"], d64["dt"], d64["B"], d64["C"], ref_pool, idx, d64["A"], d64["D"],
                                           d64["dt_bias"], lim)
         r |= {
             "decode_y_rel": rel(y, y_ref),
             "decode_state_rel": rel(pool[idx.long()], ref_pool[idx.long()]),
-            "decode_untouched_equal": untouched_equal(pool, before, idx),
+            "decode_untouched_equal": harness.untouched_equal(pool, before, idx),
         }
         r["ok"] = bool(
             max(r["y_rel"], r["state_rel"], r["decode_y_rel"], r["decode_state_rel"]) <= tol
             and r["untouched_equal"] and r["decode_untouched_equal"]
         )
-        res["checks"][f"ssd_{name}"] = r
-        say(f"check ssd {name}: {json.dumps(r)}")
+        record(res, SCRIPT.log, "checks", f"ssd_{name}", r, f"check ssd {name}")
         del inp, pool, before, ref_pool, y, y_ref
         empty_cache()
 
@@ -199,24 +195,24 @@ def _check_all(dev, res, cc, cf, cr, mc, mf, mr) -> None:
         pool, idx = pool_and_slots((K - 1, Cw), len(lens), sdtype, dev, gen)
         before, ref_pool = pool.clone(), pool.to(f64)
         y = cc.chunk_causal_conv1d(x, pool, idx, cu, w, b, "silu", cu_seqlens_cpu=cu_cpu)
-        sync()
+        harness.sync()
         y_ref = cr.chunk_causal_conv1d(x.to(f64), ref_pool, idx, cu, w.to(f64), b.to(f64), "silu")
         r = {"y_rel": rel(y, y_ref), "tail_equal": bool(torch.equal(pool.to(f64), ref_pool)),
-             "untouched_equal": untouched_equal(pool, before, idx)}
+             "untouched_equal": harness.untouched_equal(pool, before, idx)}
         xd = torch.randn(len(lens), Cw, generator=gen, device=dev).to(dtype)
         before = pool.clone()
         y = cf.fused_recurrent_causal_conv1d(xd, pool, idx, w, b, "silu")
-        sync()
+        harness.sync()
         y_ref = cr.fused_recurrent_causal_conv1d(xd.to(f64), ref_pool, idx, w.to(f64), b.to(f64), "silu")
         r |= {"decode_y_rel": rel(y, y_ref), "decode_tail_equal": bool(torch.equal(pool.to(f64), ref_pool)),
-              "decode_untouched_equal": untouched_equal(pool, before, idx)}
+              "decode_untouched_equal": harness.untouched_equal(pool, before, idx)}
         r["ok"] = bool(max(r["y_rel"], r["decode_y_rel"]) <= tol and all(v for k, v in r.items() if "equal" in k))
-        res["checks"][name] = r
-        say(f"check {name}: {json.dumps(r)}")
+        record(res, SCRIPT.log, "checks", name, r, f"check {name}")
 
 
 # ---------------------------------------------------------------------------------------------------------------------
-def time_decode(dev, res: dict, hbm_GBps: float) -> None:
+@SCRIPT.step("decode")
+def time_decode(dev, res: dict) -> None:
     from kvfree.kernels.mamba2 import fused_recurrent as mf
     from kvfree.kernels.mamba2 import reference as mr
 
@@ -225,15 +221,15 @@ def time_decode(dev, res: dict, hbm_GBps: float) -> None:
     pool = torch.randn(POOL, H, P, N, generator=gen, device=dev) * 0.1
     for Bs in SZ["decode_batches"]:
         inp = ssd_inputs(Bs, H, P, N, G, torch.bfloat16, dev, gen)
-        idx = torch.randperm(POOL, generator=gen, device=dev)[:Bs].to(torch.int32)
+        idx = random_slots(POOL, Bs, gen, dev)
         args = (inp["x"], inp["dt"], inp["B"], inp["C"], pool, idx, inp["A"], inp["D"], inp["dt_bias"], None)
         state_bytes = Bs * H * P * N * 4 * 2
-        floor_us = state_bytes / hbm_GBps / 1e3
+        floor_us = state_bytes / res["hbm_copy_GBps"] / 1e3
         row = {"floor_us": floor_us}
-        ms = bench(lambda args=args: mf.fused_recurrent_mamba2(*args), rep=200)
+        ms = harness.bench(lambda args=args: mf.fused_recurrent_mamba2(*args), dev, rep=200)
         row |= {"triton_us": ms * 1e3, "triton_GBps": state_bytes / ms / 1e6, "over_floor": ms * 1e3 / floor_us,
                 "block_p": mf._block_p(Bs, H, P, N, dev)}
-        ms = bench(lambda args=args: mr.fused_recurrent_mamba2(*args), rep=100)
+        ms = harness.bench(lambda args=args: mr.fused_recurrent_mamba2(*args), dev, rep=100)
         row["reference_us"] = ms * 1e3
         if Bs == 1 and dev.type == "cuda":
             mf.fused_recurrent_mamba2(*args)  # compiled and warm before capture
@@ -246,25 +242,26 @@ def time_decode(dev, res: dict, hbm_GBps: float) -> None:
             graph = torch.cuda.CUDAGraph()
             with torch.cuda.graph(graph):
                 mf.fused_recurrent_mamba2(*args)
-            ms = bench(graph.replay, rep=200)
+            ms = harness.bench(graph.replay, dev, rep=200)
             row["triton_graph_us"] = ms * 1e3
             # ten steps in one graph: the per-step cost without the replay's own launch
             graph10 = torch.cuda.CUDAGraph()
             with torch.cuda.graph(graph10):
                 for _ in range(10):
                     mf.fused_recurrent_mamba2(*args)
-            row["triton_graph_per_step_of_10_us"] = bench(graph10.replay, rep=200) * 1e3 / 10
+            row["triton_graph_per_step_of_10_us"] = harness.bench(graph10.replay, dev, rep=200) * 1e3 / 10
         if Bs == max(SZ["decode_batches"]):
             sweep = {}
             for bp, nw in [(8, 2), (8, 4), (16, 4), (16, 8), (32, 4), (32, 8)]:
-                ms = bench(lambda args=args, bp=bp, nw=nw: mf.launch(*args, block_p=bp, num_warps=nw), rep=200)
+                ms = harness.bench(lambda args=args, bp=bp, nw=nw: mf.launch(*args, block_p=bp, num_warps=nw), dev,
+                                   rep=200)  # fmt: skip
                 sweep[f"BP{bp}_w{nw}"] = ms * 1e3
             row["sweep_us"] = sweep
-        res["decode"][f"B{Bs}"] = row
-        say(f"decode B={Bs}: {json.dumps(row)}")
+        record(res, SCRIPT.log, "decode", f"B{Bs}", row, f"decode B={Bs}")
 
 
-def time_prefill(dev, res: dict, budget_s: float) -> None:
+@SCRIPT.step("prefill")
+def time_prefill(dev, res: dict) -> None:
     from kvfree.kernels.mamba2 import chunk as mc
     from kvfree.kernels.mamba2 import reference as mr
 
@@ -274,34 +271,31 @@ def time_prefill(dev, res: dict, budget_s: float) -> None:
     for G, lens, chunks, optional in SZ["prefill_plan"]:
         T = sum(lens)
         inp = ssd_inputs(T, H, P, N, G, torch.bfloat16, dev, gen)
-        cu = cu_seqlens(lens, dev)
+        cu = harness.cu_seqlens(lens, dev)
         cu_cpu = cu.tolist()
-        idx = torch.randperm(POOL, generator=gen, device=dev)[: len(lens)].to(torch.int32)
-        tag = f"G{G}_{f'B1_T{T}' if len(lens) == 1 else f'{len(lens)}x{lens[0]}'}"
+        idx = random_slots(POOL, len(lens), gen, dev)
+        tag = f"G{G}_{lens_tag(lens)}"
         for L in chunks:
-            if optional and time.time() - RUN.start > budget_s:
+            if optional and time.time() - SCRIPT.log.start > SCRIPT.args.budget_s:
                 say(f"prefill {tag} L={L}: skipped (time budget)")
                 continue
             args = (inp["x"], inp["dt"], inp["B"], inp["C"], pool, idx, cu, inp["A"], inp["D"], inp["dt_bias"], None, L)
-            t = time.time()
-            mc.chunk_mamba2(*args, cu_seqlens_cpu=cu_cpu)
-            sync()
-            first_s = time.time() - t
-            ms = bench(lambda args=args, cu_cpu=cu_cpu: mc.chunk_mamba2(*args, cu_seqlens_cpu=cu_cpu))
+            first_s = first_call_s(lambda args=args, cu_cpu=cu_cpu: mc.chunk_mamba2(*args, cu_seqlens_cpu=cu_cpu))
+            ms = harness.bench(lambda args=args, cu_cpu=cu_cpu: mc.chunk_mamba2(*args, cu_seqlens_cpu=cu_cpu), dev)
             row = {"ms": ms, "Mtok_s": T / ms / 1e3, "first_call_s": first_s,
                    "state_config": str(mc._chunk_state_kernel.best_config),
                    "out_config": str(mc._chunk_out_kernel.best_config)}
             if chunks.index(L) == 0 and G == 1:  # the reference once per shape
-                ms_ref = bench(lambda args=args, cu_cpu=cu_cpu: mr.chunk_mamba2(*args, cu_seqlens_cpu=cu_cpu),
-                               warmup=5, rep=20)
+                ms_ref = harness.median_ms(lambda args=args, cu_cpu=cu_cpu: mr.chunk_mamba2(
+                    *args, cu_seqlens_cpu=cu_cpu), dev, warmup_ms=5, rep_ms=20)  # fmt: skip
                 row["reference_ms"] = ms_ref
                 row["reference_Mtok_s"] = T / ms_ref / 1e3
-            res["prefill"][f"{tag}_L{L}"] = row
-            say(f"prefill {tag} L={L}: {json.dumps(row)}")
+            record(res, SCRIPT.log, "prefill", f"{tag}_L{L}", row, f"prefill {tag} L={L}")
         del inp
         empty_cache()
 
 
+@SCRIPT.step("conv")
 def time_conv(dev, res: dict) -> None:
     from kvfree.kernels.conv import chunk as cc
     from kvfree.kernels.conv import fused_recurrent as cf
@@ -313,42 +307,39 @@ def time_conv(dev, res: dict) -> None:
     pool = torch.randn(POOL, K - 1, Cw, generator=gen, device=dev).bfloat16()
     for lens in SZ["conv_lens"]:
         x = torch.randn(sum(lens), Cw, generator=gen, device=dev).bfloat16()
-        cu = cu_seqlens(lens, dev)
-        idx = torch.randperm(POOL, generator=gen, device=dev)[: len(lens)].to(torch.int32)
+        cu = harness.cu_seqlens(lens, dev)
+        idx = random_slots(POOL, len(lens), gen, dev)
         cu_cpu = cu.tolist()
-        ms = bench(lambda x=x, cu=cu, idx=idx, cu_cpu=cu_cpu: cc.chunk_causal_conv1d(
-            x, pool, idx, cu, w, b, cu_seqlens_cpu=cu_cpu))
+        ms = harness.bench(lambda x=x, cu=cu, idx=idx, cu_cpu=cu_cpu: cc.chunk_causal_conv1d(
+            x, pool, idx, cu, w, b, cu_seqlens_cpu=cu_cpu), dev)  # fmt: skip
         nbytes = 2 * x.numel() * 2
         res["conv"][f"prefill_{len(lens)}x{lens[0]}"] = {"us": ms * 1e3, "GBps": nbytes / ms / 1e6}
     for Bs in (1, max(SZ["decode_batches"])):
         x = torch.randn(Bs, Cw, generator=gen, device=dev).bfloat16()
-        idx = torch.randperm(POOL, generator=gen, device=dev)[:Bs].to(torch.int32)
-        ms = bench(lambda x=x, idx=idx: cf.fused_recurrent_causal_conv1d(x, pool, idx, w, b), rep=200)
+        idx = random_slots(POOL, Bs, gen, dev)
+        ms = harness.bench(lambda x=x, idx=idx: cf.fused_recurrent_causal_conv1d(x, pool, idx, w, b), dev, rep=200)
         res["conv"][f"decode_B{Bs}"] = {"us": ms * 1e3}
     say(f"conv: {json.dumps(res['conv'])}")
 
 
-def time_fla(dev, res: dict, budget_s: float) -> None:
-    if time.time() - RUN.start > budget_s:
+@SCRIPT.step("fla", unless="--skip-fla")
+def time_fla(dev, res: dict) -> None:
+    if time.time() - SCRIPT.log.start > SCRIPT.args.budget_s:
         res["anchors"]["fla"] = "skipped (time budget): rerun with a larger --budget-s"
         say(res["anchors"]["fla"])
         return
-    try:
-        from fla.ops.simple_gla import chunk_simple_gla, fused_recurrent_simple_gla
-    except Exception as e:  # not installed here
-        res["anchors"]["fla"] = f"not importable: {e!r}"[:300]
-        say(res["anchors"]["fla"])
+    ops = fla_ops(res, SCRIPT.log, "fla.ops.simple_gla.chunk_simple_gla",
+                  "fla.ops.simple_gla.fused_recurrent_simple_gla")  # fmt: skip
+    if ops is None:
         return
-    import fla
-
-    res["anchors"]["fla_version"] = getattr(fla, "__version__", "?")
+    chunk_simple_gla, fused_recurrent_simple_gla = ops
     H, K, V = 16, 128, 128
     for B, T in [(1, 16384), (8, 4096)]:
         q = torch.randn(B, T, H, K, device=dev, dtype=torch.bfloat16)
         k = F.normalize(torch.randn(B, T, H, K, device=dev), dim=-1).bfloat16()
         v = torch.randn(B, T, H, V, device=dev, dtype=torch.bfloat16)
         g = F.logsigmoid(torch.randn(B, T, H, device=dev) + 4)
-        ms = bench(lambda q=q, k=k, v=v, g=g: chunk_simple_gla(q, k, v, g=g, output_final_state=True))
+        ms = harness.bench(lambda q=q, k=k, v=v, g=g: chunk_simple_gla(q, k, v, g=g, output_final_state=True), dev)
         res["anchors"][f"fla_chunk_simple_gla_B{B}_T{T}"] = {"ms": ms, "Mtok_s": B * T / ms / 1e3}
         del q, k, v, g
     for B in (1, 64, 256):
@@ -357,26 +348,20 @@ def time_fla(dev, res: dict, budget_s: float) -> None:
         v = torch.randn(B, 1, H, V, device=dev, dtype=torch.bfloat16)
         g = F.logsigmoid(torch.randn(B, 1, H, device=dev) + 4)
         h0 = torch.randn(B, H, K, V, device=dev)
-        ms = bench(lambda q=q, k=k, v=v, g=g, h0=h0: fused_recurrent_simple_gla(
-            q, k, v, g=g, initial_state=h0, output_final_state=True), rep=200)
+        ms = harness.bench(lambda q=q, k=k, v=v, g=g, h0=h0: fused_recurrent_simple_gla(
+            q, k, v, g=g, initial_state=h0, output_final_state=True), dev, rep=200)  # fmt: skip
         res["anchors"][f"fla_fused_recurrent_simple_gla_B{B}"] = {"us": ms * 1e3,
                                                                    "state_GBps": h0.numel() * 8 / ms / 1e6}
     torch.cuda.empty_cache()
     say(f"fla anchors: {json.dumps(res['anchors'])}")
 
 
+@SCRIPT.table
 def table(res: dict) -> str:
     nan = float("nan")
-    head = f"{res['device']}  torch {res['torch']}  triton {res['triton']}  HBM copy {res['hbm_copy_GBps']:.0f} GB/s"
-    lines = [head]
-    bad = [k for k, v in res["checks"].items() if not v.get("ok")]
-    n_ok = len(res["checks"]) - len(bad)
-    lines.append(f"checks: {n_ok}/{len(res['checks'])} ok" + (f"  FAILED {bad}" if bad else ""))
-    for k, v in res["checks"].items():
-        lines.append(
-            f"  {k:26s} y {v.get('y_rel', nan):.1e}  decode y {v.get('decode_y_rel', nan):.1e}"
-            f"  state {v.get('state_rel', 0):.1e}  untouched ok {v.get('untouched_equal')}"
-        )
+    lines = harness.table_head(res, line=lambda k, v: f"  {k:26s} y {v.get('y_rel', nan):.1e}  decode y "
+                               f"{v.get('decode_y_rel', nan):.1e}  state {v.get('state_rel', 0):.1e}  untouched ok "
+                               f"{v.get('untouched_equal')}")  # fmt: skip
     anc = res["anchors"]
     lines.append(f"{'decode H16 P128 N128':22s} {'triton us':>10s} {'floor':>7s} {'x floor':>8s} {'ref us':>8s} "
                  f"{'fla us':>7s}")
@@ -399,44 +384,6 @@ def table(res: dict) -> str:
     if res["conv"]:
         lines.append("conv (C=2304 bf16): " + ", ".join(f"{k} {v['us']:.1f} us" for k, v in res["conv"].items()))
     return "\n".join(lines)
-
-
-def main(argv: list[str] | None = None) -> int:
-    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument("--out", default="docs/bench", help="folder for kernels.json")
-    ap.add_argument("--budget-s", type=float, default=140.0,
-                    help="seconds after which the optional parts (chunk-size sweep, fla anchors) are skipped")
-    ap.add_argument("--skip-fla", action="store_true")
-    ap.add_argument("--smoke", action="store_true", help="tiny sizes on the CPU under the Triton interpreter")
-    a = ap.parse_args(argv)
-    global SZ
-    dev = script_device(a.smoke, "kvfree.bench.kernels")
-    if dev is None:
-        return 2
-    if a.smoke:
-        SZ, a.skip_fla = SMOKE, True
-    res = environment(dev) | {
-        "shapes": {"decode": "H=16 P=128 N=128 G=1, bf16 x/B/C, fp32 state, pool 512 rows, random slots",
-                   "prefill": "H=16 P=128 N=128 G=1|16, bf16, B=1 T=16384 and 8x4096 packed (cu_seqlens)",
-                   "checks": "lens [1,700,64,3,2000,129]; H16/P128/N128 and mamba2-370m H32/P64/N128/G1",
-                   "conv": "C=2304 K=4 bf16"},
-        "checks": {}, "decode": {}, "prefill": {}, "conv": {}, "anchors": {}, "errors": [],
-    }
-    res["hbm_copy_GBps"] = hbm_bandwidth(dev) / 1e9 if dev.type == "cuda" else 1.0
-    empty_cache()
-    say(f"{res['device']}: HBM copy {res['hbm_copy_GBps']:.0f} GB/s")
-
-    steps = [
-        ("checks", lambda: check_correctness(dev, res)),
-        ("decode", lambda: time_decode(dev, res, res["hbm_copy_GBps"])),
-        ("prefill", lambda: time_prefill(dev, res, a.budget_s)),
-        ("conv", lambda: time_conv(dev, res)),
-    ]
-    if not a.skip_fla:
-        steps.append(("fla", lambda: time_fla(dev, res, a.budget_s)))
-    status = run_steps(steps, res, Path(a.out) / "kernels.json", RUN)
-    print(table(res), flush=True)
-    return status
 
 
 if __name__ == "__main__":

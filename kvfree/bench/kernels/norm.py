@@ -17,46 +17,38 @@ Writes DIR/norm.json, prints a short table last, and exits 1 when a check fails.
 
 from __future__ import annotations
 
-import argparse
 import json
 import sys
-from collections.abc import Callable
-from pathlib import Path
 
 import torch
 
-from kvfree.bench.harness import (
-    RunLog,
-    environment,
-    graph_per_call_ms,
-    hbm_bandwidth,
-    median_ms,
-    rel_err,
-    run_steps,
-    script_device,
-    sync,
-)
+from kvfree.bench import harness
+from kvfree.bench.kernels.common import record, sweep_text
 from kvfree.kernels.common import poisoned_outputs
 
 f64 = torch.float64
 REAL = {"rows": (1, 256, 8192), "D": 1024, "D_inner": 2048, "groups": (2048, 256), "proj": 4384, "copy_mib": 512}
 SMOKE = {"rows": (1, 5, 33), "D": 96, "D_inner": 128, "groups": (128, 32), "proj": 300, "copy_mib": 1}
-SZ = REAL
+SZ = harness.Sizes(REAL, SMOKE)
 EPS = 1e-5
-DEV = torch.device("cuda" if torch.cuda.is_available() else "cpu")
-RUN = RunLog()
-say = RUN.say
-rel = rel_err
+COPY = {"key": "copy_GBps", "label": "copy"}  # the result's name for the copy bandwidth, and the table's
 
 
-def bench(fn: Callable[[], object], rep: int = 100) -> float:
-    """Median milliseconds of `fn()` (`benchmarking.median_ms`: do_bench on a GPU, a host clock for --smoke)."""
-    return median_ms(fn, DEV, rep_ms=rep)
+def measure_copy(res: dict, dev: torch.device, log: harness.RunLog) -> None:
+    """A device-to-device copy of copy_mib, bytes read plus written (`harness.measure_hbm`)."""
+    harness.measure_hbm(res, dev, log, **COPY, gib=SZ["copy_mib"] / 1024)
 
 
-def copy_GBps(dev: torch.device) -> float:
-    """A device-to-device copy, bytes read plus written (`benchmarking.hbm_bandwidth`)."""
-    return (hbm_bandwidth(dev, gib=SZ["copy_mib"] / 1024) or float("nan")) / 1e9
+SCRIPT = harness.CheckScript("norm", __doc__, SZ, sections=("timing",), measure=measure_copy)
+main = SCRIPT.main  # `python -m kvfree.bench.kernels.norm` (not an --op of `python -m kvfree.bench.kernels`)
+say = SCRIPT.log.say
+rel = harness.rel_err
+
+
+@SCRIPT.shapes
+def shapes() -> dict[str, str]:
+    return {"rms/add": f"[N, {SZ['D']}] bf16 x and weight, fp32 residual",
+            "gated": f"D={SZ['D_inner']}, x/gate column slices of [N, {SZ['proj']}] bf16, bf16 weight"}  # fmt: skip
 
 
 def inputs(N: int, dev: torch.device, gen: torch.Generator, dtype: torch.dtype = torch.bfloat16) -> dict:
@@ -74,6 +66,7 @@ def inputs(N: int, dev: torch.device, gen: torch.Generator, dtype: torch.dtype =
 
 
 # ---------------------------------------------------------------------------------------------------------------------
+@SCRIPT.step("checks")
 def check_correctness(dev: torch.device, res: dict) -> None:
     from kvfree.kernels.norm import fused
     from kvfree.kernels.norm import reference as ref
@@ -86,8 +79,7 @@ def _record(res: dict, name: str, errs: dict, tol: float, extra: dict | None = N
     r = {k: v for k, v in errs.items()} | {"tol": tol} | (extra or {})
     flags = [v for k, v in (extra or {}).items() if k.endswith("ok")]
     r["ok"] = bool(all(v <= tol for v in errs.values()) and all(flags))
-    res["checks"][name] = r
-    say(f"check {name}: {json.dumps(r)}")
+    record(res, SCRIPT.log, "checks", name, r, f"check {name}")
 
 
 def _check_all(dev, res, fused, ref) -> None:
@@ -143,7 +135,7 @@ def _check_graph(dev, res, fused, ref, gen) -> None:
     for k in ("x", "res", "w", "gate", "xi", "wi"):
         st[k].copy_(new[k])
     graph.replay()
-    sync()
+    harness.sync()
     want_g = ref.gated_rms_norm(new["xi"], new["gate"], new["wi"], gs, EPS)
     want_y, want_r = ref.add_rms_norm(new["x"], new["res"], new["w"], EPS)
     errs = {"g_rel": rel(out["g"], want_g), "y_rel": rel(out["y"], want_y), "r_rel": rel(out["r"], want_r)}
@@ -151,11 +143,12 @@ def _check_graph(dev, res, fused, ref, gen) -> None:
 
 
 # ---------------------------------------------------------------------------------------------------------------------
-def time_all(dev: torch.device, res: dict, hbm: float) -> None:
+@SCRIPT.step("timing")
+def time_all(dev: torch.device, res: dict) -> None:
     gen = torch.Generator(device=dev).manual_seed(5)
     rows = SZ["rows"]
     for i, N in enumerate(rows):
-        _time_rows(N, inputs(N, dev, gen), dev, res, hbm, sweep=i == len(rows) - 1)
+        _time_rows(N, inputs(N, dev, gen), dev, res, res["copy_GBps"], sweep=i == len(rows) - 1)
 
 
 def _time_rows(N: int, d: dict, dev: torch.device, res: dict, hbm: float, sweep: bool) -> None:
@@ -176,34 +169,31 @@ def _time_rows(N: int, d: dict, dev: torch.device, res: dict, hbm: float, sweep:
                                lambda gs=gs: ref.gated_rms_norm(xi, gate, wi, gs, EPS), N * Di * 6 + Di * 2)
     for name, (tri, refn, nbytes) in ops.items():
         row = {"bytes": nbytes, "floor_us": nbytes / hbm / 1e3}
-        ms = bench(tri)
+        ms = harness.bench(tri, dev)
         row |= {"triton_us": ms * 1e3, "triton_GBps": nbytes / ms / 1e6}
         if refn is not None:
-            ms = bench(refn)
+            ms = harness.bench(refn, dev)
             row |= {"reference_us": ms * 1e3, "reference_GBps": nbytes / ms / 1e6}
         if N == 1 and dev.type == "cuda":
-            row["triton_graph_us"] = graph_per_call_ms(tri) * 1e3
+            row["triton_graph_us"] = harness.graph_per_call_ms(tri) * 1e3
             if refn is not None:
-                row["reference_graph_us"] = graph_per_call_ms(refn) * 1e3
-        res["timing"][f"{name}_N{N}"] = row
-        say(f"time {name} N={N}: {json.dumps(row)}")
+                row["reference_graph_us"] = harness.graph_per_call_ms(refn) * 1e3
+        record(res, SCRIPT.log, "timing", f"{name}_N{N}", row, f"time {name} N={N}")
     if sweep:  # launch configurations around the default
         us = {}
         for bn, nw in [(1, 4), (1, 8), (2, 8), (4, 8)]:
-            us[f"add_BN{bn}_w{nw}"] = bench(
-                lambda bn=bn, nw=nw: fused.add_rms_norm(x, r0, w, EPS, block_n=bn, num_warps=nw)) * 1e3
-            us[f"gated_g{Di}_BN{bn}_w{nw}"] = bench(
-                lambda bn=bn, nw=nw: fused.gated_rms_norm(xi, gate, wi, Di, EPS, block_n=bn, num_warps=nw)) * 1e3
+            us[f"add_BN{bn}_w{nw}"] = harness.bench(
+                lambda bn=bn, nw=nw: fused.add_rms_norm(x, r0, w, EPS, block_n=bn, num_warps=nw), dev) * 1e3
+            us[f"gated_g{Di}_BN{bn}_w{nw}"] = harness.bench(
+                lambda bn=bn, nw=nw: fused.gated_rms_norm(xi, gate, wi, Di, EPS, block_n=bn, num_warps=nw), dev) * 1e3
         res["sweep_us"] = us
         say(f"sweep N={N}: {json.dumps(us)}")
 
 
+@SCRIPT.table
 def table(res: dict) -> str:
     nan = float("nan")
-    lines = [f"{res['device']}  torch {res['torch']}  triton {res['triton']}  copy {res['copy_GBps']:.0f} GB/s"]
-    bad = [k for k, v in res["checks"].items() if not v.get("ok")]
-    n = len(res["checks"])
-    lines.append(f"checks: {n - len(bad)}/{n} ok" + (f"  FAILED {bad}" if bad else ""))
+    lines = harness.table_head(res, **COPY)
     worst: dict[str, float] = {}
     for k, v in res["checks"].items():
         kind = "fp32" if k.endswith("fp32") else "bf16"
@@ -218,32 +208,8 @@ def table(res: dict) -> str:
         lines.append(f"  {k:18s} {v['triton_us']:10.2f} {v['triton_GBps']:7.0f} {v['floor_us']:9.2f} "
                      f"{v.get('reference_us', nan):8.1f} {g:>17s}")
     if res.get("sweep_us"):
-        lines.append("  sweep us: " + ", ".join(f"{c} {u:.1f}" for c, u in res["sweep_us"].items()))
+        lines.append("  sweep us: " + sweep_text(res["sweep_us"]))
     return "\n".join(lines)
-
-
-def main() -> int:
-    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument("--out", default="docs/bench", help="folder for norm.json")
-    ap.add_argument("--smoke", action="store_true", help="tiny sizes on the CPU under the Triton interpreter")
-    a = ap.parse_args()
-    global SZ
-    dev = script_device(a.smoke, "kvfree.bench.kernels.norm")
-    if dev is None:
-        return 2
-    if a.smoke:
-        SZ = SMOKE
-    res = environment(dev) | {
-        "shapes": {"rms/add": f"[N, {SZ['D']}] bf16 x and weight, fp32 residual",
-                   "gated": f"D={SZ['D_inner']}, x/gate column slices of [N, {SZ['proj']}] bf16, bf16 weight"},
-        "checks": {}, "timing": {}, "errors": [],
-    }
-    res["copy_GBps"] = copy_GBps(dev) if dev.type == "cuda" else 1.0
-    say(f"{res['device']}: copy {res['copy_GBps']:.0f} GB/s")
-    steps = [("checks", lambda: check_correctness(dev, res)), ("timing", lambda: time_all(dev, res, res["copy_GBps"]))]
-    status = run_steps(steps, res, Path(a.out) / "norm.json", RUN)
-    print(table(res), flush=True)
-    return status
 
 
 if __name__ == "__main__":

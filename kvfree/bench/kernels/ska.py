@@ -28,25 +28,12 @@ Writes DIR/ska.json, prints a short table last, and exits 1 when a check fails.
 from __future__ import annotations
 
 import functools
-import json
 import sys
-from pathlib import Path
 
 import torch
 
-from kvfree.bench.harness import (
-    RunLog,
-    cu_seqlens,
-    environment,
-    measure_hbm,
-    median_ms,
-    rel_err,
-    run_script,
-    script_args,
-    sync,
-    table_head,
-    untouched_equal,
-)
+from kvfree.bench import harness
+from kvfree.bench.kernels.common import lens_tag, optional, random_slots, record, table_rows
 from kvfree.kernels.common import poisoned_outputs
 
 f64 = torch.float64
@@ -73,11 +60,22 @@ SMOKE = {
     "reference_T": 16,
     "drift_T": 16,
 }
-SZ = REAL
-RUN = RunLog()
-say = RUN.say
-rel = rel_err
+SZ = harness.Sizes(REAL, SMOKE)
+SCRIPT = harness.CheckScript("ska", __doc__, SZ, sections=("decode", "prefill", "drift"),
+                             flags=[("--skip-drift", None)])  # fmt: skip
+main = SCRIPT.main  # (argv): `python -m kvfree.bench.kernels --op OP` calls it
+say = SCRIPT.log.say
 ACC = {"fp64": f64, "fp32": f32}
+
+
+@SCRIPT.shapes
+def shapes() -> dict[str, str]:
+    H, r, P = SZ["HrP"]
+    return {"op": f"H={H} r={r} P={P}, chunk {SZ['chunk']}, K=2, 6 power iterations, eps 1e-3, a {SZ['pool']}-row pool "
+                  "at random slots",
+            "decode": f"fp32 inputs; B in {list(SZ['decode_batches'])}; fp64 and fp32 accumulators",
+            "prefill": f"{SZ['prefill_lens'][0]} and {len(SZ['prefill_lens'][1])}x{SZ['prefill_lens'][1][0]}",
+            "drift": f"{SZ['drift_T']} tokens, one session"}  # fmt: skip
 
 
 def op_kw(dev: torch.device) -> dict:
@@ -114,13 +112,13 @@ def filled_pool(dev: torch.device, gen: torch.Generator, acc: torch.dtype, n: in
     pool = empty_pool(dev, acc)
     for t in pool[:6]:
         t.copy_(torch.randn(t.shape, generator=gen, device=dev).to(t.dtype))
-    idx = torch.randperm(SZ["pool"], generator=gen, device=dev)[:n].to(torch.int32)
+    idx = random_slots(SZ["pool"], n, gen, dev)
     choices = [0, S // 2, S, 2 * S, 3 * S - 1, 4 * S + 3, 5 * S]
     lens = [choices[i % len(choices)] for i in range(n)]
     pool.pos[idx.long()] = 0
     for name in ("G", "M", "C", "z_prev", "m", "J"):
         getattr(pool, name)[idx.long()] = 0
-    cu = cu_seqlens(lens, dev)
+    cu = harness.cu_seqlens(lens, dev)
     z, q, v = ska_inputs(sum(lens), dev, gen)
     kw = op_kw(dev)
     reference.chunk_ska(z, q, v, pool, idx, cu, **kw, cu_seqlens_cpu=cu.tolist())
@@ -139,18 +137,19 @@ def f64_stats(pool):
 
 def compare(pool, want, before, idx, y, y_ref, tol) -> dict:
     i = idx.long()
-    row = {"y_rel": rel(y, y_ref)}
+    row = {"y_rel": harness.rel_err(y, y_ref)}
     for name, a, b in zip(pool._fields, pool, want, strict=True):
         if name == "pos":
             row["pos_equal"] = bool(torch.equal(a[i], b[i]))
         else:
-            row[f"{name}_rel"] = rel(a[i], b[i])
-    row["untouched_equal"] = all(untouched_equal(a, b, idx) for a, b in zip(pool, before, strict=True))
+            row[f"{name}_rel"] = harness.rel_err(a[i], b[i])
+    row["untouched_equal"] = all(harness.untouched_equal(a, b, idx) for a, b in zip(pool, before, strict=True))
     errs = [v for k, v in row.items() if k.endswith("_rel")]
     row["ok"] = row["untouched_equal"] and row["pos_equal"] and max(errs) <= tol  # NaN fails
     return row
 
 
+@SCRIPT.step("checks")
 def check_correctness(dev: torch.device, res: dict) -> None:
     from kvfree.kernels.ska import chunk, fused_recurrent, reference
 
@@ -170,21 +169,19 @@ def check_correctness(dev: torch.device, res: dict) -> None:
                 ys.append(fused_recurrent.fused_recurrent_ska(z, q, v, pool, idx, **kw))
             refs.append(reference.fused_recurrent_ska(z.float(), q.float(), v.float(), want, idx, **kw))
         row = compare(pool, want, before, idx, torch.cat(ys), torch.cat(refs), tol[dtype])
-        res["checks"][f"decode_B{B}_{tag}"] = row
-        say(f"check decode {tag}: {json.dumps(row)}")
+        record(res, SCRIPT.log, "checks", f"decode_B{B}_{tag}", row, f"check decode {tag}")
 
         lens = SZ["check_lens"]
         pool, idx = filled_pool(dev, gen, acc, len(lens))
         want, before = f64_stats(pool), clone(pool)
-        cu = cu_seqlens(lens, dev)
+        cu = harness.cu_seqlens(lens, dev)
         z, q, v = ska_inputs(sum(lens), dev, gen, dtype)
         with poisoned_outputs():
             y = chunk.chunk_ska(z, q, v, pool, idx, cu, **kw, cu_seqlens_cpu=cu.tolist())
         y_ref = reference.chunk_ska(z.float(), q.float(), v.float(), want, idx, cu, **kw, cu_seqlens_cpu=cu.tolist())
         row = compare(pool, want, before, idx, y, y_ref, tol[dtype])
-        res["checks"][f"prefill_{tag}"] = row
-        say(f"check prefill {tag}: {json.dumps(row)}")
-        sync()
+        record(res, SCRIPT.log, "checks", f"prefill_{tag}", row, f"check prefill {tag}")
+        harness.sync()
 
     if dev.type == "cuda":  # 64 decode steps in one CUDA graph (each row crosses a boundary), replayed == eager
         B, S = SZ["check_B"], SZ["chunk"]
@@ -228,7 +225,7 @@ def step_us(dev: torch.device, args: tuple, kw: dict, positions: torch.Tensor, f
         pool.pos.copy_(start)
         (fn or fused_recurrent_ska)(*args, **kw)
 
-    return median_ms(step, dev, rep_ms=100) * 1e3
+    return harness.median_ms(step, dev, rep_ms=100) * 1e3
 
 
 def mean_of_steps_us(dev: torch.device, args: tuple, kw: dict, gen: torch.Generator) -> float:
@@ -250,9 +247,10 @@ def mean_of_steps_us(dev: torch.device, args: tuple, kw: dict, gen: torch.Genera
         pool.pos.copy_(start)
         graph.replay()
 
-    return median_ms(replay, dev, rep_ms=200) * 1e3 / S
+    return harness.median_ms(replay, dev, rep_ms=200) * 1e3 / S
 
 
+@SCRIPT.step("decode")
 def time_decode(dev: torch.device, res: dict) -> None:
     from kvfree.kernels.ska import fused_recurrent, reference
 
@@ -267,7 +265,7 @@ def time_decode(dev: torch.device, res: dict) -> None:
         pool.G.copy_((G @ G.mT + 4096 * torch.eye(G.shape[-1], device=dev, dtype=f64)).to(acc))
         pool.m.fill_(3.0)
         for B in SZ["decode_batches"]:
-            idx = torch.randperm(SZ["pool"], generator=gen, device=dev)[:B].to(torch.int32)
+            idx = random_slots(SZ["pool"], B, gen, dev)
             z, q, v = ska_inputs(B, dev, gen)
             floor_us = state_bytes(B, acc) / res["hbm_copy_GBps"] / 1e3
             row = {"floor_us": floor_us}
@@ -288,10 +286,10 @@ def time_decode(dev: torch.device, res: dict) -> None:
                 row["over_floor"] = row["mean_of_64_steps_us"] / floor_us
             if B <= 64:
                 row["reference_us"] = step_us(dev, args, kw, mid, reference.fused_recurrent_ska)
-            res["decode"][f"{acc_name}_B{B}"] = row
-            say(f"decode {acc_name} B={B}: {json.dumps(row)}")
+            record(res, SCRIPT.log, "decode", f"{acc_name}_B{B}", row, f"decode {acc_name} B={B}")
 
 
+@SCRIPT.step("prefill")
 def time_prefill(dev: torch.device, res: dict) -> None:
     from kvfree.kernels.ska import chunk, reference
 
@@ -299,11 +297,10 @@ def time_prefill(dev: torch.device, res: dict) -> None:
     kw = op_kw(dev)
     for acc_name, acc in ACC.items():
         for lens in SZ["prefill_lens"]:
-            T = sum(lens)
-            tag = f"{acc_name}_B1_T{T}" if len(lens) == 1 else f"{acc_name}_{len(lens)}x{lens[0]}"
-            cu = cu_seqlens(lens, dev)
+            T, tag = sum(lens), f"{acc_name}_{lens_tag(lens)}"
+            cu = harness.cu_seqlens(lens, dev)
             cu_cpu = cu.tolist()
-            idx = torch.randperm(SZ["pool"], generator=gen, device=dev)[: len(lens)].to(torch.int32)
+            idx = random_slots(SZ["pool"], len(lens), gen, dev)
             z, q, v = ska_inputs(T, dev, gen)
             pool = empty_pool(dev, acc)
 
@@ -311,9 +308,8 @@ def time_prefill(dev: torch.device, res: dict) -> None:
                 pool.pos.zero_()  # a fresh prefill each time (the other fields only scale, never break, the work)
                 chunk.chunk_ska(z, q, v, pool, idx, cu, **kw, cu_seqlens_cpu=cu_cpu)
 
-            ms = median_ms(run, dev, rep_ms=300)
-            res["prefill"][tag] = {"ms": ms, "Mtok_s": T / ms / 1e3}
-            say(f"prefill {tag}: {json.dumps(res['prefill'][tag])}")
+            ms = harness.median_ms(run, dev, rep_ms=300)
+            record(res, SCRIPT.log, "prefill", tag, {"ms": ms, "Mtok_s": T / ms / 1e3}, f"prefill {tag}")
     T = SZ["reference_T"]
     z, q, v = ska_inputs(T, dev, gen)
     cu = torch.tensor([0, T], dtype=torch.int32, device=dev)
@@ -324,11 +320,12 @@ def time_prefill(dev: torch.device, res: dict) -> None:
         pool.pos.zero_()
         reference.chunk_ska(z, q, v, pool, idx, cu, **kw, cu_seqlens_cpu=[0, T])
 
-    ms = median_ms(ref, dev, rep_ms=300)
+    ms = harness.median_ms(ref, dev, rep_ms=300)
     res["prefill"][f"reference_fp64_B1_T{T}"] = {"ms": ms, "Mtok_s": T / ms / 1e3}
     say(f"prefill reference T={T}: {ms:.2f} ms")
 
 
+@SCRIPT.step("drift", unless="--skip-drift")
 def drift(dev: torch.device, res: dict) -> None:
     """fp32 vs fp64 accumulators after drift_T tokens, prefilled at once and decoded token by token."""
     from kvfree.kernels.ska import chunk, fused_recurrent, reference
@@ -363,61 +360,31 @@ def drift(dev: torch.device, res: dict) -> None:
                     ys = [fused_recurrent.fused_recurrent_ska(z[t : t + 1], q[t : t + 1], v[t : t + 1], pool, one, **kw)
                           for t in range(T)]  # fmt: skip
                     y = torch.cat(ys[cut:])
-                row = {f"{k}_rel": rel(getattr(pool, k)[0], exact[k]) for k in "GMC"}
-                row["J_rel"] = rel(pool.J[0], J64)
-                row["y_last_chunk_rel"] = rel(y, y64)
-                res["drift"][f"{keys}_{path}_{acc_name}"] = row
-                say(f"drift {keys} {path} {acc_name} T={T}: {json.dumps(row)}")
-                sync()
+                row = {f"{k}_rel": harness.rel_err(getattr(pool, k)[0], exact[k]) for k in "GMC"}
+                row["J_rel"] = harness.rel_err(pool.J[0], J64)
+                row["y_last_chunk_rel"] = harness.rel_err(y, y64)
+                record(res, SCRIPT.log, "drift", f"{keys}_{path}_{acc_name}", row,
+                       f"drift {keys} {path} {acc_name} T={T}")  # fmt: skip
+                harness.sync()
 
 
+def check_line(k: str, v: dict) -> str:
+    worst = max((x for n, x in v.items() if n.endswith("_rel")), default=float("nan"))
+    return f"  {k:30s} y {v['y_rel']:.1e}  worst field {worst:.1e}  untouched {v['untouched_equal']}"
+
+
+@SCRIPT.table
 def table(res: dict) -> str:
-    lines = table_head(res)
-    for k, v in res["checks"].items():
-        if "y_rel" in v:
-            worst = max((x for n, x in v.items() if n.endswith("_rel")), default=float("nan"))
-            lines.append(f"  {k:30s} y {v['y_rel']:.1e}  worst field {worst:.1e}  untouched {v['untouched_equal']}")
-    lines.append(f"{'decode H12 r48 P64':22s} {'mean64 us':>10s} {'floor':>7s} {'x floor':>8s} {'no-rb us':>9s} "
-                 f"{'all-rb us':>10s} {'ref us':>8s}")  # fmt: skip
-    nan = float("nan")
-    for k, v in res["decode"].items():
-        lines.append(f"  {k:20s} {v.get('mean_of_64_steps_us', nan):10.1f} {v['floor_us']:7.1f} "
-                     f"{v.get('over_floor', nan):8.2f} {v['no_rebuild_us']:9.1f} {v['all_rebuild_us']:10.1f} "
-                     f"{v.get('reference_us', nan):8.1f}")  # fmt: skip
-    lines.append(f"{'prefill':28s} {'ms':>8s} {'Mtok/s':>8s}")
-    for k, v in res["prefill"].items():
-        lines.append(f"  {k:26s} {v['ms']:8.3f} {v['Mtok_s']:8.2f}")
-    lines.append(f"drift after {SZ['drift_T']} tokens (rel. err vs float64): G, J, y of the last chunk")
-    for k, v in res["drift"].items():
-        lines.append(f"  {k:26s} G {v['G_rel']:.1e}  J {v['J_rel']:.1e}  y {v['y_last_chunk_rel']:.1e}")
+    lines = harness.table_head(res, "y_rel", check_line)
+    lines += table_rows("decode H12 r48 P64", 22, res["decode"], [
+        ("mean64 us", optional("mean_of_64_steps_us"), "10.1f"), ("floor", "floor_us", "7.1f"),
+        ("x floor", optional("over_floor"), "8.2f"), ("no-rb us", "no_rebuild_us", "9.1f"),
+        ("all-rb us", "all_rebuild_us", "10.1f"), ("ref us", optional("reference_us"), "8.1f")])  # fmt: skip
+    lines += table_rows("prefill", 28, res["prefill"], [("ms", "ms", "8.3f"), ("Mtok/s", "Mtok_s", "8.2f")])
+    lines += table_rows(f"drift after {SZ['drift_T']} tokens (rel. err vs float64): G, J, y of the last chunk", 28,
+                        res["drift"], [], lambda k, v: f" G {v['G_rel']:.1e}  J {v['J_rel']:.1e}  "
+                        f"y {v['y_last_chunk_rel']:.1e}")  # fmt: skip
     return "\n".join(lines)
-
-
-def main(argv: list[str] | None = None) -> int:
-    global SZ
-    a, dev = script_args(argv, __doc__, "ska", ("--skip-drift", None))
-    if dev is None:
-        return 2
-    if a.smoke:
-        SZ = SMOKE
-    H, r, P = SZ["HrP"]
-    res = environment(dev) | {
-        "shapes": {"op": f"H={H} r={r} P={P}, chunk {SZ['chunk']}, K=2, 6 power iterations, eps 1e-3, a "
-                         f"{SZ['pool']}-row pool at random slots",
-                   "decode": f"fp32 inputs; B in {list(SZ['decode_batches'])}; fp64 and fp32 accumulators",
-                   "prefill": f"{SZ['prefill_lens'][0]} and {len(SZ['prefill_lens'][1])}x{SZ['prefill_lens'][1][0]}",
-                   "drift": f"{SZ['drift_T']} tokens, one session"},
-        "checks": {}, "decode": {}, "prefill": {}, "drift": {}, "errors": [],
-    }  # fmt: skip
-    measure_hbm(res, dev, RUN)
-    steps = [
-        ("checks", lambda: check_correctness(dev, res)),
-        ("decode", lambda: time_decode(dev, res)),
-        ("prefill", lambda: time_prefill(dev, res)),
-    ]
-    if not a.skip_drift:
-        steps.append(("drift", lambda: drift(dev, res)))
-    return run_script(steps, res, Path(a.out) / "ska.json", RUN, table, dev.type)
 
 
 if __name__ == "__main__":
