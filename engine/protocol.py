@@ -142,6 +142,27 @@ class SamplingParams:
     def uses_penalties(self) -> bool:
         return self.repetition_penalty != 1 or self.presence_penalty != 0 or self.frequency_penalty != 0
 
+@dataclass(frozen=True)
+class EngineRequest:
+    """A request as a front hands it to the engine (`EngineHandle.generate` makes it; it crosses to an engine
+    process as it is).
+
+    request_id: unique among the requests running (a front makes it so). prompt_token_ids: the tokens to feed (a
+    session's new ones only). n: choices, each continued from the prompt. session_id, owner: the session to continue
+    and its owner (None: no session). prefill_only: feed the prompt into the session and stop. detokenize: the
+    outputs carry text, cut at stop strings; False: token ids only, stop strings left to the front.
+    """
+
+    request_id: str
+    prompt_token_ids: list[int]
+    params: SamplingParams
+    n: int = 1
+    session_id: str | None = None
+    owner: str | None = None
+    prefill_only: bool = False
+    detokenize: bool = True
+
+
 # -- what comes back: a choice's new tokens each step ------------------------------------------------------------------
 
 @dataclass

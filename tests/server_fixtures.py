@@ -34,6 +34,7 @@ from typing import Any
 
 import httpx
 import openai
+import pytest
 import torch
 import uvicorn
 from safetensors.torch import load_file, save_file
@@ -234,6 +235,19 @@ def serve(model: Path, name: str, env: dict[str, str] | None = None, **settings:
     """A started `ThreadServer` of `model` served as `name` (on the CPU unless `device` is given)."""
     settings.setdefault("device", "cpu")
     return ThreadServer(ServerSettings(model=model, served_model_name=name, **settings), env=env).start()
+
+
+def served_fixture(checkpoint: str, name: str, **settings: Any):
+    """A module-scoped pytest fixture: the test module's `ckpts[checkpoint]` served as `name` (`serve`), stopped when
+    the module is done."""
+
+    @pytest.fixture(scope="module")
+    def fixture(ckpts):
+        server = serve(ckpts[checkpoint], name, **settings)
+        yield server
+        server.stop()
+
+    return fixture
 
 
 class ProcServer:

@@ -9,6 +9,8 @@ import pytest
 
 from kvfree.engine.protocol import (
     EngineInfo,
+    EngineRequest,
+    Grammar,
     QueueFull,
     RequestOutput,
     SamplingParams,
@@ -30,6 +32,8 @@ from kvfree.engine.serving.ipc import (
     params_to_wire,
     record_from_wire,
     record_to_wire,
+    request_from_wire,
+    request_to_wire,
     unpack,
 )
 
@@ -42,6 +46,12 @@ def test_sampling_params_cross_unchanged():
     params = SamplingParams(max_tokens=7, temperature=0.5, top_k=3, seed=11, stop=["\n\n", "END"],
                             stop_token_ids=[2, 5], logprobs=2, ignore_eos=True)  # fmt: skip
     assert params_from_wire(through_the_wire(params_to_wire(params))) == params
+
+
+def test_a_request_crosses_unchanged_with_its_session_and_grammar():
+    params = SamplingParams(max_tokens=4, logit_bias={7: -100.0}, grammar=Grammar("regex", "[a-z]+"))
+    request = EngineRequest("req-1", [5, 6, 7], params, n=1, session_id="sess_9", owner="key-a", detokenize=False)
+    assert request_from_wire(through_the_wire(request_to_wire(request))) == request
 
 
 def test_outputs_cross_with_their_logprobs_and_finish_reason():

@@ -45,6 +45,7 @@ from tests.server_fixtures import (
     make_checkpoint,
     make_tool_checkpoint,
     serve,
+    served_fixture,
 )
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -77,25 +78,9 @@ def ckpts(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
             "thinking": thinking}  # fmt: skip
 
 
-@pytest.fixture(scope="module")
-def server(ckpts):
-    srv = serve(ckpts["tiny"], "kvfree-tiny", max_sessions=8)
-    yield srv
-    srv.stop()
-
-
-@pytest.fixture(scope="module")
-def tool_server(ckpts):
-    srv = serve(ckpts["tool"], "kvfree-tool", max_sessions=4)
-    yield srv
-    srv.stop()
-
-
-@pytest.fixture(scope="module")
-def thinking_server(ckpts):
-    srv = serve(ckpts["thinking"], "kvfree-thinking", max_sessions=4)
-    yield srv
-    srv.stop()
+server = served_fixture("tiny", "kvfree-tiny", max_sessions=8)
+tool_server = served_fixture("tool", "kvfree-tool", max_sessions=4)
+thinking_server = served_fixture("thinking", "kvfree-thinking", max_sessions=4)
 
 
 def respond(client: openai.OpenAI, input: Any, **kw: Any):

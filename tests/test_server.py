@@ -43,6 +43,7 @@ from tests.server_fixtures import (
     make_tool_checkpoint,
     metric_value,
     serve,
+    served_fixture,
     wait_for,
 )
 
@@ -73,18 +74,8 @@ def ckpts(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
     }
 
 
-@pytest.fixture(scope="module")
-def tiny_server(ckpts):
-    server = serve(ckpts["tiny"], "kvfree-tiny", max_sessions=16)
-    yield server
-    server.stop()
-
-
-@pytest.fixture(scope="module")
-def hybrid_server(ckpts):
-    server = serve(ckpts["tiny-hybrid"], "kvfree-hybrid", max_sessions=16, max_context=2048)
-    yield server
-    server.stop()
+tiny_server = served_fixture("tiny", "kvfree-tiny", max_sessions=16)
+hybrid_server = served_fixture("tiny-hybrid", "kvfree-hybrid", max_sessions=16, max_context=2048)
 
 
 @pytest.fixture(params=["tiny", "tiny-hybrid"])
@@ -93,11 +84,7 @@ def server(request) -> ThreadServer:
     return request.getfixturevalue("tiny_server" if request.param == "tiny" else "hybrid_server")
 
 
-@pytest.fixture(scope="module")
-def tool_server(ckpts):
-    server = serve(ckpts["tool"], "kvfree-tool", max_sessions=4)
-    yield server
-    server.stop()
+tool_server = served_fixture("tool", "kvfree-tool", max_sessions=4)
 
 
 @pytest.fixture(scope="module")

@@ -27,8 +27,8 @@ from kvfree.engine.protocol import (
     ENGINE_CALLS,
     EngineConfig,
     EngineInfo,
+    EngineRequest,
     QueueFull,
-    SamplingParams,
     SessionBusy,
     SessionNotFound,
     SessionPage,
@@ -181,22 +181,12 @@ class EngineCore:
         return getattr(self, method)(*args)
 
     # -- requests -------------------------------------------------------------------------------------------------
-    def submit(
-        self,
-        request_id: str,
-        prompt_token_ids: list[int],
-        params: SamplingParams,
-        *,
-        n: int = 1,
-        session_id: str | None = None,
-        owner: str | None = None,
-        prefill_only: bool = False,
-        detokenize: bool = True,
-    ) -> None:
+    def submit(self, request: EngineRequest) -> None:
         """Queue a request; its outputs come out of later steps. Raises QueueFull, SessionNotFound or
         SessionBusy (nothing queued). Without `detokenize` the outputs carry token ids only (no text) and stop
         strings are the caller's to find."""
-        session = self.sessions.get(session_id, owner) if session_id else None
+        session_id = request.session_id
+        session = self.sessions.get(session_id, request.owner) if session_id else None
         if session is not None and session.busy:
             raise SessionBusy(f"session {session_id} is in use by another request")
         if session is not None and not self.sessions.leases.begin(session):
@@ -204,8 +194,8 @@ class EngineCore:
         try:
             self.scheduler.add(
                 Request(
-                    request_id, prompt_token_ids, params, n=n, session=session, prefill_only=prefill_only,
-                    detokenize=detokenize,
+                    request.request_id, request.prompt_token_ids, request.params, n=request.n, session=session,
+                    prefill_only=request.prefill_only, detokenize=request.detokenize,
                 )  # fmt: skip
             )
         except QueueFull:

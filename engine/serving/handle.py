@@ -15,7 +15,14 @@ import uuid
 from collections.abc import AsyncIterator, Callable
 from typing import Any
 
-from kvfree.engine.protocol import EngineInfo, EngineStopped, RequestOutput, SamplingParams, SessionOperations
+from kvfree.engine.protocol import (
+    EngineInfo,
+    EngineRequest,
+    EngineStopped,
+    RequestOutput,
+    SamplingParams,
+    SessionOperations,
+)
 
 Outputs = asyncio.Queue  # of RequestOutput | BaseException: one request's outputs, as the driver delivers them
 
@@ -35,10 +42,7 @@ class EngineHandle(SessionOperations):
     def alive(self) -> bool:
         raise NotImplementedError
 
-    async def _submit(
-        self, request_id: str, prompt_token_ids: list[int], params: SamplingParams, outputs: Outputs, *, n: int,
-        session_id: str | None, owner: str | None, prefill_only: bool, detokenize: bool,
-    ) -> None:  # fmt: skip
+    async def _submit(self, request: EngineRequest, outputs: Outputs) -> None:
         """Hand the request to the engine; its outputs (or an admission error) arrive on `outputs`."""
         raise NotImplementedError
 
@@ -80,10 +84,11 @@ class EngineHandle(SessionOperations):
         request_id = request_id or f"req-{uuid.uuid4().hex}"
         outputs: Outputs = asyncio.Queue()
         try:
-            await self._submit(
-                request_id, list(prompt_token_ids), params, outputs, n=n, session_id=session_id, owner=owner,
+            request = EngineRequest(
+                request_id, list(prompt_token_ids), params, n=n, session_id=session_id, owner=owner,
                 prefill_only=prefill_only, detokenize=detokenize,
             )  # fmt: skip
+            await self._submit(request, outputs)
             async for out in stream_outputs(outputs, n, prefill_only, lambda: self.abort(request_id)):
                 yield out
         finally:

@@ -3,7 +3,8 @@
 Each message is one msgpack array whose first element says what it is:
 
 front -> engine
-    ("submit", request_id, prompt_token_ids, params, n, session_id, owner, prefill_only, detokenize)
+    ("submit", request_id, prompt_token_ids, params, n, session_id, owner, prefill_only, detokenize): an
+                                             `EngineRequest`'s fields, its params as a dict
     ("abort", request_id, choice)            the whole request (choice None), or one of its choices
     ("call", call_id, method, args)         one of `ENGINE_CALLS` (session operations, shutdown phases), or
                                              "stop": the loop answers and exits
@@ -36,6 +37,7 @@ from kvfree.engine.protocol import (
     FRONT_ERRORS,
     RECORD_CALLS,
     EngineInfo,
+    EngineRequest,
     RequestOutput,
     SamplingParams,
     SessionPage,
@@ -66,6 +68,17 @@ def params_to_wire(params: SamplingParams) -> dict[str, Any]:
 
 def params_from_wire(values: dict[str, Any]) -> SamplingParams:
     return SamplingParams(**values)
+
+
+def request_to_wire(request: EngineRequest) -> list:
+    """The fields of a "submit" frame, in `EngineRequest`'s order (its params as a dict)."""
+    return [getattr(request, f.name) if f.name != "params" else params_to_wire(request.params)
+            for f in dataclasses.fields(request)]  # fmt: skip
+
+
+def request_from_wire(values: list) -> EngineRequest:
+    request = EngineRequest(*values)
+    return dataclasses.replace(request, params=params_from_wire(request.params))
 
 
 def info_to_wire(info: EngineInfo) -> dict[str, Any]:

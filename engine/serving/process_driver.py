@@ -30,14 +30,14 @@ import time
 from collections.abc import Callable
 from typing import Any
 
-from kvfree.engine.protocol import EngineConfig, EngineInfo, EngineStopped, SamplingParams
+from kvfree.engine.protocol import EngineConfig, EngineInfo, EngineRequest, EngineStopped
 from kvfree.engine.serving.handle import EngineHandle, Outputs
 from kvfree.engine.serving.ipc import (
     error_from_wire,
     info_from_wire,
     output_from_wire,
     pack,
-    params_to_wire,
+    request_to_wire,
     result_from_wire,
     unpack,
 )
@@ -205,13 +205,9 @@ class ProcessDriver(EngineHandle):
         self._send(["call", call_id, method, list(args)])
         return result_from_wire(method, await future)
 
-    async def _submit(
-        self, request_id: str, prompt_token_ids: list[int], params: SamplingParams, outputs: Outputs, *, n: int,
-        session_id: str | None, owner: str | None, prefill_only: bool, detokenize: bool,
-    ) -> None:  # fmt: skip
-        self._streams[request_id] = outputs  # admission errors arrive as the request's first output
-        self._send(["submit", request_id, prompt_token_ids, params_to_wire(params), n, session_id, owner,
-                    prefill_only, detokenize])  # fmt: skip
+    async def _submit(self, request: EngineRequest, outputs: Outputs) -> None:
+        self._streams[request.request_id] = outputs  # admission errors arrive as the request's first output
+        self._send(["submit", *request_to_wire(request)])
 
     def _forget(self, request_id: str) -> None:
         self._streams.pop(request_id, None)

@@ -24,7 +24,7 @@ from kvfree.engine.serving.ipc import (
     info_to_wire,
     output_to_wire,
     pack,
-    params_from_wire,
+    request_from_wire,
     result_to_wire,
     unpack,
 )
@@ -117,14 +117,11 @@ class ProcessLoop:
         """Carry out one command; False when the front says stop."""
         kind = message[0]
         if kind == "submit":
-            _, request_id, prompt, params, n, session_id, owner, prefill_only, detokenize = message
+            request = request_from_wire(message[1:])
             try:
-                self.core.submit(
-                    request_id, prompt, params_from_wire(params), n=n, session_id=session_id, owner=owner,
-                    prefill_only=prefill_only, detokenize=detokenize,
-                )  # fmt: skip
+                self.core.submit(request)
             except Exception as exc:  # refused at admission: the request's one output is the error
-                self.refused.append((request_id, exc))
+                self.refused.append((request.request_id, exc))
         elif kind == "abort":
             _, request_id, choice = message
             self.core.abort(request_id, choice)

@@ -27,9 +27,9 @@ from kvfree.engine.core.scheduler import Output
 from kvfree.engine.protocol import (
     EngineConfig,
     EngineInfo,
+    EngineRequest,
     EngineStopped,
     RequestOutput,
-    SamplingParams,
 )
 from kvfree.engine.serving.engine_core import EngineCore, build_engine
 from kvfree.engine.serving.handle import EngineHandle, Outputs
@@ -165,17 +165,9 @@ class ThreadDriver(EngineHandle):
     async def call(self, method: str, *args: Any) -> Any:
         return await self.on_engine_thread(lambda: self.engine_core.call(method, args))
 
-    async def _submit(
-        self, request_id: str, prompt_token_ids: list[int], params: SamplingParams, outputs: Outputs, *, n: int,
-        session_id: str | None, owner: str | None, prefill_only: bool, detokenize: bool,
-    ) -> None:  # fmt: skip
-        self._queues[request_id] = outputs  # (before the engine can have an output for it)
-        await self.on_engine_thread(
-            lambda: self.engine_core.submit(
-                request_id, prompt_token_ids, params, n=n, session_id=session_id, owner=owner,
-                prefill_only=prefill_only, detokenize=detokenize,
-            )
-        )  # fmt: skip
+    async def _submit(self, request: EngineRequest, outputs: Outputs) -> None:
+        self._queues[request.request_id] = outputs  # (before the engine can have an output for it)
+        await self.on_engine_thread(lambda: self.engine_core.submit(request))
 
     def _forget(self, request_id: str) -> None:
         self._queues.pop(request_id, None)
