@@ -49,6 +49,16 @@ def untouched(pool: torch.Tensor, idx: torch.Tensor) -> torch.Tensor:
     keep[idx.long()] = False
     return pool[keep].clone()
 
+def recorded_dispatch(monkeypatch, mode: str, *patches: tuple[ModuleType, str, str]) -> list[str]:
+    """KVFREE_KERNELS set to `mode`, and each (module, function, label) of `patches` replaced by a stand-in that
+    records `label` ("reference" or "triton") in the returned list when the op's dispatch calls it."""
+    calls: list[str] = []
+    monkeypatch.setenv("KVFREE_KERNELS", mode)
+    for module, function, label in patches:
+        monkeypatch.setattr(module, function, lambda *a, _label=label, **k: calls.append(_label))
+    return calls
+
+
 def run_layers(model: HybridLM, prompts: list[list[int]], steps: int) -> torch.Tensor:
     """Prefill two packed prompts in two pieces each, then decode `steps` greedy tokens: every logits row."""
     pool = StatePool(model, capacity=4)

@@ -25,6 +25,7 @@ from kvfree.kernels.bmojo import chunk as bmojo_chunk  # noqa: E402
 from kvfree.kernels.bmojo import fused_recurrent as bmojo_step  # noqa: E402
 from kvfree.kernels.bmojo import reference as bmojo_ref  # noqa: E402
 from kvfree.kernels.bmojo.reference import MemoryState  # noqa: E402
+from tests import kernel_checks  # noqa: E402
 from tests.kernel_checks import DEVICE, assert_mqar_scores_the_same, cu_of, rel, seed  # noqa: E402
 
 TOL = {torch.float32: 1e-4, torch.bfloat16: 1e-2}
@@ -265,12 +266,11 @@ def test_bad_shapes_are_refused():
 @pytest.mark.parametrize("mode, want", [("reference", "reference"), ("triton", "triton")])
 def test_ops_dispatch_to_what_the_mode_says(monkeypatch, mode, want):
     """KVFREE_KERNELS picks the implementation; fp64 inputs or K/V pools always take the reference."""
-    calls = []
-    monkeypatch.setenv("KVFREE_KERNELS", mode)
-    monkeypatch.setattr(bmojo_ref, "fused_recurrent_bmojo", lambda *a, **k: calls.append("reference"))
-    monkeypatch.setattr(bmojo_step, "fused_recurrent_bmojo", lambda *a, **k: calls.append("triton"))
-    monkeypatch.setattr(bmojo_ref, "chunk_bmojo", lambda *a, **k: calls.append("reference"))
-    monkeypatch.setattr(bmojo_chunk, "chunk_bmojo", lambda *a, **k: calls.append("triton"))
+    calls = kernel_checks.recorded_dispatch(
+        monkeypatch, mode, (bmojo_ref, "fused_recurrent_bmojo", "reference"),
+        (bmojo_step, "fused_recurrent_bmojo", "triton"), (bmojo_ref, "chunk_bmojo", "reference"),
+        (bmojo_chunk, "chunk_bmojo", "triton"),
+    )  # fmt: skip
     g = seed("dispatch")
     p = make_pools(g, 3, 8, 2, 4, 2, 16, 16, 4, torch.float32, [0, 3, 9])
     q = torch.randn(2, 2, 16, generator=g).to(DEVICE)

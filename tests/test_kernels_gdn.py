@@ -32,6 +32,7 @@ import kvfree.kernels.gdn as gdn_ops  # noqa: E402
 from kvfree.kernels.gdn import chunk as gdn_chunk  # noqa: E402
 from kvfree.kernels.gdn import fused_recurrent as gdn_step  # noqa: E402
 from kvfree.kernels.gdn import reference as gdn_ref  # noqa: E402
+from tests import kernel_checks  # noqa: E402
 from tests.kernel_checks import DEVICE, cu_of, rel, seed, untouched  # noqa: E402
 
 OUT_TOL = {torch.float32: 1e-5, torch.bfloat16: 1e-2}  # decode (fp32 state math; bf16 inputs and output)
@@ -188,10 +189,9 @@ def test_bad_shapes_are_refused():
 # -- dispatch --------------------------------------------------------------------------------------------------------
 @pytest.mark.parametrize("mode, want", [("reference", "reference"), ("triton", "triton")])
 def test_ops_dispatch_to_what_the_mode_says_and_fp64_always_to_the_reference(monkeypatch, mode, want):
-    calls = []
-    monkeypatch.setenv("KVFREE_KERNELS", mode)
-    monkeypatch.setattr(gdn_ref, "fused_recurrent_gdn", lambda *a, **k: calls.append("reference"))
-    monkeypatch.setattr(gdn_step, "fused_recurrent_gdn", lambda *a, **k: calls.append("triton"))
+    calls = kernel_checks.recorded_dispatch(
+        monkeypatch, mode, (gdn_ref, "fused_recurrent_gdn", "reference"), (gdn_step, "fused_recurrent_gdn", "triton")
+    )
     g = seed("dispatch")
     inp = op_inputs(g, 2, 2, 16, 16, torch.float32)
     s, idx = make_pool(g, 4, 2, 16, 16, 2)

@@ -25,6 +25,7 @@ import kvfree.kernels.gka as gka_ops  # noqa: E402
 from kvfree.kernels.gka import chunk as gka_chunk  # noqa: E402
 from kvfree.kernels.gka import fused_recurrent as gka_step  # noqa: E402
 from kvfree.kernels.gka import reference as gka_ref  # noqa: E402
+from tests import kernel_checks  # noqa: E402
 from tests.kernel_checks import DEVICE, assert_mqar_scores_the_same, cu_of, rel, run_layers, seed, untouched  # noqa: E402
 from tests.test_gka import OUT_TOL, make_model  # noqa: E402
 
@@ -176,10 +177,9 @@ def test_bad_shapes_are_refused():
 def test_ops_dispatch_to_what_the_mode_says(monkeypatch, mode, want):
     """KVFREE_KERNELS picks the implementation; fp64 inputs or pools always take the reference (the kernels are
     fp32)."""
-    calls = []
-    monkeypatch.setenv("KVFREE_KERNELS", mode)
-    monkeypatch.setattr(gka_ref, "fused_recurrent_gka", lambda *a, **k: calls.append("reference"))
-    monkeypatch.setattr(gka_step, "fused_recurrent_gka", lambda *a, **k: calls.append("triton"))
+    calls = kernel_checks.recorded_dispatch(
+        monkeypatch, mode, (gka_ref, "fused_recurrent_gka", "reference"), (gka_step, "fused_recurrent_gka", "triton")
+    )
     g = seed("dispatch")
     inp = op_inputs(g, 2, 2, 16, 16, torch.float32)
     h, s, idx = make_pools(g, 4, 2, 16, 16, 2)

@@ -25,6 +25,7 @@ import kvfree.kernels.lattice as lattice_ops  # noqa: E402
 from kvfree.kernels.lattice import chunk as lattice_chunk  # noqa: E402
 from kvfree.kernels.lattice import fused_recurrent as lattice_step  # noqa: E402
 from kvfree.kernels.lattice import reference as lattice_ref  # noqa: E402
+from tests import kernel_checks  # noqa: E402
 from tests.kernel_checks import DEVICE, assert_mqar_scores_the_same, cu_of, rel, run_layers, seed, untouched  # noqa: E402
 
 TOL = {torch.float32: 1e-4, torch.bfloat16: 1e-2}
@@ -280,10 +281,10 @@ def test_training_forward_of_a_model_agrees_between_reference_and_triton(monkeyp
 def test_ops_dispatch_to_what_the_mode_says(monkeypatch, mode, want):
     """KVFREE_KERNELS picks the implementation; fp64 inputs or pools always take the reference (the kernel is
     fp32)."""
-    calls = []
-    monkeypatch.setenv("KVFREE_KERNELS", mode)
-    monkeypatch.setattr(lattice_ref, "fused_recurrent_lattice", lambda *a, **k: calls.append("reference"))
-    monkeypatch.setattr(lattice_step, "fused_recurrent_lattice", lambda *a, **k: calls.append("triton"))
+    calls = kernel_checks.recorded_dispatch(
+        monkeypatch, mode, (lattice_ref, "fused_recurrent_lattice", "reference"),
+        (lattice_step, "fused_recurrent_lattice", "triton"),
+    )  # fmt: skip
     g = seed("dispatch")
     inp = op_inputs(g, 2, 2, 8, 8, torch.float32, False)
     pool, idx = make_pool(g, 4, 2, 8, 8, 2)

@@ -35,8 +35,7 @@ from kvfree.loadtest.prom import MetricsSnapshot, ServerMemory, engine_pace, his
 from kvfree.loadtest.soak import NEAR_TIE_NATS, tie_margin
 from kvfree.loadtest.stats import fit_line
 from kvfree.loadtest.target import TargetError, is_loopback, parse_target_url
-from kvfree.server.settings import ServerSettings
-from tests.server_fixtures import ThreadServer, free_port, make_checkpoint
+from tests.server_fixtures import free_port, make_checkpoint, serve
 
 ROOT = Path(__file__).resolve().parents[1]
 PNG_SIGNATURE = b"\x89PNG\r\n\x1a\n"
@@ -53,25 +52,14 @@ QUICK_SOAK_SECONDS = "6"  # the quick profile's 20 s soak, shortened: the test n
 def server_pair(tmp_path_factory: pytest.TempPathFactory):
     """(server, baseline): tiny Mamba-2 with a small pool spilling to host and disk, and tiny-attention."""
     root = tmp_path_factory.mktemp("loadtest-ckpt")
-    server = ThreadServer(
-        ServerSettings(
-            model=make_checkpoint("tiny", root / "tiny"),
-            served_model_name="kvfree-tiny",
-            device="cpu",
-            max_sessions=POOL_SLOTS,
-            max_host_sessions=2,
-            snapshot_dir=root / "snapshots",
-        )
-    ).start()
-    baseline = ThreadServer(
-        ServerSettings(
-            model=make_checkpoint("tiny-attention", root / "tiny-attention"),
-            served_model_name="kvfree-tiny-attention",
-            device="cpu",
-            max_sessions=POOL_SLOTS,
-            max_context=2048,  # the quick profile's longest context (1024) plus its decode
-        )
-    ).start()
+    server = serve(
+        make_checkpoint("tiny", root / "tiny"), "kvfree-tiny", max_sessions=POOL_SLOTS, max_host_sessions=2,
+        snapshot_dir=root / "snapshots",
+    )  # fmt: skip
+    baseline = serve(
+        make_checkpoint("tiny-attention", root / "tiny-attention"), "kvfree-tiny-attention", max_sessions=POOL_SLOTS,
+        max_context=2048,  # the quick profile's longest context (1024) plus its decode
+    )  # fmt: skip
     yield server, baseline
     server.stop()
     baseline.stop()
