@@ -43,7 +43,7 @@ SUBCONFIGS = {
 
 # fp32 output tolerance where a mixer's output is less well conditioned than the default 1e-5 allows: GKA's ridge solve
 # (kappa up to 51), an alpha blend that can nearly cancel, then a per-head RMSNorm that scales it back up.
-# tests/test_gka.py argues the 1e-3 and checks 1e-12 in float64.
+# tests/engine/test_gka.py argues the 1e-3 and checks 1e-12 in float64.
 OUTPUT_TOL = {"gka": 1e-3}
 
 

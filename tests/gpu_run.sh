@@ -11,8 +11,8 @@ set -euo pipefail
 cd "$(dirname "$0")/.."
 for d in checkpoints clients engine kernels loadtest server training; do ln -sfn "../$d" "kvfree/$d"; done
 export PYTHONUNBUFFERED=1
-python3 -m pytest -q -p no:cacheprovider tests/test_gpu_engine.py tests/test_launcher.py tests/test_prefill_graphs.py \
-    tests/test_cuda_graphs.py tests/test_kernels_rows.py tests/test_state_pool.py tests/test_gpu_sessions.py \
-    tests/test_kernels_mamba2.py \
-    tests/test_kernels_norm.py tests/test_kernels_attention.py tests/test_kernels_gka.py tests/test_kernels_ska.py \
-    tests/test_kernels_lattice.py tests/test_kernels_bmojo.py tests/test_kernels_model.py "$@"
+python3 -m pytest -q -p no:cacheprovider tests/engine/test_gpu_engine.py tests/kernels/test_launcher.py \
+    tests/engine/test_prefill_graphs.py tests/engine/test_cuda_graphs.py tests/kernels/test_rows.py \
+    tests/engine/test_state_pool.py tests/engine/test_gpu_sessions.py tests/kernels/test_mamba2.py \
+    tests/kernels/test_norm.py tests/kernels/test_attention.py tests/kernels/test_gka.py tests/kernels/test_ska.py \
+    tests/kernels/test_lattice.py tests/kernels/test_bmojo.py tests/kernels/test_model.py "$@"

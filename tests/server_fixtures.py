@@ -1,5 +1,5 @@
-"""Helpers for the end-to-end server tests (tests/test_server.py): test checkpoints, real servers on free loopback
-ports (uvicorn in a thread, or `python -m kvfree serve` in a subprocess), and checks of OpenAI-shaped errors.
+"""Helpers for the end-to-end server tests (tests/server/test_server.py): test checkpoints, real servers on free
+loopback ports (uvicorn in a thread, or `python -m kvfree serve` in a subprocess), and checks of OpenAI-shaped errors.
 
 The checkpoints are built from `engine.presets.init_checkpoint` and then edited:
 

@@ -82,7 +82,7 @@ def test_store_contract(kind, tmp_path, request):
         store = DirectoryStore(tmp_path / "sessions", "fp")
     sid = "sess_" + "a" * 24
     assert store.read(sid) is None and store.meta(sid) is None and store.ids() == []
-    if kind == "redis":  # the directory store reads metadata from real snapshot headers (tests/test_sessions.py)
+    if kind == "redis":  # the directory store reads metadata from real snapshot headers (tests/engine/test_sessions.py)
         first = store.write(_meta(sid), b"snapshot-1")
         second = store.write(_meta(sid, 9), b"snapshot-2")
         assert second.version > first.version and store.meta(sid) == second

@@ -2,8 +2,8 @@
 
 The panels chart the vLLM-style metrics (`kvfree:...`, vLLM's names and meanings) beside kvfree's own (`kvfree_...`:
 sessions by tier against their capacity, state memory, session-store writes). Import the JSON in Grafana and pick a
-Prometheus data source that scrapes the server's `/metrics`. tests/test_metrics.py checks that the committed JSON is
-what this script writes and that every metric it queries is exported.
+Prometheus data source that scrapes the server's `/metrics`. tests/server/test_metrics.py checks that the committed
+JSON is what this script writes and that every metric it queries is exported.
 """
 
 from __future__ import annotations

@@ -17,7 +17,7 @@ mkdir -p "$OUT_DIR"
 # kvfree must be installed (its folders map into the `kvfree` package); offline machines install without deps.
 $PY -c "import kvfree.engine" 2>/dev/null || $PY -m pip install -q --no-deps --no-build-isolation -e . || exit 1
 status=0
-$PY -m pytest -q -p no:cacheprovider tests/test_kernels_mamba2.py tests/test_kernels_gka.py tests/test_kernels_gdn.py tests/test_kernels_attention.py tests/test_kernels_attention_prefill.py tests/test_kernels_lattice.py tests/test_kernels_ska.py tests/test_kernels_bmojo.py tests/test_kernels_bmojo_f.py tests/test_kernels_norm.py tests/test_kernels_model.py tests/test_gpu_engine.py 2>&1 | tee "$OUT_DIR/kernel_tests.log" | tail -3
+$PY -m pytest -q -p no:cacheprovider tests/kernels/test_mamba2.py tests/kernels/test_gka.py tests/kernels/test_gdn.py tests/kernels/test_attention.py tests/kernels/test_attention_prefill.py tests/kernels/test_lattice.py tests/kernels/test_ska.py tests/kernels/test_bmojo.py tests/kernels/test_bmojo_f.py tests/kernels/test_norm.py tests/kernels/test_model.py tests/engine/test_gpu_engine.py 2>&1 | tee "$OUT_DIR/kernel_tests.log" | tail -3
 [ "${PIPESTATUS[0]}" -eq 0 ] || status=1
 $PY -m kvfree.bench.kernels --out "$OUT_DIR" 2>&1 | tee "$OUT_DIR/kernels.log" | tail -40
 [ "${PIPESTATUS[0]}" -eq 0 ] || status=1

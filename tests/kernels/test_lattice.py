@@ -5,7 +5,7 @@ Every check draws fresh random inputs (unit-norm keys of the layer's scale, step
 orthonormal states (some continuing, some a fresh S0), poisons every buffer the Triton functions allocate, and checks
 that rows not named stay bit-for-bit unchanged. Tolerances (relative, outputs and states): 1e-4 with fp32 inputs,
 1e-2 with bf16 inputs. At the model level, the layer's 1e-5 (2e-4 for "enc") prefill/decode tolerance of
-tests/test_lattice.py, and the shipped MQAR checkpoint must score the same through both paths.
+tests/engine/test_lattice.py, and the shipped MQAR checkpoint must score the same through both paths.
 """
 
 from __future__ import annotations
@@ -257,7 +257,7 @@ def test_training_scan_gradients_match_autograd_of_the_reference(poison, variant
 def test_training_forward_of_a_model_agrees_between_reference_and_triton(monkeypatch):
     """A two-layer Lattice model's training forward (forget gate on, so the Triton path folds it) and the gradients
     of every parameter through either path, fp32."""
-    from tests.test_lattice import make_model
+    from tests.engine.test_lattice import make_model
 
     grads = {}
     with torch.inference_mode(False), torch.enable_grad():  # conftest runs every test in inference mode
@@ -296,14 +296,14 @@ def test_ops_dispatch_to_what_the_mode_says(monkeypatch, mode, want):
 # -- whole models ----------------------------------------------------------------------------------------------------
 @pytest.mark.parametrize("variant", ["dec", "enc"])
 def test_lattice_model_logits_agree_between_reference_and_triton(monkeypatch, variant):
-    """tests/test_lattice.py's model (two Lattice layers, d=8, m=6, conv width 3, forget gate) in fp32: logits of a
-    split prefill and decode steps through the Triton path are as close to the same model in float64 as the fp32
+    """tests/engine/test_lattice.py's model (two Lattice layers, d=8, m=6, conv width 3, forget gate) in fp32: logits
+    of a split prefill and decode steps through the Triton path are as close to the same model in float64 as the fp32
     reference path is (within 2x, or that file's tolerance). Held to the float64 run, not to the other fp32 path:
     "enc" amplifies rounding (the reference's own fp32 error here is 9e-4, against 2e-4 for one layer in
-    tests/test_lattice.py), so two fp32 orders of summation differ by about as much as either errs."""
+    tests/engine/test_lattice.py), so two fp32 orders of summation differ by about as much as either errs."""
     import copy
 
-    from tests.test_lattice import TOL_VARIANT, make_model
+    from tests.engine.test_lattice import TOL_VARIANT, make_model
 
     model = make_model(("lattice", "lattice"), seed=4, mlp=True, variant=variant).to(DEVICE).eval()
     g = seed("model", variant)

@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 
 from kvfree.engine.model.tensor_parallel import TensorParallel
-from tests.test_tensor_parallel import assert_two_ranks_match_one
+from tests.engine.test_tensor_parallel import assert_two_ranks_match_one
 
 # m = 4 slots of d = 8 per head, so that a split confusing the q/k width (H*m) with the v width (H*d) shows.
 LATTICE = {

@@ -18,9 +18,9 @@ from kvfree.engine.llm import LLM
 from kvfree.engine.model.config import ModelConfig
 from kvfree.engine.model.hybrid_lm import HybridLM
 from kvfree.engine.protocol import SamplingParams
+from tests.engine.test_tensor_parallel import PROMPTS, hybrid_checkpoint
 from tests.paths import ROOT, TINY_CHECKPOINT
 from tests.server_fixtures import ProcServer
-from tests.test_tensor_parallel import PROMPTS, hybrid_checkpoint
 
 SERVED = "hybrid"
 

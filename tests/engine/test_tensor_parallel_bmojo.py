@@ -7,7 +7,7 @@ import pytest
 from kvfree.engine.model.config import ModelConfig
 from kvfree.engine.model.hybrid_lm import HybridLM
 from kvfree.engine.model.tensor_parallel import TensorParallel
-from tests.test_tensor_parallel import assert_two_ranks_match_one
+from tests.engine.test_tensor_parallel import assert_two_ranks_match_one
 
 BASE = {"vocab_size": 262, "hidden_size": 32, "tie_word_embeddings": False, "eos_token_id": 256,
         "mlp": {"intermediate_size": 64}}  # fmt: skip

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from tests.test_tensor_parallel import assert_two_ranks_match_one
+from tests.engine.test_tensor_parallel import assert_two_ranks_match_one
 
 # Four state heads reading two key heads and one value head: the value head is held whole by both ranks, the key
 # heads split one a rank; a split confusing the q, k and v widths of the conv or the projections shows.

@@ -29,7 +29,7 @@ from kvfree.kernels.mamba2 import chunk as m2_chunk  # noqa: E402
 from kvfree.kernels.mamba2 import reference as m2_ref  # noqa: E402
 from tests.conftest import make_model, random_ids, rel_err  # noqa: E402
 from tests.kernel_checks import DEVICE, cu_of, rel, seed, untouched  # noqa: E402
-from tests.test_kernels_mamba2 import TOL, as64, make_pool, mamba_inputs, ssd_args, ssd_params  # noqa: E402
+from tests.kernels.test_mamba2 import TOL, as64, make_pool, mamba_inputs, ssd_args, ssd_params  # noqa: E402
 
 f64 = torch.float64
 REAL = [1, 37, 2, 16, 5]  # 61 tokens: one token, several chunks, a partial chunk

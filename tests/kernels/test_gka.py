@@ -4,8 +4,8 @@ Every check draws fresh random inputs, packs sequences of unequal lengths (1, on
 past it, several chunks, and an empty one), uses random rows of a larger pool (some fresh, some continuing a state),
 poisons every buffer the Triton functions allocate, and checks that the rows not named stay bit-for-bit unchanged.
 Tolerances (relative, on outputs and states): 1e-4 with fp32 inputs, 1e-2 with bf16 inputs. At the model level, the
-1e-3 output tolerance of tests/test_gka.py (its docstring says why it is not 1e-5), and the shipped MQAR checkpoint
-must score the same through both paths.
+1e-3 output tolerance of tests/engine/test_gka.py (its docstring says why it is not 1e-5), and the shipped MQAR
+checkpoint must score the same through both paths.
 """
 
 from __future__ import annotations
@@ -26,8 +26,8 @@ from kvfree.kernels.gka import chunk as gka_chunk  # noqa: E402
 from kvfree.kernels.gka import fused_recurrent as gka_step  # noqa: E402
 from kvfree.kernels.gka import reference as gka_ref  # noqa: E402
 from tests import kernel_checks  # noqa: E402
+from tests.engine.test_gka import OUT_TOL, make_model  # noqa: E402
 from tests.kernel_checks import DEVICE, assert_mqar_scores_the_same, cu_of, rel, run_layers, seed, untouched  # noqa: E402
-from tests.test_gka import OUT_TOL, make_model  # noqa: E402
 
 TOL = {torch.float32: 1e-4, torch.bfloat16: 1e-2}
 LENS = [1, 63, 64, 0, 65, 200]  # 1 token; one short of a chunk; a chunk; empty; one past it; several chunks
@@ -192,7 +192,7 @@ def test_ops_dispatch_to_what_the_mode_says(monkeypatch, mode, want):
 
 
 def test_gka_model_logits_agree_between_reference_and_triton(monkeypatch):
-    """tests/test_gka.py's model (two GKA layers, D=8, Dv=6) in fp32: logits of a split prefill and decode steps
+    """tests/engine/test_gka.py's model (two GKA layers, D=8, Dv=6) in fp32: logits of a split prefill and decode steps
     agree within that file's OUT_TOL through either path."""
     model = make_model(["gka", "gka"], seed=3, mlp=True).to(DEVICE).eval()
     g = seed("model")

@@ -1,7 +1,8 @@
 """Gated DeltaNet's reference math (kernels/gdn/reference.py): the chunked WY form against the token-by-token
 definition in float64, the serving ops on pool rows, and what the delta rule promises (a key written with full
 strength is then recalled exactly). The layer against hmf's own code is tests/test_hmf.py (`gdn_fp32`); the Triton
-kernels against these references are tests/test_kernels_gdn.py; the mixer's serving invariants tests/test_mixers.py."""
+kernels against these references are tests/kernels/test_gdn.py; the mixer's serving invariants
+tests/engine/test_mixers.py."""
 
 from __future__ import annotations
 

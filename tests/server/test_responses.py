@@ -48,7 +48,7 @@ from tests.server_fixtures import (
     served_fixture,
 )
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 WEATHER = {
     "type": "function",
     "name": "get_weather",

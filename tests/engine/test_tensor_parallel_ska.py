@@ -7,7 +7,7 @@ import pytest
 from kvfree.engine.model.config import ModelConfig
 from kvfree.engine.model.hybrid_lm import HybridLM
 from kvfree.engine.model.tensor_parallel import TensorParallel
-from tests.test_tensor_parallel import assert_two_ranks_match_one
+from tests.engine.test_tensor_parallel import assert_two_ranks_match_one
 
 ECHO = {
     "vocab_size": 262, "hidden_size": 32, "layers": ["ska", "mamba2", "ska"], "tie_word_embeddings": True,

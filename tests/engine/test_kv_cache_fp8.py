@@ -11,7 +11,7 @@ from safetensors.torch import load_file, save_file
 from kvfree.engine.llm import LLM
 from kvfree.engine.model.step_batch import StepBatch
 from kvfree.engine.protocol import SamplingParams, SnapshotMismatchError
-from tests.test_tensor_parallel import HYBRID, PROMPTS, assert_two_ranks_match_one, hybrid_checkpoint
+from tests.engine.test_tensor_parallel import HYBRID, PROMPTS, assert_two_ranks_match_one, hybrid_checkpoint
 
 # HYBRID with more KV-cache layers: full attention twice (one with a single KV head), a sliding window, Mamba-2.
 FP8_MODEL = dict(HYBRID, layers=["attention", "mamba2", "attention", "swa"])

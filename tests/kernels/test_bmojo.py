@@ -285,11 +285,11 @@ def test_ops_dispatch_to_what_the_mode_says(monkeypatch, mode, want):
 
 # -- whole models ----------------------------------------------------------------------------------------------------
 def test_bmojo_model_logits_agree_between_reference_and_triton(monkeypatch):
-    """tests/test_bmojo.py's small B'MOJO model (w=8, m_f=2, m_e=5, GQA) in fp32: logits of a prefill in two pieces
-    and decode steps through chunk boundaries agree through either path."""
+    """tests/engine/test_bmojo.py's small B'MOJO model (w=8, m_f=2, m_e=5, GQA) in fp32: logits of a prefill in two
+    pieces and decode steps through chunk boundaries agree through either path."""
     from kvfree.engine.model.step_batch import StepBatch
     from kvfree.engine.state.pool import StatePool
-    from tests.test_bmojo import make_model
+    from tests.engine.test_bmojo import make_model
 
     model = make_model(["bmojo", "bmojo"], seed=3).to(DEVICE).eval()
     g = seed("model")

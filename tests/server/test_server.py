@@ -6,7 +6,7 @@ The models are tiny random checkpoints built by tests/server_fixtures.py: "tiny"
 (Mamba-2 + attention), with weights scaled so that greedy output depends on the whole context and is printable
 text, and a "bigram" checkpoint whose greedy reply to any chat is one `get_weather` tool call.
 Engine-independent pieces (schemas, error handlers, tool parsing, keys, metrics) are unit-tested in
-tests/test_server_units.py; these tests check what a client sees.
+tests/server/test_server_units.py; these tests check what a client sees.
 """
 
 from __future__ import annotations
