@@ -16,8 +16,6 @@ import pytest
 import torch
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
-from paths import TINY_CHECKPOINT
-from server_fixtures import assert_openai_error, serve
 
 from kvfree.checkpoints import default_checkpoint_path
 from kvfree.engine.core.scheduler import Request, Scheduler
@@ -30,6 +28,8 @@ from kvfree.engine.text.tokenizer import Tokenizer
 from kvfree.server.protocol import ChatTool
 from kvfree.server.structured_outputs import tool_call_grammar
 from kvfree.server.tools import ToolCallFormat
+from tests.paths import TINY_CHECKPOINT
+from tests.server_fixtures import assert_openai_error, serve
 
 DEFAULT = default_checkpoint_path()
 MODEL = "kvfree-default"
