@@ -84,12 +84,19 @@ class ProcessLoop:
                     self.refused = []
                 shape = self._shape()
                 if core.has_work:
-                    self._send_outputs(core.step(self._send_outputs))
+                    outputs = core.step(self._send_outputs)
+                    if self._shape() != shape:
+                        # The counters of a step that admitted or retired requests go out before its outputs: a
+                        # client that sees its request end and then reads /metrics finds this step counted.
+                        self._send_stats()
+                        shape = self._shape()
+                    self._send_outputs(outputs)
                 if self._front_gone is not None:
                     raise self._front_gone
                 core.poll_store()
-                # Counters go out when the step admitted or retired requests (what /metrics readers look for right
-                # after acting), when the engine goes idle, and at least every STATS_INTERVAL_S while it is busy.
+                # Counters go out when the step admitted or retired requests (above: what /metrics readers look for
+                # right after acting) or the store's work changed them, when the engine goes idle, and at least every
+                # STATS_INTERVAL_S while it is busy.
                 if (
                     not core.has_work
                     or self._shape() != shape
