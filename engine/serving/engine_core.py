@@ -2,8 +2,7 @@
 
 Whoever drives it calls everything from one thread: `ThreadDriver` from its engine thread (engine and HTTP front in
 one process), the engine process's loop (engine/serving/process_loop.py) when the front runs in a process of its
-own.
-Each `step()` returns the outputs it produced, each with its request id; the driver sends them to their requests.
+own. Each `step()` returns the outputs it produced, each with its request id; the driver sends them to their requests.
 What a front may learn of the engine is its `info` (an EngineInfo), the `SessionRecord`s its session operations
 return, and `stats()`: plain records, so that they can cross a process boundary.
 """
@@ -42,8 +41,6 @@ from kvfree.engine.state.snapshot import write_snapshot
 log = logging.getLogger("kvfree.engine")
 
 STEP_WINDOW = 256  # the steps `stats` averages its step timings over
-
-
 
 
 class EngineCore:

@@ -83,24 +83,22 @@ class ProcessLoop:
                     self._send_outputs(self.refused)
                     self.refused = []
                 shape = self._shape()
+                admitted_or_retired = False
                 if core.has_work:
                     outputs = core.step(self._send_outputs)
-                    if self._shape() != shape:
-                        # The counters of a step that admitted or retired requests go out before its outputs: a
-                        # client that sees its request end and then reads /metrics finds this step counted.
+                    admitted_or_retired = self._shape() != shape
+                    if admitted_or_retired:
+                        # Such a step's counters go out before its outputs: a client that sees its request end and
+                        # then reads /metrics finds this step counted.
                         self._send_stats()
-                        shape = self._shape()
                     self._send_outputs(outputs)
                 if self._front_gone is not None:
                     raise self._front_gone
                 core.poll_store()
-                # Counters go out when the step admitted or retired requests (above: what /metrics readers look for
-                # right after acting) or the store's work changed them, when the engine goes idle, and at least every
-                # STATS_INTERVAL_S while it is busy.
-                if (
-                    not core.has_work
-                    or self._shape() != shape
-                    or time.monotonic() - self._stats_sent >= STATS_INTERVAL_S
+                # Counters also go out when the engine goes idle, and at least every STATS_INTERVAL_S while it is busy
+                # (what the store's background work changed goes out with the next of these).
+                if not admitted_or_retired and (
+                    not core.has_work or time.monotonic() - self._stats_sent >= STATS_INTERVAL_S
                 ):
                     self._send_stats()
         except (EOFError, OSError):
