@@ -27,6 +27,7 @@ pytest.importorskip("triton")
         ("kvfree.bench.kernels.ska", "ska.json"),
         ("kvfree.bench.kernels.gdn", "gdn.json"),
         ("kvfree.bench.kernels.attention", "attention.json"),
+        ("kvfree.bench.kernels.attention_decode", "attention_decode.json"),
         ("kvfree.bench.kernels.bmojo_f", "bmojo_f.json"),
     ],
 )

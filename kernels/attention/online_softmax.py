@@ -1,4 +1,5 @@
-"""The flash-style prefill's inner loop, shared by the attention (chunk.py) and B'MOJO-F (bmojo_f/chunk.py) kernels.
+"""The flash-style inner loop, shared by the attention prefill (chunk.py) and decode (fused_recurrent.py) and the
+B'MOJO-F prefill (bmojo_f/chunk.py) kernels.
 
 `key_range` folds blocks of BLOCK_N keys into a program's fp32 online softmax (running max and sum, exp2 with log2(e)
 folded into the score scale) over its `[BLOCK_M, D]` queries: each block's `q k^T` and `p v` are tensor-core dots,

@@ -10,7 +10,7 @@ import importlib
 import sys
 
 # The ops `--op` accepts, each the module kvfree.bench.kernels.<op>; the first is the default.
-OPS = ("mamba2", "gka", "lattice", "ska", "bmojo", "gdn", "attention", "bmojo_f", "lattice_train")
+OPS = ("mamba2", "gka", "lattice", "ska", "bmojo", "gdn", "attention", "attention_decode", "bmojo_f", "lattice_train")
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -23,7 +23,7 @@ $PY -m kvfree.bench.kernels --out "$OUT_DIR" 2>&1 | tee "$OUT_DIR/kernels.log" |
 [ "${PIPESTATUS[0]}" -eq 0 ] || status=1
 $PY -m kvfree.bench.kernels.norm --out "$OUT_DIR" 2>&1 | tee "$OUT_DIR/norm.log" | tail -20
 [ "${PIPESTATUS[0]}" -eq 0 ] || status=1
-for op in gka gdn attention lattice ska bmojo bmojo_f; do
+for op in gka gdn attention attention_decode lattice ska bmojo bmojo_f; do
     $PY -m kvfree.bench.kernels --op $op --out "$OUT_DIR" 2>&1 | tee "$OUT_DIR/$op.log" | grep -v "^\[" | tail -30
     [ "${PIPESTATUS[0]}" -eq 0 ] || status=1
 done
