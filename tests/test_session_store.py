@@ -122,6 +122,31 @@ def test_store_contract(kind, tmp_path, request):
     store.close()
 
 
+
+def test_a_claim_the_store_could_not_take_back_is_the_replicas_own_again_and_given_back_when_it_answers(redis_server):
+    """Redis goes away while a turn's claim is given back (the turn ended during the outage): the replica that holds
+    the claim takes it again at once for its session's next turn (it is not "another replica"), and a claim left
+    over is given back by the next renewal that reaches the store, so another replica can take the session then."""
+    from kvfree.engine.sessions.leases import TurnLeases
+    from kvfree.engine.sessions.session import Session
+
+    store = RedisStore(redis_server.url, "fp", ttl_seconds=None, lease_seconds=30)
+    mine, theirs = TurnLeases(store, lambda _: False), TurnLeases(store, lambda _: False)
+    session = Session("sess_" + "d" * 24, None)
+    assert mine.begin(session) and not theirs.begin(session)
+    redis_server.stop()
+    mine.end(session)  # the release fails: the claim stays in the (persisted) store for its 30 s
+    redis_server.start()
+    assert mine.begin(session)  # its own claim: taken again, no 409 for its own session
+    redis_server.stop()
+    mine.end(session)
+    mine.renew()  # the store is still away: nothing given back yet, nothing raised
+    redis_server.start()
+    assert not theirs.begin(session)
+    mine.renew()  # the store answers: the left-over claim goes back
+    assert theirs.begin(session)
+
+
 @needs_redis
 def test_stored_sessions_expire_after_their_ttl(redis_server):
     store = RedisStore(redis_server.url, "fp", ttl_seconds=0.3)
