@@ -31,6 +31,8 @@ class CompletionOutput:
     text: str
     finish_reason: str
     logprobs: list[TokenLogprob] | None
+    # With `SamplingParams.prompt_logprobs`: one per prompt token, the first None (nothing comes before it).
+    prompt_logprobs: list[TokenLogprob | None] | None = None
 
 
 class LLM:
@@ -192,4 +194,5 @@ def _completion(req: Request, outputs: list[RequestOutput]) -> CompletionOutput:
         text="".join(out.text for out in outputs),
         finish_reason=next((o.finish_reason for o in reversed(outputs) if o.finish_reason), "length"),
         logprobs=[lp for out in outputs for lp in out.logprobs] if req.params.logprobs is not None else None,
+        prompt_logprobs=next((o.prompt_logprobs for o in outputs if o.prompt_logprobs is not None), None),
     )

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import json
 import math
+import os
 from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any, Literal
@@ -69,6 +70,8 @@ class SamplingParams:
     temperature 0 means greedy. top_k <= 0, top_p = 1 and min_p = 0 disable those filters. Penalties follow the
     OpenAI API (presence, frequency: over generated tokens) and HF/vLLM (repetition: over prompt and generated
     tokens; 1 disables). `logprobs`: None for none, 0 for the sampled token's, k for the k most likely as well.
+    `prompt_logprobs`: the same for every prompt token the request prefills (the model's own distribution: no
+    temperature, penalty or bias); such a request prefills its whole prompt, never from the prefix cache.
     `logit_bias`: token id -> a value in [-100, 100] added to its logit before sampling (OpenAI's), so that 100
     all but forces a token and -100 all but bans it; the logprobs reported stay the model's.
     `grammar`: the output must match it (structured output, engine/text/grammar.py): tokens it does not allow next are
@@ -88,6 +91,7 @@ class SamplingParams:
     stop_token_ids: list[int] = field(default_factory=list)
     ignore_eos: bool = False
     logprobs: int | None = None
+    prompt_logprobs: int | None = None
     skip_special_tokens: bool = True
     logit_bias: dict[int, float] = field(default_factory=dict)
     grammar: Grammar | None = None
@@ -112,6 +116,8 @@ class SamplingParams:
                 raise ValueError(f"{name} must be in [-2, 2], got {getattr(self, name)}")
         if self.logprobs is not None and not 0 <= self.logprobs <= MAX_TOP_LOGPROBS:
             raise ValueError(f"logprobs must be in [0, {MAX_TOP_LOGPROBS}], got {self.logprobs}")
+        if self.prompt_logprobs is not None and not 0 <= self.prompt_logprobs <= MAX_TOP_LOGPROBS:
+            raise ValueError(f"prompt_logprobs must be in [0, {MAX_TOP_LOGPROBS}], got {self.prompt_logprobs}")
         if isinstance(self.stop, str):
             self.stop = [self.stop]
         if any(not s for s in self.stop):
@@ -149,8 +155,10 @@ class EngineRequest:
 
     request_id: unique among the requests running (a front makes it so). prompt_token_ids: the tokens to feed (a
     session's new ones only). n: choices, each continued from the prompt. session_id, owner: the session to continue
-    and its owner (None: no session). prefill_only: feed the prompt into the session and stop. detokenize: the
-    outputs carry text, cut at stop strings; False: token ids only, stop strings left to the front.
+    and its owner (None: no session; the owner also scopes the prefix cache's checkpoints). prefill_only: feed the
+    prompt into the session and stop. detokenize: the outputs carry text, cut at stop strings; False: token ids only,
+    stop strings left to the front. checkpoint_at: prompt lengths where the prefix cache keeps the state besides the
+    prompt's end (the front's message boundaries: the end of the system prompt, of the last earlier turn).
     """
 
     request_id: str
@@ -161,17 +169,19 @@ class EngineRequest:
     owner: str | None = None
     prefill_only: bool = False
     detokenize: bool = True
+    checkpoint_at: tuple[int, ...] = ()
 
 
 # -- what comes back: a choice's new tokens each step ------------------------------------------------------------------
 
 @dataclass
 class TokenLogprob:
-    """A generated token's log-probability and, if asked, the most likely alternatives at that step."""
+    """A token's log-probability and, if asked, the most likely alternatives at that step."""
 
     token_id: int
     logprob: float
     top: list[tuple[int, float]] = field(default_factory=list)
+    rank: int | None = None  # a prompt token's rank in the model's distribution (1: the most likely); None: not known
 
 
 @dataclass
@@ -187,6 +197,10 @@ class RequestOutput:
     prompt_tokens: int
     cached_tokens: int
     completion_tokens: int
+    # With `prompt_logprobs`, once (choice 0's first output): a TokenLogprob per prompt token, the token itself with
+    # its log-probability after the tokens before it; None where nothing was computed (the first token, and the
+    # part a session already held).
+    prompt_logprobs: list[TokenLogprob | None] | None = None
 
     def then(self, later: RequestOutput) -> RequestOutput:
         """This output and a `later` one of the same choice as one (a stream that fell behind catches up in one
@@ -196,6 +210,7 @@ class RequestOutput:
             token_ids=self.token_ids + later.token_ids,
             text=self.text + later.text,
             logprobs=self.logprobs + later.logprobs,
+            prompt_logprobs=self.prompt_logprobs if later.prompt_logprobs is None else later.prompt_logprobs,
         )
 
 # -- the engine's facts, and sessions as their operations report them --------------------------------------------------
@@ -322,8 +337,9 @@ class EngineConfig:
     model: checkpoint directory (None: the one shipped with kvfree). The other fields are documented where they are
     used: `LLM` (device, dtype, max_sessions, max_context, config_overrides, enforce_eager, max_batch_tokens as its
     step budget), `Scheduler` (max_waiting, max_batch_tokens, max_prefill_tokens, prefill_batch_wait),
-    `SessionManager` (max_host_sessions, snapshot_dir, hmac_key) and `open_store` (session_store, ttl, lease,
-    write mode: "through", "async" or "spill").
+    `SessionManager` (max_host_sessions, snapshot_dir, hmac_key), `open_store` (session_store, ttl, lease,
+    write mode: "through", "async" or "spill") and `PrefixCache` (prefix_cache: on or off; prefix_cache_bytes: the
+    host memory its checkpoints may hold, None: `default_prefix_cache_bytes()`).
     """
 
     model: Path | None = None
@@ -346,6 +362,22 @@ class EngineConfig:
     session_ttl_seconds: float | None = None
     session_lease_seconds: float = 10.0
     session_write: str = "through"
+    prefix_cache: bool = True
+    prefix_cache_bytes: int | None = None
+
+
+def host_memory_bytes() -> int:
+    """This machine's memory in bytes (16 GiB assumed where the system does not say)."""
+    try:
+        return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+    except (AttributeError, ValueError, OSError):  # not a POSIX system
+        return 16 << 30
+
+
+def default_prefix_cache_bytes() -> int:
+    """The prefix cache's host memory by default: a tenth of the machine's memory, at most 8 GiB."""
+    return min(8 << 30, host_memory_bytes() // 10)
+
 
 # -- the errors a front answers (each with an HTTP status, server/lifecycle.py) ----------------------------------------
 

@@ -109,6 +109,8 @@ def cmd_serve(args: argparse.Namespace) -> int:
         session_write=args.session_write,
         session_ttl_seconds=args.session_ttl,
         session_lease_seconds=args.session_lease,
+        prefix_cache=not args.no_prefix_cache,
+        prefix_cache_bytes=args.prefix_cache_budget,
         replica_id=args.replica_id,
         snapshot_hmac_key=hmac_key.encode() if hmac_key else None,
         api_keys_file=args.api_keys_file,
@@ -122,6 +124,25 @@ def cmd_serve(args: argparse.Namespace) -> int:
         engine_process=not args.engine_in_process,
     )
     return serve(settings)
+
+
+def memory_budget(text: str) -> int:
+    """A size in bytes from "8GiB", "500MB", "1e9" or a share of this machine's memory ("0.1")."""
+    from kvfree.engine.protocol import host_memory_bytes
+
+    units = {"kib": 2**10, "mib": 2**20, "gib": 2**30, "tib": 2**40, "kb": 10**3, "mb": 10**6, "gb": 10**9,
+             "tb": 10**12, "b": 1}  # fmt: skip
+    raw = text.strip().lower()
+    unit = next((u for u in units if raw.endswith(u)), None)
+    try:
+        value = float(raw[: -len(unit)] if unit else raw)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r}: expected a size (8GiB, 500MB, 1e9) or a share (0.1)") from None
+    if value < 0:
+        raise argparse.ArgumentTypeError(f"{text!r}: a size cannot be negative")
+    if unit is None and 0 < value < 1:
+        return int(value * host_memory_bytes())
+    return int(value * (units[unit] if unit else 1))
 
 
 def cmd_loadtest(args: argparse.Namespace) -> int:
@@ -239,6 +260,22 @@ def build_parser() -> argparse.ArgumentParser:
         type=Path,
         default=None,
         help="where sessions spill, and persist across restarts (sign them: KVFREE_SNAPSHOT_HMAC_KEY)",
+    )
+    g = p.add_argument_group("reuse without sessions (the prefix cache)")
+    g.add_argument(
+        "--no-prefix-cache",
+        action="store_true",
+        help="keep no checkpoints: a request without a session_id always prefills its whole prompt (by default "
+        "every request leaves its state at the end of its prompt, of its output and at message boundaries, and a "
+        "later request of the same API key resumes from the longest of them that begins its prompt)",
+    )
+    g.add_argument(
+        "--prefix-cache-budget",
+        type=memory_budget,
+        default=None,
+        metavar="SIZE",
+        help="host memory the checkpoints evicted from the GPU pool may hold: bytes (8GiB, 500MB, 1e9) or a share "
+        "of this machine's memory (0.1); default a tenth of it, at most 8 GiB; 0 keeps checkpoints only in free slots",
     )
     g = p.add_argument_group("sessions beyond one process")
     g.add_argument(

@@ -39,7 +39,8 @@ def engine_config(settings: ServerSettings) -> EngineConfig:
         prefill_batch_wait=settings.prefill_batch_wait_ms / 1e3, max_host_sessions=settings.max_host_sessions,
         snapshot_dir=settings.snapshot_dir, hmac_key=settings.snapshot_hmac_key, session_store=settings.session_store,
         session_ttl_seconds=settings.session_ttl_seconds, session_lease_seconds=settings.session_lease_seconds,
-        session_write=settings.session_write,
+        session_write=settings.session_write, prefix_cache=settings.prefix_cache,
+        prefix_cache_bytes=settings.prefix_cache_bytes,
     )  # fmt: skip
 
 

@@ -33,6 +33,35 @@ def render_chat(
         raise invalid_request(f"the chat template could not render these messages: {exc}", "messages") from None
 
 
+def boundary_prefixes(
+    tok: Tokenizer, messages: list[ChatMessage], tools: list[dict[str, Any]] | None, text: str
+) -> list[str]:
+    """Prompt texts ending at message boundaries of `text` (the conversation rendered for generation), where the
+    prefix cache keeps the state for later requests: after the leading system messages (shared by the other
+    conversations under that system prompt) and before the last user message (the earlier turns: what a re-sent or
+    edited last message resumes from). Each is the template's rendering of the messages before the boundary, kept
+    only when `text` begins with it (a template that renders a prefix otherwise marks nothing there)."""
+    cuts: set[int] = set()
+    leading = 0
+    while leading < len(messages) and messages[leading].role in ("system", "developer"):
+        leading += 1
+    if 0 < leading < len(messages):
+        cuts.add(leading)
+    last_user = max((i for i, m in enumerate(messages) if m.role == "user"), default=0)
+    if last_user > 0:
+        cuts.add(last_user)
+    prefixes = []
+    for cut in sorted(cuts):
+        try:
+            before = template_messages(messages[:cut])
+            prefix = tok.apply_chat_template(before, add_generation_prompt=False, tools=tools)
+        except (CheckpointError, jinja2.TemplateError):  # a template that refuses a partial conversation
+            continue
+        if prefix and len(prefix) < len(text) and text.startswith(prefix):
+            prefixes.append(prefix)
+    return prefixes
+
+
 def stop_at_turn_end(params: SamplingParams, tok: Tokenizer) -> SamplingParams:
     """`params` that also stop at the chat template's end-of-turn token (when the tokenizer has one)."""
     ids = [i for t in TURN_END_TOKENS if (i := tok.token_to_id(t)) is not None]

@@ -182,6 +182,17 @@ class EngineClient(SessionOperations):
             return encode(text)
         return await asyncio.to_thread(encode, text)
 
+    async def boundaries(self, prefixes: list[str], prompt_ids: list[int]) -> list[int]:
+        """The token lengths of `prefixes` (prompt texts ending at message boundaries) where they tokenize to a
+        prefix of `prompt_ids`: where the prefix cache should keep the state (a prefix that tokenizes otherwise
+        inside the whole prompt marks nothing)."""
+        out = []
+        for text in prefixes:
+            ids = await self.tokenize(self.tokenizer.encode, text)
+            if 0 < len(ids) < len(prompt_ids) and prompt_ids[: len(ids)] == ids:
+                out.append(len(ids))
+        return out
+
     # -- checks, before anything reaches the engine ---------------------------------------------------------------
     async def constrain(self, params: SamplingParams, grammar: Grammar | None, param: str) -> SamplingParams:
         """`params` with the reply held to `grammar` (server/structured_outputs.py), after a check: a 400 naming
@@ -238,9 +249,11 @@ class EngineClient(SessionOperations):
         owner: str | None = None,
         prefill_only: bool = False,
         session_usage: bool = False,
+        checkpoint_at: list[int] | None = None,
     ) -> Generation:
         """Submit a checked request and wait for its first output (admission errors: HTTP errors, counted as
-        rejections). With `session_usage`, the session is looked up first, for `Generation.session_usage`."""
+        rejections). With `session_usage`, the session is looked up first, for `Generation.session_usage`.
+        `checkpoint_at`: prompt lengths where the prefix cache keeps the state too (message boundaries)."""
         gen = Generation(self, request, prompt_ids, params, n, session_id, owner)
         if session_usage and session_id is not None:
             with http_errors():
@@ -248,7 +261,7 @@ class EngineClient(SessionOperations):
         gen.timer = self.metrics.request_timer()
         stream = self._engine.generate(
             prompt_ids, params, n=n, session_id=session_id, owner=owner, request_id=gen.engine_request_id,
-            prefill_only=prefill_only, detokenize=False,
+            prefill_only=prefill_only, detokenize=False, checkpoint_at=tuple(checkpoint_at or ()),
         )  # fmt: skip
         with http_errors(self.metrics):
             first = await anext(stream)
@@ -364,7 +377,9 @@ class Generation:
             return None
         session = await self.client.get_session(self.session_id, self.owner)
         before = self.session_before
-        reset = before is not None and before.num_tokens > 0 and self.cached_tokens == 0
+        # Not a continuation: the session started over, from nothing or from a prefix cache checkpoint (a
+        # continuation reuses exactly what the session held).
+        reset = before is not None and before.num_tokens > 0 and self.cached_tokens != before.num_tokens
         location = before.location if before is not None else None
         # "disk" is the session store (a directory or Redis): the state was loaded, not found resident.
         resumed_from = "store" if location == "disk" else location

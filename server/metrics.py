@@ -154,6 +154,23 @@ class Metrics:
             ["tier"],
             registry=r,
         )
+        self.prefix_cache_checkpoints = Gauge(
+            "kvfree_prefix_cache_checkpoints",
+            "Checkpoints the prefix cache holds: states at the ends of earlier requests' prompts, outputs and message "
+            "boundaries, which later requests of the same key resume from.",
+            registry=r,
+        )
+        self.prefix_cache_bytes = Gauge(
+            "kvfree_prefix_cache_bytes", "State bytes the prefix cache's checkpoints hold, by tier (gpu, host).",
+            ["tier"], registry=r,
+        )  # fmt: skip
+        self.prefix_cache_events = Gauge(
+            "kvfree_prefix_cache_events",
+            "The prefix cache since start: lookups and hits (requests), hit_tokens (prompt tokens resumed), added and "
+            "dropped checkpoints.",
+            ["kind"],
+            registry=r,
+        )
         for location in SESSION_LOCATIONS:
             self.sessions.labels(location=location).set(0)
         # The vLLM-style set needs the served model's name for its label; without one, only kvfree's own.
@@ -219,6 +236,13 @@ class Metrics:
                 self.session_moves.labels(kind=kind).set(count)
         for tier, count in stats.get("session_capacity", {}).items():
             self.session_capacity.labels(tier=tier).set(math.inf if count is None else count)
+        cache = stats.get("prefix_cache") or {}
+        if cache:
+            self.prefix_cache_checkpoints.set(cache["checkpoints"])
+            for tier, nbytes in cache["bytes"].items():
+                self.prefix_cache_bytes.labels(tier=tier).set(nbytes)
+            for kind in ("lookups", "hits", "hit_tokens", "added", "dropped"):
+                self.prefix_cache_events.labels(kind=kind).set(cache[kind])
         if self.vllm is not None:
             self.vllm.update_engine(stats)
         self.gpu_memory_allocated.set(stats.get("gpu_memory_allocated", 0))

@@ -49,6 +49,7 @@ from kvfree.server.errors import invalid_request
 
 # The most completions one request may ask for (`n`): each holds a pool slot while it decodes.
 MAX_N = 16
+MAX_PROMPTS = 256  # prompts in one batched completions request
 # OpenAI's limits on stop sequences and on the number of tools.
 MAX_STOP = 4
 MAX_TOOLS = 128
@@ -90,6 +91,17 @@ class _OmitNone(BaseModel):
 
 NonEmptyStr = Annotated[str, Field(min_length=1)]
 TokenId = Annotated[int, Field(ge=0, lt=2**31, description="A token id of the served model's vocabulary.")]
+PromptCacheKey = Annotated[
+    str,
+    Field(
+        min_length=1,
+        max_length=128,
+        pattern=r"^[\x20-\x7e]+$",
+        description="OpenAI's key for requests that share a prefix (1-128 printable ASCII characters). kvfree's prefix "
+        "cache matches prompts by their tokens whatever the key; its load balancer configs route on it (deploy/), so "
+        "a conversation's turns reach the replica holding its state.",
+    ),
+]
 StopField = NonEmptyStr | Annotated[list[NonEmptyStr], Field(max_length=MAX_STOP)] | None
 
 
@@ -313,6 +325,20 @@ class GenerationRequest(RequestModel):
         default_factory=list, max_length=64, description="Token ids that also stop generation (extension)."
     )
     ignore_eos: bool = Field(default=False, description="Keep generating past end-of-sequence (extension).")
+    prompt_cache_key: PromptCacheKey | None = None
+    prompt_logprobs: int | None = Field(
+        default=None,
+        ge=0,
+        le=MAX_TOP_LOGPROBS,
+        description=f"vLLM's extension: each prompt token's log-probability under the model (the first null), with "
+        f"the {MAX_TOP_LOGPROBS} at most most likely tokens at each position and the prompt token's rank. Such a "
+        "request prefills its whole prompt (never from the prefix cache); not with `session_id`.",
+    )
+    return_tokens_as_token_ids: bool = Field(
+        default=False,
+        description="In `logprobs`, name each token `token_id:<id>` rather than by its text (vLLM's extension): a "
+        "client can then send back exactly the tokens generated, whatever their bytes.",
+    )
     session_id: str | None = Field(
         default=None,
         min_length=1,
@@ -368,8 +394,9 @@ class GenerationRequest(RequestModel):
         return self.stream_options is not None and self.stream_options.include_usage
 
     def _sampling_params(
-        self, max_tokens: int, logprobs: int | None, skip_special_tokens: bool = True
-    ) -> SamplingParams:
+        self, max_tokens: int, logprobs: int | None, skip_special_tokens: bool = True,
+        prompt_logprobs: int | None = None,
+    ) -> SamplingParams:  # fmt: skip
         stop = [self.stop] if isinstance(self.stop, str) else list(self.stop or [])
         try:
             return SamplingParams(
@@ -386,6 +413,7 @@ class GenerationRequest(RequestModel):
                 stop_token_ids=list(self.stop_token_ids),
                 ignore_eos=self.ignore_eos,
                 logprobs=logprobs,
+                prompt_logprobs=prompt_logprobs,
                 skip_special_tokens=skip_special_tokens,
                 logit_bias={int(token): bias for token, bias in (self.logit_bias or {}).items()},
             )
@@ -410,8 +438,20 @@ class CompletionRequest(GenerationRequest):
         json_schema_extra={"examples": [{"model": "kvfree", "prompt": "Once upon a time", "max_tokens": 32}]}
     )
 
-    prompt: Annotated[str, Field(min_length=1)] | Annotated[list[TokenId], Field(min_length=1)] = Field(
-        description="Text, or token ids. A batch of one (`[text]` or `[[ids]]`) is accepted; larger batches are not."
+    prompt: (
+        Annotated[str, Field(min_length=1)]
+        | Annotated[list[TokenId], Field(min_length=1)]
+        | Annotated[list[Annotated[str, Field(min_length=1)]], Field(min_length=1, max_length=MAX_PROMPTS)]
+        | Annotated[list[Annotated[list[TokenId], Field(min_length=1)]], Field(min_length=1, max_length=MAX_PROMPTS)]
+    ) = Field(
+        description=f"Text, token ids, or a batch of up to {MAX_PROMPTS} of either (a list of texts, or of token-id "
+        "lists): each prompt gets `n` choices, prompt i's at indexes i*n .. i*n + n - 1."
+    )
+    max_tokens: int | None = Field(
+        default=None,
+        ge=0,
+        description="Most tokens to generate per completion; at most the server's limit. 0 only with `echo`: the "
+        "prompt scored, nothing generated (OpenAI's legacy scoring form).",
     )
     logprobs: int | None = Field(
         default=None,
@@ -419,28 +459,26 @@ class CompletionRequest(GenerationRequest):
         le=MAX_TOP_LOGPROBS,
         description=f"Return the sampled token's log-probability and the {MAX_TOP_LOGPROBS} at most most likely.",
     )
-    echo: bool = Field(default=False, description="Not supported: must be false.")
+    echo: bool = Field(
+        default=False,
+        description="Return the prompt before the completion: its text, and with `logprobs` its tokens' logprobs "
+        "(the first null) and offsets, as OpenAI's legacy completions do. Not with `stream` or `session_id`.",
+    )
     suffix: str | None = Field(default=None, description="Not supported: must be absent.")
     best_of: int | None = Field(default=None, ge=1, description="Only `best_of == n` (or absent) is supported.")
 
     @field_validator("prompt", mode="before")
     @classmethod
-    def _single_prompt(cls, value: Any) -> Any:
-        # OpenAI accepts a batch of prompts; kvfree serves one per request, so unwrap a batch of one.
-        if isinstance(value, list) and value and all(isinstance(p, str | list) for p in value):
-            if len(value) != 1:
-                raise ValueError(
-                    f"batched prompts are not supported ({len(value)} prompts): send one request per prompt"
-                )
-            return value[0]
+    def _batch_size(cls, value: Any) -> Any:
+        if isinstance(value, list) and len(value) > MAX_PROMPTS and all(isinstance(p, str | list) for p in value):
+            raise ValueError(f"at most {MAX_PROMPTS} prompts in one request, got {len(value)}")
         return value
 
-    @field_validator("echo")
-    @classmethod
-    def _no_echo(cls, value: bool) -> bool:
-        if value:
-            raise ValueError("echo is not supported")
-        return value
+    @property
+    def prompts(self) -> list[str | list[int]]:
+        """The prompts, a batch of one when one was given."""
+        batch = isinstance(self.prompt, list) and isinstance(self.prompt[0], str | list)
+        return list(self.prompt) if batch else [self.prompt]
 
     @field_validator("suffix")
     @classmethod
@@ -457,13 +495,16 @@ class CompletionRequest(GenerationRequest):
         return value
 
     def to_sampling_params(self, max_tokens_limit: int) -> SamplingParams:
-        """The engine's parameters. `max_tokens` defaults to 16 (OpenAI's default for completions).
+        """The engine's parameters. `max_tokens` defaults to 16 (OpenAI's default for completions); 0 (with echo) is
+        a request that only scores the prompt, whose parameters say 1 (the engine stops after the prompt). With
+        `echo` and `logprobs`, or `prompt_logprobs`, the prompt is scored with the larger of the two k's.
 
         Raises:
             APIError: 400 naming `max_tokens` when it is over `max_tokens_limit`.
         """
         max_tokens = resolve_max_tokens("max_tokens", self.max_tokens, DEFAULT_COMPLETION_MAX_TOKENS, max_tokens_limit)
-        return self._sampling_params(max_tokens, self.logprobs)
+        wanted = [k for k in (self.logprobs if self.echo else None, self.prompt_logprobs) if k is not None]
+        return self._sampling_params(max(max_tokens, 1), self.logprobs, prompt_logprobs=max(wanted, default=None))
 
 
 class ChatCompletionRequest(GenerationRequest):
@@ -550,7 +591,8 @@ class ChatCompletionRequest(GenerationRequest):
             name, value = "max_tokens", self.max_tokens
         max_tokens = resolve_max_tokens(name, value, max_tokens_limit, max_tokens_limit)
         logprobs = (self.top_logprobs or 0) if self.logprobs else None
-        return self._sampling_params(max_tokens, logprobs, skip_special_tokens=not self.uses_tools)
+        return self._sampling_params(max_tokens, logprobs, skip_special_tokens=not self.uses_tools,
+                                     prompt_logprobs=self.prompt_logprobs)  # fmt: skip
 
 
 def check_unique_tool_names(names: list[str]) -> None:
@@ -616,6 +658,11 @@ class TokenizeRequest(RequestModel):
         default=None, description="A conversation, rendered as a chat request would render it."
     )
     add_generation_prompt: bool = Field(default=True, description="With `messages`: end with the assistant's turn.")
+    add_special_tokens: bool = Field(
+        default=True,
+        description="vLLM's: accepted for its clients; kvfree's tokenizers add no special tokens to a prompt either "
+        "way (a chat template writes its own).",
+    )
 
     @model_validator(mode="after")
     def _prompt_or_messages(self) -> TokenizeRequest:
@@ -706,6 +753,19 @@ class CompletionLogprobs(ResponseModel):
     top_logprobs: list[dict[str, float] | None] = Field(default_factory=list)
 
 
+class PromptLogprob(ResponseModel):
+    """vLLM's entry of `prompt_logprobs`: a token's log-probability at one prompt position, its rank there (1: the
+    most likely) and its text."""
+
+    logprob: float
+    rank: int | None = None
+    decoded_token: str
+
+
+# Per prompt token (the first null): the token at that position and the `prompt_logprobs` most likely, by token id.
+PromptLogprobs = list[dict[str, PromptLogprob] | None]
+
+
 class CompletionChoice(ResponseModel):
     index: int
     text: str
@@ -713,6 +773,7 @@ class CompletionChoice(ResponseModel):
     finish_reason: CompletionFinishReason | None = Field(
         default=None, description="`stop`: a stop string, stop token or end of sequence; `length`: max_tokens."
     )
+    prompt_logprobs: PromptLogprobs | None = Field(default=None, description="With `prompt_logprobs` (vLLM's).")
 
 
 class CompletionResponse(ResponseModel):
@@ -785,6 +846,7 @@ class ChatCompletionResponse(ResponseModel):
     usage: Usage = Field(description=_USAGE)
     system_fingerprint: str | None = None
     session: SessionUsage | None = None
+    prompt_logprobs: PromptLogprobs | None = Field(default=None, description="With `prompt_logprobs` (vLLM's).")
 
 
 # The deltas are kvfree's, not OpenAI's `ChoiceDelta*`: a delta, and each tool-call piece the parser emits, dumps as

@@ -68,6 +68,7 @@ from kvfree.server.protocol import (
     FunctionCall,
     FunctionDefinition,
     NamedToolChoice,
+    PromptCacheKey,
     RequestModel,
     SystemMessage,
     TextContentPart,
@@ -280,6 +281,7 @@ class ResponsesRequest(RequestModel):
     top_p: float | None = Field(default=None, gt=0, le=1, description="Nucleus sampling mass; default 1.")
     seed: int | None = Field(default=None, ge=-(2**63), le=2**63 - 1, description="Extension: reproducible sampling.")
     store: bool = Field(default=True, description="Keep the response (and its state) for GET and continuation.")
+    prompt_cache_key: PromptCacheKey | None = None
     stream: bool = Field(default=False, description="Stream the Responses API's typed server-sent events.")
     metadata: dict[str, str] | None = Field(default=None, description=f"Up to {MAX_METADATA} key-value pairs.")
     user: str | None = Field(default=None, description="Accepted for compatibility; ignored.")

@@ -1,9 +1,11 @@
 """Operations routes: liveness, readiness, Prometheus metrics, version (no API key needed), and the small
-endpoints tools written for vLLM call: `/ping`, `/tokenize`, `/detokenize` (the last two with the API key)."""
+endpoints tools written for vLLM call: `/ping`, `/tokenize`, `/detokenize`, `/tokenizer_info` (the last three with
+the API key)."""
 
 from __future__ import annotations
 
 from importlib import metadata
+from typing import Any
 
 from fastapi import APIRouter, Depends
 from fastapi.responses import JSONResponse, Response
@@ -82,3 +84,23 @@ async def detokenize(body: DetokenizeRequest, state: StateDep) -> DetokenizeResp
     check_model(state, body.model)
     state.engine.check_token_ids(body.tokens, "tokens")
     return DetokenizeResponse(prompt=state.tokenizer.decode(body.tokens, skip_special_tokens=False))
+
+
+@tokens_router.get("/tokenizer_info", responses=error_responses(401))
+async def tokenizer_info(state: StateDep) -> dict[str, Any]:
+    """The served tokenizer's configuration, as vLLM serves it: its `tokenizer_config.json` (the special tokens,
+    the chat template) and the longest prompt accepted. Clients that tokenize through the server (lm-evaluation-
+    harness's remote tokenizer) read the special tokens and the template here, then call `/tokenize`."""
+    tok = state.tokenizer
+    info = {key: value for key, value in tok.config.items() if key != "added_tokens_decoder"}
+    info.update(
+        tokenizer_class=info.get("tokenizer_class", "PreTrainedTokenizerFast"),
+        chat_template=tok.chat_template, eos_token=tok.eos_token, bos_token=tok.bos_token,
+        pad_token=_token_name(info.get("pad_token")), model_max_length=state.settings.max_prompt_tokens,
+    )  # fmt: skip
+    return info
+
+
+def _token_name(value: Any) -> str | None:
+    """A special token as tokenizer configs write it: a string, or an AddedToken's `{"content": ...}`."""
+    return value.get("content") if isinstance(value, dict) else value

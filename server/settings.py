@@ -31,6 +31,8 @@ class ServerSettings:
     session_write: str = "through"  # with session_store: "through", "async" (every turn) or "spill" (on eviction)
     session_ttl_seconds: float | None = None  # stored sessions unused this long expire (Redis)
     session_lease_seconds: float = 10.0  # a turn's claim on a session in a shared store, renewed while it runs
+    prefix_cache: bool = True  # every request leaves checkpoints that later requests sharing its prefix resume from
+    prefix_cache_bytes: int | None = None  # host memory the checkpoints may hold (None: a tenth of RAM, <= 8 GiB)
     replica_id: str | None = None  # the X-Kvfree-Replica response header; None: "hostname:port"
     snapshot_hmac_key: bytes | None = None
     api_keys_file: Path | None = None

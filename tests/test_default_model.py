@@ -80,3 +80,32 @@ def test_chat_reply_is_text(server):
     text = r.choices[0].message.content
     words = text.split()
     assert len(words) >= 5 and sum(w.strip(",.!?;:").isalpha() for w in words) >= 0.8 * len(words), text
+
+
+def test_a_stateless_agent_loop_gets_its_previous_turns_from_the_prefix_cache(server):
+    """Six turns as an agent framework sends them (no session: the whole conversation every turn, a 300-token
+    system prompt, the history growing): from turn 2 on, the previous turn's whole prompt comes from the cache
+    (`cached_tokens`), and each reply is the one the conversation gets sent to a server without the cache."""
+    client = server.openai()
+    system = " ".join(f"Rule {i}: answer briefly and check every fact twice." for i in range(30))
+    messages = [{"role": "system", "content": system}]
+    previous_prompt = 0
+    for turn in range(6):
+        messages.append({"role": "user", "content": f"Question {turn}: what is {turn} plus {turn + 2}?"})
+        r = client.chat.completions.create(model="kvfree-default", messages=messages, temperature=0, max_tokens=16)
+        usage = r.usage
+        if turn == 0:
+            assert usage.prompt_tokens >= 300 and usage.prompt_tokens_details.cached_tokens == 0
+        else:
+            assert usage.prompt_tokens_details.cached_tokens >= 0.9 * previous_prompt, (turn, usage)
+        previous_prompt = usage.prompt_tokens
+        messages.append({"role": "assistant", "content": r.choices[0].message.content})
+    cold = serve(DEFAULT, "kvfree-default", max_sessions=4, prefix_cache=False)
+    try:
+        again = cold.openai().chat.completions.create(
+            model="kvfree-default", messages=messages[:-1], temperature=0, max_tokens=16
+        )  # fmt: skip
+        assert again.usage.prompt_tokens_details.cached_tokens == 0
+        assert again.choices[0].message.content == messages[-1]["content"]
+    finally:
+        cold.stop()

@@ -93,3 +93,8 @@ def test_compose_runs_two_replicas_on_one_redis_behind_nginx():
     nginx = (DEPLOY / "nginx.conf").read_text()
     assert all(f"server {name}:8000" in nginx for name in ("kvfree-a", "kvfree-b"))
     assert "hash $kvfree_route consistent" in nginx and "proxy_buffering off" in nginx
+    # The route: the conversation, read from the header or the body by nginx-route.js, mounted beside the config.
+    assert "js_set $kvfree_route route.conversation" in nginx
+    assert "./nginx-route.js:/etc/nginx/nginx-route.js:ro" in services["nginx"]["volumes"]
+    route = (DEPLOY / "nginx-route.js").read_text()
+    assert all(f"body.{field}" in route for field in ("session_id", "prompt_cache_key", "messages", "prompt"))

@@ -12,6 +12,7 @@ returns waits for the one device-to-host copy of the step's sampled tokens.
 
 from __future__ import annotations
 
+import dataclasses
 import gc
 import logging
 import time
@@ -23,7 +24,7 @@ import torch
 from kvfree.engine.core.cuda_graphs import DecodeGraphs, PrefillGraphs
 from kvfree.engine.core.sampler_graphs import SamplerGraphs
 from kvfree.engine.core.sampling import BatchFlags, SampleOutput, SamplingTable
-from kvfree.engine.core.scheduler import SampledTokens, ScheduledStep
+from kvfree.engine.core.scheduler import PromptScore, SampledTokens, ScheduledStep
 from kvfree.engine.core.sequence import Sequence
 from kvfree.engine.model.host_copy import upload, upload_tensor
 from kvfree.engine.model.hybrid_lm import HybridLM
@@ -51,17 +52,49 @@ class StepHandle:
     extra: torch.Tensor | None
     logprobs: list[int | None]
     done: torch.cuda.Event | None
+    scores: PromptScores | None = None
 
     def result(self) -> SampledTokens:
         """Wait for the copy (the step's one sync) and return the tokens as Python values."""
         if self.done is not None:
             self.done.synchronize()
         ids = self.ids.tolist() if self.ids is not None else []
+        prompt = self.scores.entries() if self.scores is not None else []
         if self.extra is None:
-            return SampledTokens(ids, [None] * len(ids))
+            return SampledTokens(ids, [None] * len(ids), prompt)
         rows = zip(ids, self.extra.tolist(), self.logprobs, strict=True)
         logprobs = [None if k is None else _token_logprob(token, values, k) for token, values, k in rows]
-        return SampledTokens(ids, logprobs)
+        return SampledTokens(ids, logprobs, prompt)
+
+
+@dataclass
+class PromptScores:
+    """A step's prompt logprobs on their way to the host: `values` `[R, 2 + 2k]` float64 (each scored row's target
+    logprob and rank, then the step's largest k (id, logprob) pairs), and the step's `PromptScore`s that split
+    them."""
+
+    values: torch.Tensor
+    scores: list[PromptScore]
+
+    def entries(self) -> list[list[TokenLogprob]]:
+        """Per score, a TokenLogprob per target token, with its own k alternatives (the rows are the scores' in
+        order, each score's targets in turn)."""
+        rows, out, at = self.values.tolist(), [], 0
+        for score in self.scores:
+            part = rows[at : at + len(score.targets)]
+            at += len(score.targets)
+            out.append([dataclasses.replace(_token_logprob(t, [v[0], *v[2:]], score.top_k), rank=int(v[1]))
+                        for t, v in zip(score.targets, part, strict=True)])  # fmt: skip
+        return out
+
+
+@dataclass
+class Forward:
+    """What `ModelRunner.forward` queued: the logits `[len(step.sample), V]` of the rows to sample (None: none),
+    and the step's prompt scores (None: none asked)."""
+
+    logits: torch.Tensor | None
+    scores: PromptScores | None = None
 
 
 def _token_logprob(token_id: int, values: list[float], k: int) -> TokenLogprob:
@@ -157,9 +190,9 @@ class ModelRunner:
         return self.sample(step, self.forward(step))
 
     @torch.inference_mode()
-    def forward(self, step: ScheduledStep) -> torch.Tensor | None:
-        """Queue the model part of `launch`: new rows' sampling setup, prefill, forks, decode. Returns the logits
-        `[len(step.sample), V]` of the rows to sample (None when none), still being computed."""
+    def forward(self, step: ScheduledStep) -> Forward:
+        """Queue the model part of `launch`: new rows' sampling setup, prefill (scoring the prompt rows of
+        `step.scores`), forks, decode. Returns the logits of the rows to sample, still being computed."""
         if step.admitted:
             seqs = step.admitted
             self.sampling.admit(
@@ -169,43 +202,77 @@ class ModelRunner:
                 [s.prompt_token_ids for s in seqs],
             )
         decode_slots, prefill_slots = [s.slot for s in step.decode], [s.slot for s in step.prefill]
+        scored = None  # the packed rows to score, their targets and the largest k: what every rank needs
+        if step.scores:
+            scored = ([s.row + i for s in step.scores for i in range(len(s.targets))],
+                      [t for s in step.scores for t in s.targets], max(s.top_k for s in step.scores))  # fmt: skip
         if self.workers is not None:
-            self.workers.send(("step", decode_slots, prefill_slots, step.chunks, step.forks))
-        decode_logits, prefill_logits = self.model_step(decode_slots, prefill_slots, step.chunks, step.forks)
+            self.workers.send(("step", decode_slots, prefill_slots, step.chunks, step.forks, scored))
+        decode_logits, prefill_logits, values = self.model_step(
+            decode_slots, prefill_slots, step.chunks, step.forks, scored
+        )
+        scores = None
+        if values is not None:
+            scores = PromptScores(values.to("cpu", non_blocking=self.device.type == "cuda"), step.scores)
         logits = [decode_logits] if decode_logits is not None else []
         if prefill_logits is not None and step.sample_source:
             rows = upload(step.sample_source, torch.long, self.device)
             logits.append(prefill_logits.index_select(0, rows))
         if not step.sample:
-            return None
-        return torch.cat(logits) if len(logits) > 1 else logits[0]
+            return Forward(None, scores)
+        return Forward(torch.cat(logits) if len(logits) > 1 else logits[0], scores)
 
     def model_step(
-        self, decode_slots: list[int], prefill_slots: list[int], chunks: list[list[int]], forks: list[tuple[int, int]]
-    ) -> tuple[torch.Tensor | None, torch.Tensor | None]:
+        self, decode_slots: list[int], prefill_slots: list[int], chunks: list[list[int]], forks: list[tuple[int, int]],
+        scored: tuple[list[int], list[int], int] | None = None,
+    ) -> tuple[torch.Tensor | None, torch.Tensor | None, torch.Tensor | None]:  # fmt: skip
         """The model's part of a step, which every tensor-parallel rank runs: decode one token for each of
-        `decode_slots`, then feed `chunks[i]` into `prefill_slots[i]` and make the step's forks (src, dst).
-        Returns the decode logits `[len(decode_slots), V]` and the prefill's `[len(prefill_slots), V]` (None when
-        there is no such part)."""
+        `decode_slots`, then feed `chunks[i]` into `prefill_slots[i]` (scoring, with `scored` = (rows, targets, k),
+        those packed rows on the prompt's next tokens) and make the step's forks (src, dst). Returns the decode
+        logits `[len(decode_slots), V]`, the prefill's `[len(prefill_slots), V]` and the scores `[R, 2 + 2k]`
+        (`PromptScores.values`; each None when there is no such part)."""
         self.pool.flush_resets()  # (a graph replay reads the pool's rows without going through `pool.tensors`)
         decode_logits = self._decode(decode_slots) if decode_slots else None
-        prefill_logits = None
+        prefill_logits = values = None
         if prefill_slots:
-            prefill_logits = self.prefill(prefill_slots, chunks)
+            if scored:
+                prefill_logits, values = self._prefill_scored(prefill_slots, chunks, *scored)
+            else:
+                prefill_logits = self.prefill(prefill_slots, chunks)
             if forks:
                 StatePool.copy_many(self.pool, forks)  # one launch for all; this rank's rows only (each rank runs this)
-        return decode_logits, prefill_logits
+        return decode_logits, prefill_logits, values
+
+    def _prefill_scored(
+        self, slots: list[int], chunks: list[list[int]], rows: list[int], targets: list[int], k: int
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """An eager prefill that also scores the packed `rows` on `targets` with their `k` most likely tokens
+        (`HybridLM.prefill_scored`; under tensor parallelism every rank runs it, its LM head's collectives with it).
+        Returns the last tokens' logits and the scores `[R, 2 + 2k]` on the device."""
+        ids = upload([t for chunk in chunks for t in chunk], torch.long, self.device)
+        batch = StepBatch.prefill(slots, [len(c) for c in chunks], self.device)
+        logits, logprobs, ranks, top_ids, top_logprobs = self.model.prefill_scored(
+            ids, self.pool.tensors, batch, upload(rows, torch.long, self.device),
+            upload(targets, torch.long, self.device), k,
+        )  # fmt: skip
+        pairs = torch.stack([top_ids.double(), top_logprobs.double()], dim=-1).flatten(1)
+        return logits, torch.cat([logprobs[:, None].double(), ranks[:, None].double(), pairs], dim=1)
 
     @torch.inference_mode()
-    def sample(self, step: ScheduledStep, logits: torch.Tensor | None) -> StepHandle:
+    def sample(self, step: ScheduledStep, forward: Forward) -> StepHandle:
         """Queue the sampling part of `launch` over `forward`'s logits, and the copy of the tokens to the host.
 
         The grammar masks of constrained rows are computed here, on the host, from where their matchers stand now:
         a caller that has a constrained row's previous token still in flight reads it and advances the grammars
         between `forward` and this (engine/core/stepper.py), while the device runs the forward pass.
         """
+        logits = forward.logits
         if logits is None:
-            return StepHandle(None, None, [], None)
+            done = None
+            if forward.scores is not None and self.device.type == "cuda":
+                done = torch.cuda.Event()
+                done.record()
+            return StepHandle(None, None, [], done, forward.scores)
         slot_list = [s.slot for s in step.sample]
         params = [s.params for s in step.sample]
         flags = BatchFlags.of(params, self.model.config.vocab_size)
@@ -215,7 +282,7 @@ class ModelRunner:
             # A graph takes every row's mask, all bits set for the free ones.
             masks = self._host_masks(step.sample, constrained, every_row=True) if constrained else None
             out = graphs.replay(logits, slot_list, flags, masks)
-            return self._to_host(out, [p.logprobs for p in params])
+            return self._to_host(out, [p.logprobs for p in params], forward.scores)
         allowed = None
         if constrained:
             masks = self._host_masks(step.sample, constrained, every_row=False)
@@ -223,7 +290,7 @@ class ModelRunner:
         slots = upload(slot_list, torch.long, self.device)
         out = self.sampling.sample(logits, slots, flags, params, allowed)
         self.next_tokens.index_copy_(0, slots, out.token_ids)
-        return self._to_host(out, [p.logprobs for p in params])
+        return self._to_host(out, [p.logprobs for p in params], forward.scores)
 
     def _host_masks(self, seqs: list[Sequence], constrained: list[int], every_row: bool) -> torch.Tensor:
         """The grammar masks of the sequences `seqs[i]`, i in `constrained` (those that follow a grammar and have not
@@ -237,7 +304,7 @@ class ModelRunner:
                    constrained if every_row else list(range(len(constrained))))  # fmt: skip
         return out
 
-    def _to_host(self, out: SampleOutput, logprobs: list[int | None]) -> StepHandle:
+    def _to_host(self, out: SampleOutput, logprobs: list[int | None], scores: PromptScores | None) -> StepHandle:
         on_gpu = self.device.type == "cuda"
         ids = out.token_ids.to("cpu", non_blocking=on_gpu)
         extra = None
@@ -251,7 +318,7 @@ class ModelRunner:
         if on_gpu:
             done = torch.cuda.Event()
             done.record()
-        return StepHandle(ids, extra, logprobs, done)
+        return StepHandle(ids, extra, logprobs, done, scores)
 
     def release_graphs(self) -> None:
         """Drop every CUDA graph, before the tensor-parallel group is torn down: a graph that captured collectives

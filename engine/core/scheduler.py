@@ -30,6 +30,7 @@ from kvfree.engine.protocol import (
     TokenLogprob,
 )
 from kvfree.engine.sessions.manager import Session, SessionManager
+from kvfree.engine.sessions.prefix_cache import PrefixCache
 from kvfree.engine.sessions.tiers import StateLoading
 from kvfree.engine.text.grammar import GrammarCompiler, GrammarMatcher
 from kvfree.engine.text.tokenizer import Tokenizer
@@ -42,6 +43,8 @@ class Request:
     prefill_only: feed the prompt into the session and stop (creating a session with a prompt).
     detokenize: the outputs carry text, cut at stop strings; False: token ids only, for a client that detokenizes
         on its side (a serving front), stop strings left to it.
+    owner: whose request it is (an API key's id): its checkpoints are found only by the same owner's requests.
+    checkpoint_at: prompt lengths at which to keep a checkpoint besides the prompt's end (message boundaries).
     """
 
     request_id: str
@@ -51,6 +54,8 @@ class Request:
     session: Session | None = None
     prefill_only: bool = False
     detokenize: bool = True
+    owner: str | None = None
+    checkpoint_at: tuple[int, ...] = ()
     arrival: float = field(default_factory=time.monotonic)
     cached_tokens: int = 0
     sequences: list[Sequence] = field(default_factory=list)
@@ -59,12 +64,25 @@ class Request:
     settled: bool = False  # the session has recorded (and stored) this turn
     failure: Exception | None = None  # the turn's state could not be stored, or its grammar failed: the request fails
     grammar: Future[GrammarMatcher] | None = None  # the output's grammar, compiling (`params.grammar`)
+    checkpoints: list[Session] = field(default_factory=list)  # the prefix cache's, made while this request ran
+    state_lost: bool = False  # a failed step left its slot's state unknown: nothing of it is kept
 
 
 
 # What a step hands back for one request: a choice's new tokens, or the error that ends the request (its request id
 # first, so that whoever submitted it finds it).
 Output = tuple[str, RequestOutput | Exception]
+
+
+@dataclass
+class PromptScore:
+    """Prompt logprobs one prefill chunk yields: the packed rows `row .. row + len(targets) - 1` of the step, each
+    scored on the prompt token after it (`targets`), with the `top_k` most likely tokens."""
+
+    seq: Sequence
+    row: int
+    targets: list[int]
+    top_k: int
 
 
 @dataclass
@@ -79,6 +97,7 @@ class ScheduledStep:
     admitted: sequences new this step (their sampling rows are set up before anything runs).
     prompt_done: prefill-only requests whose prompt is in after this step.
     refused: the errors of requests that failed while this step was decided, before they ran.
+    scores: prompt logprobs to compute in this step's prefill, one `PromptScore` per sequence that asks for them.
     """
 
     decode: list[Sequence] = field(default_factory=list)
@@ -90,6 +109,7 @@ class ScheduledStep:
     admitted: list[Sequence] = field(default_factory=list)
     prompt_done: list[Request] = field(default_factory=list)
     refused: list[Output] = field(default_factory=list)
+    scores: list[PromptScore] = field(default_factory=list)
 
     @property
     def runs_model(self) -> bool:
@@ -102,6 +122,7 @@ class SampledTokens:
 
     token_ids: list[int]
     logprobs: list[TokenLogprob | None]
+    prompt_logprobs: list[list[TokenLogprob]] = field(default_factory=list)  # one list per `ScheduledStep.scores`
 
 
 PREFILL_ALIGN = 256  # prefill token budgets are rounded down to a multiple of this
@@ -126,6 +147,7 @@ class Scheduler:
             time to first token. 0: never wait.
         grammars: compiles the grammars of structured-output requests (for the model's vocabulary, which may be
             larger than the tokenizer's); by default one over the tokenizer's.
+        prefix_cache: where requests leave checkpoints and resume from them (None: no reuse beyond sessions).
     """
 
     def __init__(
@@ -137,8 +159,10 @@ class Scheduler:
         max_prefill_tokens: int | None = None,
         prefill_batch_wait: float = 0.0,
         grammars: GrammarCompiler | None = None,
+        prefix_cache: PrefixCache | None = None,
     ) -> None:
         self.sessions = sessions
+        self.prefix_cache = prefix_cache
         self.grammars = grammars or GrammarCompiler(tokenizer)
         self.tokenizer = tokenizer
         self.max_waiting = max_waiting
@@ -147,6 +171,8 @@ class Scheduler:
         self.prefill_batch_wait = prefill_batch_wait
         self.waiting: deque[Request] = deque()
         self.running: list[Request] = []
+        # Checkpoints made by the step being decided, held (busy) until it is launched: their forks fill them.
+        self._filling: list[Session] = []
 
     # -- queue --------------------------------------------------------------------------------------------------
     @property
@@ -188,6 +214,9 @@ class Scheduler:
     def schedule(self) -> ScheduledStep:
         """Admit what fits, then one decode token for every running sequence and prefill chunks in the rest."""
         step = ScheduledStep()
+        for ckpt in self._filling:  # the previous step, launched, fills them before anything after it reads them
+            ckpt.busy = False
+        self._filling.clear()
         self._admit(step)
         for req in self.running:
             for seq in req.sequences:
@@ -305,9 +334,23 @@ class Scheduler:
             and (session.is_prefix_of(prompt))
         ):
             req.cached_tokens = session.num_tokens
-        elif session is not None and session.num_tokens:
-            # Not a continuation of what the session holds: start it over from a new state.
-            self.sessions.reset(session)
+        else:
+            # No session, or not a continuation of what it holds: resume from the longest checkpoint of the
+            # prompt (a prefix of it, leaving a token to prefill for the first sample's logits), or start over.
+            # (A request that wants prompt logprobs prefills its whole prompt: a checkpoint holds no logits.)
+            scoring = req.params.prompt_logprobs is not None
+            hit = None
+            if self.prefix_cache is not None and not scoring:
+                hit = self.prefix_cache.lookup(req.owner, prompt, len(prompt) - 1)
+            if hit is not None:
+                self.sessions.tiers.copy_into(hit, slots[0])
+                req.cached_tokens = hit.num_tokens
+                if session is not None:
+                    if session.num_tokens:  # it started over all the same (from the checkpoint): counted as a reset
+                        self.sessions.tiers.counters.resets += 1
+                    session.num_tokens, session.token_hash = hit.num_tokens, hit.token_hash
+            elif session is not None and session.num_tokens:
+                self.sessions.reset(session)
         to_feed = prompt[req.cached_tokens :]
         for index, slot in enumerate(slots):
             seed = req.params.seed
@@ -319,20 +362,35 @@ class Scheduler:
             seq.index = index
             seq.to_prefill = to_feed if index == 0 else []
             seq.session = session if index == 0 else None
+            if index == 0 and req.params.prompt_logprobs is not None:  # none before what this request prefills
+                seq.prompt_logprobs = [None] * min(req.cached_tokens + 1, len(prompt))
             if req.grammar is not None:
                 seq.matcher = req.grammar.result() if index == 0 else req.grammar.result().copy()
             req.sequences.append(seq)
 
     def _schedule_prefill(self, step: ScheduledStep, budget: int) -> None:
+        packed = 0  # the step's prefill tokens so far (the next chunk's first row)
         for req in self.running:
             first = req.sequences[0]
             if first.prefill_done or first.finished or budget <= 0:
                 continue
             n = min(len(first.to_prefill) - first.prefilled, budget)
+            # A chunk ends at the next message boundary, so that the state there can be kept.
+            boundary = self._next_boundary(req, req.cached_tokens + first.prefilled)
+            if boundary is not None:
+                n = min(n, boundary - req.cached_tokens - first.prefilled)
             step.prefill.append(first)
             step.chunks.append(first.to_prefill[first.prefilled : first.prefilled + n])
+            if first.prompt_logprobs is not None:  # each row scores the prompt token after it, up to the last
+                at = req.cached_tokens + first.prefilled
+                targets = req.prompt_token_ids[at + 1 : at + n + 1]
+                step.scores.append(PromptScore(first, packed, targets, req.params.prompt_logprobs))
+            packed += n
             first.prefilled += n
             budget -= n
+            fed = req.cached_tokens + first.prefilled
+            if fed == boundary or fed == len(req.prompt_token_ids):
+                self._checkpoint(step, req, fed)
             if first.prefilled < len(first.to_prefill):
                 continue
             # The prompt is in after this step: fork the state to the other choices and sample each one's first.
@@ -348,6 +406,25 @@ class Scheduler:
                 step.sample.append(seq)
                 step.sample_source.append(len(step.prefill) - 1)
 
+    def _next_boundary(self, req: Request, fed: int) -> int | None:
+        """The first of the request's message boundaries past `fed` prompt tokens (None: none, or no cache)."""
+        if self.prefix_cache is None:
+            return None
+        return min((b for b in req.checkpoint_at if fed < b < len(req.prompt_token_ids)), default=None)
+
+    def _checkpoint(self, step: ScheduledStep, req: Request, length: int) -> None:
+        """Keep the state after the first `length` prompt tokens, which this step's prefill reaches: a checkpoint
+        in a free slot (left to waiting requests first), filled by a fork after the prefill. Skipped when no slot
+        is free: a checkpoint is never worth moving a session."""
+        if self.prefix_cache is None:
+            return
+        ckpt = self.prefix_cache.new_slot(req.owner, req.prompt_token_ids[:length], leave_free=len(self.waiting))
+        if ckpt is not None:
+            step.forks.append((req.sequences[0].slot, ckpt.slot))
+            req.checkpoints.append(ckpt)
+            ckpt.busy = True  # not moved, copied from or given away before its fork has run
+            self._filling.append(ckpt)
+
     # -- after a step -------------------------------------------------------------------------------------------
     def advance_grammars(self, step: ScheduledStep, sampled: SampledTokens) -> None:
         """Move the grammars of `step`'s constrained rows past their sampled tokens ahead of `postprocess` (which
@@ -360,6 +437,8 @@ class Scheduler:
         """Append each sampled token (dropping those of sequences that finished meanwhile), retire what finished;
         return the new outputs, one per choice that gained tokens or ended."""
         touched: list[Sequence] = []
+        for score, entries in zip(step.scores, sampled.prompt_logprobs, strict=True):
+            score.seq.prompt_logprobs.extend(entries)
         for seq, token, logprob in zip(step.sample, sampled.token_ids, sampled.logprobs, strict=True):
             if not seq.finished:
                 seq.append(token, logprob)
@@ -398,6 +477,9 @@ class Scheduler:
             new_tokens = seq.output_token_ids[seq.emitted_tokens :]
             new_logprobs = seq.logprobs[seq.emitted_tokens :] if seq.params.logprobs is not None else []
             seq.emitted_tokens = len(seq.output_token_ids)
+            prompt_logprobs = None
+            if seq.prompt_logprobs is not None and not seq.prompt_logprobs_sent:
+                prompt_logprobs, seq.prompt_logprobs_sent = seq.prompt_logprobs, True
             outputs.append((
                 req.request_id,
                 RequestOutput(
@@ -410,6 +492,7 @@ class Scheduler:
                     prompt_tokens=len(req.prompt_token_ids),
                     cached_tokens=req.cached_tokens,
                     completion_tokens=len(seq.output_token_ids),
+                    prompt_logprobs=prompt_logprobs,
                 ),
             ))  # fmt: skip
         return outputs
@@ -423,13 +506,34 @@ class Scheduler:
                 aborted = [s for s in req.sequences if s.finish_reason == "abort"]
                 if aborted:
                     outputs += self._outputs(aborted)
-                for extra in req.ephemeral:
-                    self.sessions.delete(extra)
+                for i, extra in enumerate(req.ephemeral):
+                    if i == 0 and req.session is None and self._keeps_output_state(req):
+                        # A request without a session leaves its state at its output's end as a checkpoint.
+                        self.sessions.unregister(extra)
+                        tokens = req.prompt_token_ids[: req.cached_tokens] + req.sequences[0].consumed
+                        self.prefix_cache.adopt(extra, req.owner, tokens)
+                    else:
+                        self.sessions.delete(extra)
                 self._release_session(req)
             else:
                 still.append(req)
         self.running = still
         return outputs
+
+    def _keeps_output_state(self, req: Request) -> bool:
+        """Whether a finished request's choice-0 state is worth a checkpoint: a cache, a known state, new tokens."""
+        return (
+            self.prefix_cache is not None and not req.state_lost and req.failure is None and bool(req.sequences)
+            and bool(req.sequences[0].consumed) and not req.prefill_only
+        )  # fmt: skip
+
+    def fail_checkpoints(self, req: Request) -> None:
+        """A step of `req` failed: drop the checkpoints it made (their forks may not have run) and keep no state."""
+        req.state_lost = True
+        for ckpt in req.checkpoints:
+            if self.prefix_cache is not None and ckpt.session_id in self.prefix_cache:
+                self.prefix_cache.drop(ckpt)
+        req.checkpoints.clear()
 
     def _settle_session(self, req: Request) -> None:
         """Record what the turn fed into the session and, under write-through, store its state."""

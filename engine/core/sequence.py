@@ -32,6 +32,10 @@ class Sequence:
     slot: int | None = None
     output_token_ids: list[int] = field(default_factory=list)
     logprobs: list[TokenLogprob] = field(default_factory=list)
+    # With `params.prompt_logprobs`: one entry per prompt token (None where not computed), filled as the prefill
+    # steps score the prompt, sent once with choice 0's first output.
+    prompt_logprobs: list[TokenLogprob | None] | None = None
+    prompt_logprobs_sent: bool = False
     finish_reason: str | None = None  # "stop", "length", "abort" or "prefill"
     # Serving bookkeeping (engine/core/scheduler.py): which request and choice this is, the prompt part to feed (a
     # session may already hold the rest), how much of it is scheduled, and how many output tokens were sampled

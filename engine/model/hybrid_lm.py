@@ -201,6 +201,35 @@ class HybridLM(nn.Module):
             h, residual = h.index_select(0, last), residual.index_select(0, last)
         return self._head(h, residual)
 
+    def prefill_scored(
+        self, input_ids: torch.Tensor, state: State, batch: StepBatch, rows: torch.Tensor, targets: torch.Tensor,
+        top_k: int, rows_per_chunk: int = 512,
+    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:  # fmt: skip
+        """`prefill`, also scoring prompt tokens: how likely each `targets[i]` was after the token at packed position
+        `rows[i]` (the prompt's next token), for prompt logprobs.
+
+        rows, targets: `[R]` int64 on the device. Returns the fp32 logits `[B, vocab]` of each session's last token,
+        the log-probabilities `[R]` of the targets and their ranks `[R]` (1: the most likely token), and the `top_k`
+        most likely tokens' ids and log-probabilities `[R, top_k]`. The LM head runs over `rows_per_chunk` rows at a
+        time, so its memory is bounded whatever the chunk's length.
+        """
+        h, residual = self._serve(input_ids, state, batch)
+        normed = self.norm.add_forward(h, residual)[0]
+        last_logits = self._lm_head(normed.index_select(0, batch.last_token_indices))
+        R = rows.shape[0]
+        logprobs = torch.empty(R, dtype=torch.float32, device=h.device)
+        ranks = torch.empty(R, dtype=torch.long, device=h.device)
+        top_ids = torch.empty(R, top_k, dtype=torch.long, device=h.device)
+        top_logprobs = torch.empty(R, top_k, dtype=torch.float32, device=h.device)
+        for start in range(0, R, rows_per_chunk):
+            part = slice(start, start + rows_per_chunk)
+            lp = torch.log_softmax(self._lm_head(normed.index_select(0, rows[part])), dim=-1)
+            logprobs[part] = target = lp.gather(1, targets[part, None])[:, 0]
+            ranks[part] = (lp > target[:, None]).sum(dim=-1) + 1
+            if top_k:
+                top_logprobs[part], top_ids[part] = lp.topk(top_k, dim=-1)
+        return last_logits, logprobs, ranks, top_ids, top_logprobs
+
     def decode(self, input_ids: torch.Tensor, state: State, batch: StepBatch) -> torch.Tensor:
         """One token per session of `batch`: input_ids `[B]` -> fp32 logits `[B, vocab]`."""
         return self._head(*self._serve(input_ids, state, batch))

@@ -32,8 +32,10 @@ from kvfree.engine.protocol import (
     SessionNotFound,
     SessionPage,
     SessionRecord,
+    default_prefix_cache_bytes,
 )
 from kvfree.engine.sessions.manager import Session, SessionManager
+from kvfree.engine.sessions.prefix_cache import PrefixCache
 from kvfree.engine.sessions.store import SessionStore, open_store
 from kvfree.engine.state.packed import PackedState, read_file_into
 from kvfree.engine.state.snapshot import write_snapshot
@@ -62,6 +64,9 @@ class EngineCore:
         write_through: store each session's state after every turn (nothing completed is lost on a crash).
         async_writes: with write_through, store from a background thread (the turn's last event does not wait).
         hmac_key: if set, snapshots are signed and only signed snapshots are accepted.
+        prefix_cache: keep checkpoints of every request's state for later requests that share its prefix
+            (engine/sessions/prefix_cache.py); prefix_cache_bytes: the host memory they may hold (None: the default,
+            `default_prefix_cache_bytes`).
     """
 
     def __init__(
@@ -78,6 +83,8 @@ class EngineCore:
         store: SessionStore | None = None,
         write_through: bool = False,
         async_writes: bool = False,
+        prefix_cache: bool = True,
+        prefix_cache_bytes: int | None = None,
     ) -> None:
         self.runtime = runtime
         self.tokenizer = runtime.tokenizer
@@ -86,9 +93,13 @@ class EngineCore:
             runtime.pool, self.fingerprint, max_host_sessions, snapshot_dir, hmac_key, store=store,
             write_through=write_through, async_writes=async_writes,
         )  # fmt: skip
+        self.prefix_cache = (
+            PrefixCache(self.sessions.tiers, default_prefix_cache_bytes() if prefix_cache_bytes is None
+                        else prefix_cache_bytes) if prefix_cache else None
+        )  # fmt: skip
         self.scheduler = Scheduler(
             self.sessions, runtime.tokenizer, max_waiting, max_batch_tokens, max_prefill_tokens, prefill_batch_wait,
-            grammars=runtime.grammars,
+            grammars=runtime.grammars, prefix_cache=self.prefix_cache,
         )
         runtime.grammars.warm_up()  # structured output's tokenizer, on a thread: ready before the first grammar
         # Each step: schedule, run, postprocess, return the outputs.
@@ -157,6 +168,7 @@ class EngineCore:
         outputs: list[Output] = []
         for req in self.scheduler.running:
             outputs.append((req.request_id, exc))
+            self.scheduler.fail_checkpoints(req)  # their forks may not have run; its own state is not kept
             for seq in req.sequences:
                 seq.finish_reason = seq.finish_reason or "abort"
                 seq.prefilled = seq.decoded = 0  # nothing of the failed batch stays in the reset session
@@ -192,7 +204,8 @@ class EngineCore:
             self.scheduler.add(
                 Request(
                     request.request_id, request.prompt_token_ids, request.params, n=request.n, session=session,
-                    prefill_only=request.prefill_only, detokenize=request.detokenize,
+                    prefill_only=request.prefill_only, detokenize=request.detokenize, owner=request.owner,
+                    checkpoint_at=tuple(request.checkpoint_at),
                 )  # fmt: skip
             )
         except QueueFull:
@@ -292,8 +305,12 @@ class EngineCore:
         return self._record(self.sessions.restore(buffer, owner))
 
     # -- numbers for /metrics -------------------------------------------------------------------------------------
+    def _resident_checkpoints(self) -> int:
+        return sum(s.checkpoint for s in self.sessions.tiers.resident()) if self.prefix_cache is not None else 0
+
     def _bytes_in_use(self) -> int:
-        """`sum(pool.bytes_per_session(n))` over resident sessions, without walking every layer's specs for each."""
+        """`sum(pool.bytes_per_session(n))` over resident sessions (checkpoints left out), without walking every
+        layer's specs for each."""
         tokens = self.sessions.resident_tokens()
         used = len(tokens) * self._fixed_bytes
         if self._token_bytes:
@@ -325,7 +342,8 @@ class EngineCore:
         stats = {
             "running": len(self.scheduler.running),
             "waiting": len(self.scheduler.waiting),
-            "pool_slots_used": pool.used_slots,
+            # Checkpoints ride on free slots and leave them to any request: not counted as used (see "prefix_cache").
+            "pool_slots_used": pool.used_slots - self._resident_checkpoints(),
             "pool_slots_total": pool.capacity,
             "state_bytes_per_session": pool.bytes_per_session(),
             # What resident sessions actually hold: constant per session for recurrent layers; the attention
@@ -337,6 +355,7 @@ class EngineCore:
             "session_moves": dataclasses.asdict(self.sessions.counters),
             "session_writes_pending": self.sessions.tiers.writer.pending if self.sessions.tiers.writer else 0,
             "session_write_lag_seconds": self.sessions.tiers.write_lag_seconds,
+            "prefix_cache": self._prefix_cache_stats(),
             # How many sessions fit: decoding at once (pool slots), idle in host memory, in all (None: only the
             # session store's disk bounds it).
             "session_capacity": {
@@ -350,6 +369,14 @@ class EngineCore:
             stats["gpu_memory_allocated"] = torch.cuda.memory_allocated(self.runtime.model.device)
             stats["gpu_memory_reserved"] = torch.cuda.memory_reserved(self.runtime.model.device)
         return stats
+
+    def _prefix_cache_stats(self) -> dict[str, Any]:
+        """The prefix cache's checkpoints, their bytes by tier, its budget and counters ({} when it is off)."""
+        cache = self.prefix_cache
+        if cache is None:
+            return {}
+        return {"checkpoints": len(cache), "bytes": cache.held_bytes(), "host_budget_bytes": cache.host_budget_bytes,
+                **dataclasses.asdict(cache.counters)}  # fmt: skip
 
 
 def build_engine(config: EngineConfig) -> EngineCore:
@@ -371,5 +398,6 @@ def build_engine(config: EngineConfig) -> EngineCore:
         max_prefill_tokens=config.max_prefill_tokens, prefill_batch_wait=config.prefill_batch_wait,
         max_host_sessions=config.max_host_sessions, snapshot_dir=config.snapshot_dir, hmac_key=config.hmac_key,
         store=store, write_through=store is not None and config.session_write in ("through", "async"),
-        async_writes=config.session_write == "async",
+        async_writes=config.session_write == "async", prefix_cache=config.prefix_cache,
+        prefix_cache_bytes=config.prefix_cache_bytes,
     )  # fmt: skip

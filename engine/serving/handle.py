@@ -71,13 +71,15 @@ class EngineHandle(SessionOperations):
         request_id: str | None = None,
         prefill_only: bool = False,
         detokenize: bool = True,
+        checkpoint_at: tuple[int, ...] = (),
     ) -> AsyncIterator[RequestOutput]:
         """Stream a request's outputs: one RequestOutput per choice per step; each choice ends with a finish_reason.
 
         Admission errors (QueueFull, SessionNotFound, SessionBusy, EngineStopped) are raised before anything is
         streamed. If the caller stops iterating early (client gone), the request is aborted and its slots are freed.
         Without `detokenize` the outputs carry no text and stop strings are the caller's (see `EngineCore.submit`).
-        `request_id` must be unique among the requests running (a front makes it so).
+        `request_id` must be unique among the requests running (a front makes it so). `checkpoint_at`: prompt
+        lengths where the prefix cache keeps the state too (`EngineRequest`).
         """
         if not self.accepting or not self.alive:
             raise EngineStopped("the server is shutting down" if self.alive else "the engine has stopped")
@@ -86,7 +88,7 @@ class EngineHandle(SessionOperations):
         try:
             request = EngineRequest(
                 request_id, list(prompt_token_ids), params, n=n, session_id=session_id, owner=owner,
-                prefill_only=prefill_only, detokenize=detokenize,
+                prefill_only=prefill_only, detokenize=detokenize, checkpoint_at=tuple(checkpoint_at),
             )  # fmt: skip
             await self._submit(request, outputs)
             async for out in stream_outputs(outputs, n, prefill_only, lambda: self.abort(request_id)):

@@ -78,7 +78,8 @@ def request_to_wire(request: EngineRequest) -> list:
 
 def request_from_wire(values: list) -> EngineRequest:
     request = EngineRequest(*values)
-    return dataclasses.replace(request, params=params_from_wire(request.params))
+    params = params_from_wire(request.params)
+    return dataclasses.replace(request, params=params, checkpoint_at=tuple(request.checkpoint_at))  # (msgpack: lists)
 
 
 def info_to_wire(info: EngineInfo) -> dict[str, Any]:
@@ -117,25 +118,38 @@ def result_from_wire(method: str, value: Any) -> Any:
 def output_to_wire(out: RequestOutput | BaseException) -> list:
     if isinstance(out, BaseException):
         return ["error", *error_to_wire(out)]
-    logprobs = [[lp.token_id, lp.logprob, [list(pair) for pair in lp.top]] for lp in out.logprobs]
+    logprobs = [_logprob_to_wire(lp) for lp in out.logprobs]
+    prompt = None if out.prompt_logprobs is None else [_logprob_to_wire(lp) for lp in out.prompt_logprobs]
     return [out.index, out.token_ids, out.text, logprobs, out.finish_reason, out.prompt_tokens, out.cached_tokens,
-            out.completion_tokens]  # fmt: skip
+            out.completion_tokens, prompt]  # fmt: skip
+
+
+def _logprob_to_wire(lp: TokenLogprob | None) -> list | None:
+    return None if lp is None else [lp.token_id, lp.logprob, [list(pair) for pair in lp.top], lp.rank]
+
+
+def _logprob_from_wire(values: list | None) -> TokenLogprob | None:
+    if values is None:
+        return None
+    token, logprob, top, rank = values
+    return TokenLogprob(token, logprob, [(int(i), v) for i, v in top], rank)
 
 
 def output_from_wire(request_id: str, values: list) -> RequestOutput | BaseException:
     if values[0] == "error":
         return error_from_wire(*values[1:])
-    index, token_ids, text, logprobs, finish_reason, prompt_tokens, cached_tokens, completion_tokens = values
+    index, token_ids, text, logprobs, finish_reason, prompt_tokens, cached_tokens, completion_tokens, prompt = values
     return RequestOutput(
         request_id=request_id,
         index=index,
         token_ids=token_ids,
         text=text,
-        logprobs=[TokenLogprob(t, lp, [(int(i), v) for i, v in top]) for t, lp, top in logprobs],
+        logprobs=[_logprob_from_wire(lp) for lp in logprobs],
         finish_reason=finish_reason,
         prompt_tokens=prompt_tokens,
         cached_tokens=cached_tokens,
         completion_tokens=completion_tokens,
+        prompt_logprobs=None if prompt is None else [_logprob_from_wire(lp) for lp in prompt],
     )
 
 

@@ -113,8 +113,9 @@ class SessionManager:
         return {"gpu": by_tier["gpu"], "host": len(self) - by_tier["gpu"] - by_tier["disk"], "disk": by_tier["disk"]}
 
     def resident_tokens(self) -> list[int]:
-        """Tokens consumed by each session that holds a pool slot (safe from any thread)."""
-        return [s.num_tokens for s in self.tiers.resident()]
+        """Tokens consumed by each session that holds a pool slot, the prefix cache's checkpoints left out (safe
+        from any thread)."""
+        return [s.num_tokens for s in self.tiers.resident() if not s.checkpoint]
 
     def host_bytes(self) -> int:
         """Host memory held by sessions' state copies."""
@@ -186,6 +187,15 @@ class SessionManager:
         self._check_registered(session)
         self.tiers.reset_state(session)
         session.reset()
+
+    def unregister(self, session: Session) -> None:
+        """Forget an ephemeral session without freeing what it holds: its state is handed on (a finished request's
+        slot kept as the prefix cache's checkpoint)."""
+        self._check_registered(session)
+        if not session.ephemeral:
+            raise ValueError(f"{session.session_id} is not an ephemeral session")
+        del self._sessions[session.session_id]
+        self._ephemeral -= 1
 
     # -- lifecycle ----------------------------------------------------------------------------------------------
     def fork(self, session: Session, owner: str | None) -> Session:

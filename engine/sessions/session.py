@@ -27,7 +27,9 @@ class Session:
     busy: a request holds the session, from when it is queued until it ends; it is never evicted while busy. Set
         and cleared only by `SessionManager.reserve` and `SessionManager.release`.
     ephemeral: a slot holder for a request without a session (e.g. the extra choices of n > 1): never evicted,
-        persisted or counted, invisible to `get`, and deleted by its request when it ends.
+        persisted or counted, invisible to `get`, and deleted by its request when it ends (or kept as a checkpoint).
+    checkpoint: an anonymous checkpoint of the prefix cache (engine/sessions/prefix_cache.py), not a session: not in
+        the registry, evicted first, never stored, dropped when the cache's budget is spent.
     fetch: the read of its stored copy on the I/O thread, while one runs (`SessionTiers.prefetch`).
     spill: the write of its host copy to the store on the I/O thread, while one runs (it stays in host memory until
         the write has landed).
@@ -45,6 +47,7 @@ class Session:
     host_state: PackedState | None = None
     busy: bool = False
     ephemeral: bool = False
+    checkpoint: bool = False
     delete_when_released: bool = False  # deleted as soon as the request using it ends (`ThreadDriver.discard_session`)
     # LRU order set by the tiers: a counter, because monotonic clocks can tie on coarse platforms.
     lru_tick: int = field(default=0, repr=False)

@@ -113,6 +113,10 @@ class SessionTiers:
         self.counters = SessionCounters()
         self._resident: dict[str, Session] = {}  # location "gpu"
         self._host: dict[str, Session] = {}  # location "host" with host_state set (new sessions hold nothing)
+        self._host_checkpoints: dict[str, Session] = {}  # the prefix cache's, in host memory (its budget bounds them)
+        # Asked when a checkpoint must leave its slot, with its bytes: True to keep it in host memory, False to drop
+        # it (the prefix cache decides, by its budget; engine/sessions/prefix_cache.py sets this).
+        self.keep_evicted_checkpoint: Callable[[Session, int], bool] = lambda session, nbytes: False
         self._disk: dict[str, Session] = {}  # location "disk" (in the store)
         self._staged: set[str] = set()  # sessions whose host copy `prefetch` copied to the device already
         # Sessions whose spill is under way (`Session.spill`), so that the engine's per-step poll looks at them only.
@@ -134,8 +138,11 @@ class SessionTiers:
 
     # -- what is where --------------------------------------------------------------------------------------------
     def counts(self, ephemeral_resident: int = 0) -> dict[str, int]:
-        """Registered sessions by tier (sessions holding nothing count as "host"), less `ephemeral_resident`."""
-        return {"gpu": len(self._resident) - ephemeral_resident, "host": len(self._host), "disk": len(self._disk)}
+        """Registered sessions by tier (sessions holding nothing count as "host"), less `ephemeral_resident`; the
+        prefix cache's checkpoints are not sessions and not counted."""
+        checkpoints = sum(s.checkpoint for s in self._resident.values())
+        gpu = len(self._resident) - ephemeral_resident - checkpoints
+        return {"gpu": gpu, "host": len(self._host), "disk": len(self._disk)}
 
     def resident(self) -> list[Session]:
         """The sessions holding a pool slot (a snapshot of the list: safe from any thread)."""
@@ -190,6 +197,45 @@ class SessionTiers:
             self.touch(child)
         else:
             self.place(child, self.state_copy(source))
+
+    def place_checkpoint(self, session: Session, leave_free: int) -> int | None:
+        """Give a new checkpoint a slot, whose state the caller writes (a fork in its next step): a free one while
+        more than `leave_free` are, else the slot of the least recently used idle checkpoint (moved to host memory
+        or dropped, as the prefix cache says). Never a session's: None when neither is there."""
+        if self.pool.free_slots > max(leave_free, self._reserved()):
+            slot = self.pool.alloc()
+        else:
+            older = [s for s in self._resident.values() if s.checkpoint and not s.busy]
+            if not older:
+                return None
+            slot = self._slot_of_checkpoint(min(older, key=lambda s: s.lru_tick))
+        self._to_gpu(session, slot)
+        self.touch(session)
+        return slot
+
+    def _slot_of_checkpoint(self, victim: Session) -> int:
+        """Free a resident checkpoint's slot for another holder: its state to host memory if the prefix cache keeps
+        it there, else dropped (the cache forgets it); returns the slot, allocated."""
+        nbytes = self.pool.bytes_per_session(victim.num_tokens)
+        state = self.mover.evict(victim.slot) if self.keep_evicted_checkpoint(victim, nbytes) else None
+        self.pool.free(victim.slot)
+        self._detach(victim)
+        if state is not None:
+            self._to_host(victim, state)
+        else:
+            victim.location, victim.slot = "host", None
+        return self.pool.alloc()
+
+    def copy_into(self, source: Session, slot: int) -> None:
+        """Make `slot`'s state a copy of `source`'s (a request resuming from a checkpoint): slot to slot on the
+        compute stream, or loaded from its host copy, which it keeps."""
+        if source.slot is not None:
+            self.pool.copy(source.slot, slot)
+        elif source.host_state is not None:
+            self.mover.load(slot, source.host_state, keep=True)
+        else:
+            raise ValueError(f"{source.session_id} holds no state to copy")
+        self.touch(source)
 
     def make_resident(self, session: Session) -> int:
         """Give `session` a pool slot holding its state; returns the slot (at once when it has one).
@@ -258,7 +304,7 @@ class SessionTiers:
         if session.slot is not None:
             self.pool.free(session.slot)
         self._drop_stored(session)
-        if self.write_through and not session.ephemeral:
+        if self.write_through and not session.ephemeral and not session.checkpoint:
             self.store.delete(session.session_id)
         self._detach(session)
 
@@ -313,12 +359,15 @@ class SessionTiers:
                 f"{self._reserved()} kept for other requests) and every resident session is busy; "
                 "retry when a request finishes"
             )
+        # The prefix cache's checkpoints make room first (least recently used first), then idle sessions.
+        victim = min(idle, key=lambda s: (not s.checkpoint, s.lru_tick))
+        if victim.checkpoint:
+            return self._slot_of_checkpoint(victim)
         if self.store is None and len(self._host) + (0 if frees_host else 1) > self.max_host_sessions:
             raise PoolExhausted(
                 f"no slot free and host memory already holds max_host_sessions={self.max_host_sessions} sessions, "
                 "with no session store to spill to; retry later, delete idle sessions, or configure one"
             )
-        victim = min(idle, key=lambda s: s.lru_tick)
         state = self.mover.evict(victim.slot)
         self.pool.free(victim.slot)
         self._detach(victim)
@@ -420,7 +469,7 @@ class SessionTiers:
         session.location, session.slot, session.host_state = "host", None, state
         self._unstage(session)
         if state is not None:
-            self._host[session.session_id] = session
+            (self._host_checkpoints if session.checkpoint else self._host)[session.session_id] = session
 
     def _to_disk(self, session: Session) -> None:
         session.location, session.slot, session.host_state = "disk", None, None
@@ -434,7 +483,7 @@ class SessionTiers:
 
     def _detach(self, session: Session) -> None:
         """Remove `session` from the tier indexes (its slot, memory or stored copy are handled by the caller)."""
-        for tier in (self._resident, self._host, self._disk):
+        for tier in (self._resident, self._host, self._disk, self._host_checkpoints):
             tier.pop(session.session_id, None)
 
     def _drop_stored(self, session: Session) -> None:

@@ -69,13 +69,14 @@ class StateMover:
         with torch.cuda.stream(self._in):
             return self.pool.stage(packed)
 
-    def load(self, slot: int, state: PackedState | StagedState) -> None:
-        """`state` into `slot` (staged first when it is still a packed host buffer); the next step reads it."""
+    def load(self, slot: int, state: PackedState | StagedState, keep: bool = False) -> None:
+        """`state` into `slot` (staged first when it is still a packed host buffer); the next step reads it.
+        `keep`: the host copy stays in use (a checkpoint's), so its buffer is never taken back for reuse."""
         staged = state if isinstance(state, StagedState) else self.stage(state)
         if self._in is None:
             self.pool.import_staged(slot, staged)
             data = staged.packed.data
-            if self._evicted.get(id(data)) is data and len(self._spare) < SPARE_BUFFERS:
+            if not keep and self._evicted.get(id(data)) is data and len(self._spare) < SPARE_BUFFERS:
                 del self._evicted[id(data)]
                 self._spare.append(data)  # (its state now lives in the slot; the caller drops its host copy)
             return

@@ -23,6 +23,8 @@ BENCHMARKS: dict[str, Benchmark] = {
     "offline": Benchmark("kvfree.bench.step", "LLM.generate end to end on a random preset", ("--offline",)),
     "serve": Benchmark("kvfree.bench.serve", "a checkpoint served over HTTP to streaming clients, against "
                        "LLM.generate of the same work"),
+    "agentic": Benchmark("kvfree.bench.agentic", "conversations re-sent whole every round (agent frameworks), the "
+                         "prefix cache on and off: hit rate, TTFT by round"),
     "sessions": Benchmark("kvfree.bench.sessions", "a session's next turn by where its state was parked, against "
                           "recomputing it; snapshot download and restore"),
     "structured": Benchmark("kvfree.bench.structured", "a decode batch with grammar-constrained rows against the "

@@ -32,7 +32,7 @@ def checkpoint(tmp_path_factory) -> str:
 
 def generate_at(path: str, device: str, sizes: tuple[int, ...], prompts: list[list[int]], tokens: int = 10) -> dict:
     """size -> (greedy then seeded-sampling completions of `prompts`, decoded together, and the fingerprint)."""
-    greedy = SamplingParams(max_tokens=tokens, temperature=0.0, ignore_eos=True, logprobs=3)
+    greedy = SamplingParams(max_tokens=tokens, temperature=0.0, ignore_eos=True, logprobs=3, prompt_logprobs=2)
     sampled = SamplingParams(max_tokens=tokens, temperature=1.0, seed=7, ignore_eos=True, logprobs=3)
     runs = {}
     for size in sizes:
@@ -49,7 +49,10 @@ def assert_same_completions(one: list, other: list) -> None:
     and the same top alternatives."""
     for a, b in zip(one, other, strict=True):
         assert a.token_ids == b.token_ids
-        for x, y in zip(a.logprobs, b.logprobs, strict=True):
+        # (prompt logprobs too where asked: every rank runs the scored LM head, its collectives with it)
+        assert (a.prompt_logprobs is None) == (b.prompt_logprobs is None)
+        prompt = list(zip(a.prompt_logprobs[1:], b.prompt_logprobs[1:], strict=True)) if a.prompt_logprobs else []
+        for x, y in [*zip(a.logprobs, b.logprobs, strict=True), *prompt]:
             assert math.isclose(x.logprob, y.logprob, rel_tol=1e-3, abs_tol=1e-4)
             assert [i for i, _ in x.top] == [i for i, _ in y.top]
     assert len({tuple(c.token_ids) for c in one}) > 2  # (the completions differ: not one token over and over)
@@ -145,13 +148,21 @@ def test_a_two_rank_server_serves_and_its_snapshots_continue_exactly_at_one_rank
     assert history == history_one  # the same replies at either size
 
     history.append({"role": "user", "content": "And then?"})
+    replies = {}
     for src, sid, dst in ((two, sid_two, one), (one, sid_one, two)):
         moved = _move(src, sid, dst)
         here, there = _chat(src, history, sid), _chat(dst, history, moved)
+        replies[id(src)] = here.choices[0].message.content
         assert there.choices[0].message.content == here.choices[0].message.content
         cached = there.model_extra["session"]["cached_tokens"]
         assert cached == here.model_extra["session"]["cached_tokens"] > 0
         assert there.usage.prompt_tokens_details.cached_tokens == cached
+    # Without a session, the conversation sent again resumes from the prefix cache's checkpoints (the KV caches
+    # split over the ranks with the rest of the state), and the reply is the session's.
+    for server in (two, one):
+        stateless = _chat(server, history)
+        assert stateless.usage.prompt_tokens_details.cached_tokens > 0
+        assert stateless.choices[0].message.content == replies[id(server)]
 
 
 def test_a_model_whose_heads_do_not_divide_is_refused_at_start_with_the_layers_name(checkpoint):

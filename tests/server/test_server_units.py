@@ -172,10 +172,11 @@ BAD_COMPLETION = [
     ({"prompt": 5}, "prompt"),
     ({"prompt": [1, -2]}, "prompt[1]"),
     ({"prompt": [1, "a"]}, "prompt[1]"),
-    ({"prompt": ["a", "b"]}, "prompt"),
+    ({"prompt": ["a", ""]}, "prompt[1]"),
+    ({"prompt": ["a"] * 257}, "prompt"),
     (_completion(logprobs=True), "logprobs"),
     (_completion(logprobs=MAX_TOP_LOGPROBS + 1), "logprobs"),
-    (_completion(echo=True), "echo"),
+    (_completion(prompt_logprobs=21), "prompt_logprobs"),
     (_completion(suffix="x"), "suffix"),
     (_completion(best_of=3), "best_of"),
     (_completion(max_tokens=-1), "max_tokens"),
@@ -214,10 +215,12 @@ def test_unknown_fields_are_ignored_and_compat_fields_accepted() -> None:
 
 
 def test_prompt_forms() -> None:
-    assert CompletionRequest.model_validate({"prompt": "abc"}).prompt == "abc"
-    assert CompletionRequest.model_validate({"prompt": [5, 6]}).prompt == [5, 6]
-    assert CompletionRequest.model_validate({"prompt": ["abc"]}).prompt == "abc"  # a batch of one
-    assert CompletionRequest.model_validate({"prompt": [[5, 6]]}).prompt == [5, 6]
+    assert CompletionRequest.model_validate({"prompt": "abc"}).prompts == ["abc"]
+    assert CompletionRequest.model_validate({"prompt": [5, 6]}).prompts == [[5, 6]]
+    assert CompletionRequest.model_validate({"prompt": ["abc"]}).prompts == ["abc"]  # a batch of one
+    assert CompletionRequest.model_validate({"prompt": [[5, 6]]}).prompts == [[5, 6]]
+    assert CompletionRequest.model_validate({"prompt": ["a", "b"]}).prompts == ["a", "b"]
+    assert CompletionRequest.model_validate({"prompt": [[5], [6, 7]]}).prompts == [[5], [6, 7]]
 
 
 def test_validation_message_names_field_and_problem() -> None:
@@ -385,7 +388,8 @@ def test_openai_types_in_responses_send_only_the_fields_set() -> None:
             "tool_calls": [{"id": call.id, "type": "function", "function": {"name": "f", "arguments": "{}"}}],
         }
         assert choice["logprobs"] == {"content": [{"token": "a", "logprob": -0.5, "bytes": [97], "top_logprobs": []}]}
-        assert set(data) == {"id", "object", "created", "model", "choices", "usage", "system_fingerprint", "session"}
+        assert set(data) == {"id", "object", "created", "model", "choices", "usage", "system_fingerprint", "session",
+                             "prompt_logprobs"}  # (vLLM's, null unless asked)
     assert client.get("/models").json()["data"] == [
         {"id": "m", "object": "model", "created": 1, "owned_by": "kvfree", "max_context": None}
     ]
