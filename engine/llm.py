@@ -41,7 +41,12 @@ class LLM:
     Args:
         model: checkpoint directory; None for the checkpoint shipped with kvfree.
         device, dtype: where and how to run ("auto": CUDA + bf16 when available, else CPU + fp32).
-        max_sessions: state-pool slots, i.e. sequences decoded at once.
+        max_sessions: state-pool slots, i.e. sequences decoded at once: at most this many on a GPU, where the pool is
+            sized by `gpu_memory_utilization` (None: as many as fit, at most 1024), exactly this many on the CPU
+            (None: 64).
+        gpu_memory_utilization: on a GPU, the share of its memory the engine may use in all: what the weights and
+            the largest step's activations leave of it holds the slots (engine/state/sizing.py). None: exactly
+            `max_sessions` slots.
         max_context: tokens of context per session for models with full attention (sizes the KV cache).
         prefill_chunk: tokens per engine step, decode tokens included (bounds activation memory for long prompts,
             and how long a step, so every running sequence's next token, may take while prompts are fed). 8192 by
@@ -63,18 +68,20 @@ class LLM:
         *,
         device: str | torch.device | None = None,
         dtype: str | torch.dtype | None = None,
-        max_sessions: int = 64,
+        max_sessions: int | None = None,
         max_context: int = 4096,
         prefill_chunk: int = 8192,
         config_overrides: dict[str, Any] | None = None,
         enforce_eager: bool = False,
         tensor_parallel_size: int = 1,
         kv_cache_dtype: str = "auto",
+        gpu_memory_utilization: float | None = 0.9,
     ) -> None:
         self.runtime = start_runtime(
             model, device=device, dtype=dtype, max_sessions=max_sessions, max_context=max_context,
             config_overrides=config_overrides, enforce_eager=enforce_eager,
             tensor_parallel_size=tensor_parallel_size, kv_cache_dtype=kv_cache_dtype,
+            gpu_memory_utilization=gpu_memory_utilization, step_tokens=prefill_chunk,
         )  # fmt: skip
         runtime = self.runtime
         self.path = runtime.path  # the checkpoint directory

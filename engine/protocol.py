@@ -335,8 +335,9 @@ class EngineConfig:
     less the HTTP ones). Plain values only, so that it can be handed to an engine process.
 
     model: checkpoint directory (None: the one shipped with kvfree). The other fields are documented where they are
-    used: `LLM` (device, dtype, max_sessions, max_context, config_overrides, enforce_eager, max_batch_tokens as its
-    step budget), `Scheduler` (max_waiting, max_batch_tokens, max_prefill_tokens, prefill_batch_wait),
+    used: `LLM` (device, dtype, max_sessions, gpu_memory_utilization, max_context, config_overrides, enforce_eager,
+    max_batch_tokens as its step budget), `Scheduler` (max_waiting, max_batch_tokens, max_prefill_tokens,
+    prefill_batch_wait),
     `SessionManager` (max_host_sessions, snapshot_dir, hmac_key), `open_store` (session_store, ttl, lease,
     write mode: "through", "async" or "spill") and `PrefixCache` (prefix_cache: on or off; prefix_cache_bytes: the
     host memory its checkpoints may hold, None: `default_prefix_cache_bytes()`).
@@ -345,7 +346,8 @@ class EngineConfig:
     model: Path | None = None
     device: str = "auto"
     dtype: str = "auto"
-    max_sessions: int = 64
+    max_sessions: int | None = None
+    gpu_memory_utilization: float | None = 0.9
     max_context: int = 8192
     config_overrides: dict[str, Any] = field(default_factory=dict)
     enforce_eager: bool = False

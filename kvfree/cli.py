@@ -96,6 +96,7 @@ def cmd_serve(args: argparse.Namespace) -> int:
         device=args.device,
         dtype=args.dtype,
         max_sessions=args.max_sessions,
+        gpu_memory_utilization=args.gpu_memory_utilization,
         max_waiting=args.max_waiting,
         max_batch_tokens=args.max_batch_tokens,
         max_prefill_tokens=args.max_prefill_tokens,
@@ -210,7 +211,22 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--port", type=int, default=8000)
     add_load_args(p)
     p.add_argument("--served-model-name", default=None, help="the model id clients send (default: directory name)")
-    p.add_argument("--max-sessions", type=int, default=64, help="GPU state slots: sequences decoded at once")
+    p.add_argument(
+        "--max-sessions",
+        type=int,
+        default=None,
+        help="state-pool slots, sequences decoded at once: at most this many on a GPU, where the pool is sized by "
+        "--gpu-memory-utilization (default: as many as fit, at most 1024); exactly this many on the CPU (default 64)",
+    )
+    p.add_argument(
+        "--gpu-memory-utilization",
+        type=float,
+        default=0.9,
+        metavar="U",
+        help="the share of the GPU's memory the server may use: what the weights and the largest step's activations "
+        "leave of it holds the session slots, each a session's whole state at --max-context (default: %(default)s; "
+        "the start-up log says how many fit)",
+    )
     p.add_argument("--max-waiting", type=int, default=256, help="requests queued for a slot before 429 Retry-After")
     p.add_argument(
         "--engine-in-process",

@@ -31,6 +31,7 @@ def engine_config(settings: ServerSettings) -> EngineConfig:
     """What the engine needs of the server's settings."""
     return EngineConfig(
         model=settings.model, device=settings.device, dtype=settings.dtype, max_sessions=settings.max_sessions,
+        gpu_memory_utilization=settings.gpu_memory_utilization,
         max_context=settings.max_context, config_overrides=settings.config_overrides,
         enforce_eager=settings.enforce_eager, tensor_parallel_size=settings.tensor_parallel_size,
         kv_cache_dtype=settings.kv_cache_dtype,
@@ -74,7 +75,8 @@ def create_app(
     async def lifespan(app: FastAPI):
         engine.start()
         log.info(
-            "serving %r (%s) on %s; %d state slots", name, engine.info.device, settings.port, settings.max_sessions
+            "serving %r (%s) on %s; %d state slots of %.1f MiB (%d tokens of context)", name, engine.info.device,
+            settings.port, engine.info.gpu_slots, engine.info.state_bytes_per_session / 2**20, engine.info.max_context,
         )
         yield
         log.info(

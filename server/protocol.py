@@ -910,6 +910,9 @@ class ModelCard(Model):
         default=None, description="Prompt + output limit of models with attention layers; null: no limit (recurrent)."
     )
     state_bytes_per_session: int | None = Field(default=None, description="Reserved state bytes per pool slot.")
+    session_slots: int | None = Field(
+        default=None, description="Sessions decoded at once (the GPU pool's slots), each holding `max_context`."
+    )
 
 
 # The `openai` package has no type for the list itself (its SDK pages through `data`).

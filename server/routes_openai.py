@@ -79,6 +79,7 @@ async def list_models(state: StateDep) -> ModelList:
         max_output_tokens=state.settings.max_output_tokens,
         max_context=info.context_limit,
         state_bytes_per_session=info.state_bytes_per_session,
+        session_slots=info.gpu_slots,
     )
     return ModelList(data=[card])
 

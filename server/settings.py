@@ -17,7 +17,8 @@ class ServerSettings:
     port: int = 8000
     device: str = "auto"
     dtype: str = "auto"
-    max_sessions: int = 64  # GPU state-pool slots (sequences decoded at once)
+    max_sessions: int | None = None  # state-pool slots: at most this many on a GPU (None: 1024), exactly on a CPU (64)
+    gpu_memory_utilization: float | None = 0.9  # the share of the GPU's memory the pool is sized by (None: not)
     max_waiting: int = 256  # requests queued for a slot before 429
     max_batch_tokens: int = 2048  # tokens per engine step while sequences decode (decode + prefill chunks)
     max_prefill_tokens: int | None = None  # prefill tokens per step when nothing decodes (None: max_batch_tokens)

@@ -35,6 +35,7 @@ from kvfree.engine.parallel.command_channel import CommandChannel
 from kvfree.engine.parallel.sharded_pool import ShardedStatePool
 from kvfree.engine.state.packed import PackedState
 from kvfree.engine.state.pool import StatePool
+from kvfree.engine.state.sizing import DEFAULT_CPU_SESSIONS, DEFAULT_MAX_SESSIONS, size_pool
 from kvfree.engine.state.snapshot import model_fingerprint
 
 log = logging.getLogger("kvfree.engine")
@@ -52,11 +53,13 @@ class RankSpec:
     model: str | None = None
     device: str = "auto"
     dtype: str | None = None
-    max_sessions: int = 64
+    max_sessions: int | None = None  # the pool's slots: at most this many (engine/state/sizing.py)
     max_context: int = 4096
     config_overrides: dict[str, Any] = field(default_factory=dict)
     enforce_eager: bool = False
     kv_cache_dtype: str = "auto"
+    gpu_memory_utilization: float | None = 0.9  # on a GPU, the share of its memory the pool is sized by (None: not)
+    step_tokens: int = 8192  # the most tokens a step feeds (its activations are measured at this size)
     channel_path: str = ""  # the command channel's file (set by `Workers`)
 
     def device_of(self, rank: int) -> str:
@@ -160,10 +163,17 @@ def build_rank(spec: RankSpec, tp: TensorParallel, workers: Workers | None = Non
                        config_overrides=spec.config_overrides, tp=tp)  # fmt: skip
     model.set_kv_cache_dtype(spec.kv_cache_dtype)
     fingerprint = model_fingerprint(model) if tp.size > 1 else None
+    capacity = spec.max_sessions or DEFAULT_CPU_SESSIONS
+    if model.device.type == "cuda" and spec.gpu_memory_utilization is not None:
+        size = size_pool(model, spec.max_context, spec.gpu_memory_utilization, spec.step_tokens,
+                         spec.max_sessions or DEFAULT_MAX_SESSIONS)  # fmt: skip
+        capacity = size.sessions
+        if tp.rank == 0:
+            log.info("state pool: %s", size.describe(spec.max_context))
     if workers is not None:
-        pool: StatePool = ShardedStatePool(model, spec.max_sessions, spec.max_context, workers)
+        pool: StatePool = ShardedStatePool(model, capacity, spec.max_context, workers)
     else:
-        pool = StatePool(model, spec.max_sessions, spec.max_context)
+        pool = StatePool(model, capacity, spec.max_context)
     runner = ModelRunner(model, pool, enforce_eager=spec.enforce_eager, workers=workers)
     runner.fingerprint = fingerprint
     return runner

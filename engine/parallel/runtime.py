@@ -59,12 +59,14 @@ def start_runtime(
     *,
     device: str | torch.device | None = None,
     dtype: str | torch.dtype | None = None,
-    max_sessions: int = 64,
+    max_sessions: int | None = None,
     max_context: int = 4096,
     config_overrides: dict[str, Any] | None = None,
     enforce_eager: bool = False,
     tensor_parallel_size: int = 1,
     kv_cache_dtype: str = "auto",
+    gpu_memory_utilization: float | None = 0.9,
+    step_tokens: int = 8192,
 ) -> Runtime:
     """Load a checkpoint (None: the one shipped with kvfree) on one rank or, with `tensor_parallel_size` N > 1, on
     N ranks, this process being rank 0 (it starts the others). The arguments are `LLM`'s (engine/llm.py)."""
@@ -75,7 +77,8 @@ def start_runtime(
     address = free_address() if tensor_parallel_size > 1 else ""  # (one rank: no group to meet at)
     spec = RankSpec(tensor_parallel_size, address, str(path), "auto" if device is None else str(device),
                     dtype, max_sessions, max_context, dict(config_overrides or {}), enforce_eager,
-                    kv_cache_dtype)  # fmt: skip
+                    kv_cache_dtype, gpu_memory_utilization=gpu_memory_utilization,
+                    step_tokens=step_tokens)  # fmt: skip
     workers = Workers(spec) if tensor_parallel_size > 1 else None
     try:
         runner = build_rank(spec, workers.tp if workers else ONE_RANK, workers)

@@ -383,6 +383,8 @@ def build_engine(config: EngineConfig) -> EngineCore:
     """Load `config`'s checkpoint and build the engine (the store opened, if any)."""
     runtime = start_runtime(
         config.model, device=config.device, dtype=config.dtype, max_sessions=config.max_sessions,
+        gpu_memory_utilization=config.gpu_memory_utilization,
+        step_tokens=max(config.max_prefill_tokens or config.max_batch_tokens, config.max_batch_tokens),
         max_context=config.max_context, config_overrides=config.config_overrides, enforce_eager=config.enforce_eager,
         tensor_parallel_size=config.tensor_parallel_size, kv_cache_dtype=config.kv_cache_dtype,
     )  # fmt: skip

@@ -128,6 +128,7 @@ async def run_mode(url: str, args: argparse.Namespace, vocab_size: int) -> dict[
         await asyncio.gather(*(loop(c) for c in convs))
         wall = time.perf_counter() - start
         metrics = (await http.get("/metrics")).text
+        slots = (await http.get("/v1/models")).json()["data"][0].get("session_slots")
     by_round = []
     for r in range(args.rounds):
         ttfts = sorted(c.rounds[r]["ttft_s"] for c in convs)
@@ -144,7 +145,7 @@ async def run_mode(url: str, args: argparse.Namespace, vocab_size: int) -> dict[
         "wall_s": wall, "output_tokens_per_s": tokens / wall, "hit_rate": cached / reusable if reusable else None,
         "cached_tokens": sum(x["cached_tokens"] for c in convs for x in c.rounds), "reusable_tokens": reusable,
         "prompt_tokens": sum(x["prompt_tokens"] for c in convs for x in c.rounds), "by_round": by_round,
-        "prefix_cache": prefix_cache_gauges(metrics), "replies": [c.replies for c in convs],
+        "prefix_cache": prefix_cache_gauges(metrics), "session_slots": slots, "replies": [c.replies for c in convs],
     }  # fmt: skip
 
 
@@ -160,8 +161,9 @@ def prefix_cache_gauges(metrics: str) -> dict[str, float]:
 
 def serve_args(args: argparse.Namespace, cp: ServedCheckpoint, cache: bool) -> list[str]:
     """The `kvfree serve` arguments of one mode (all but host and port)."""
-    out = [str(cp.path), "--device", str(cp.device), "--dtype", cp.dtype_name]
-    out += ["--max-sessions", str(args.max_sessions), "--max-context", str(args.max_context)]
+    out = [str(cp.path), "--device", str(cp.device), "--dtype", cp.dtype_name, "--max-context", str(args.max_context)]
+    if args.max_sessions is not None:
+        out += ["--max-sessions", str(args.max_sessions)]
     out += ["--max-waiting", str(max(SERVER_DEFAULTS.max_waiting, args.conversations))]
     longest = args.system_tokens + args.rounds * (args.user_tokens + args.max_tokens)
     out += ["--max-prompt-tokens", str(max(longest, SERVER_DEFAULTS.max_prompt_tokens))]
@@ -264,8 +266,8 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--seed", type=int, default=0, help="seed of the random token ids (default: 0)")
     g = p.add_argument_group("server settings (both modes)")
     add_load_args(g)
-    g.add_argument("--max-sessions", type=positive(int), default=SERVER_DEFAULTS.max_sessions,
-                   help="server state slots (default: %(default)s, the server's)")  # fmt: skip
+    g.add_argument("--max-sessions", type=positive(int), default=None,
+                   help="server state slots (default: the server's: sized by GPU memory, 64 on the CPU)")  # fmt: skip
     g.add_argument("--max-context", type=positive(int), default=32768,
                    help="KV-cache size for models with attention layers (default: %(default)s)")  # fmt: skip
     g.add_argument("--serve-arg", dest="serve_args", action="append", default=[], metavar="ARG",
