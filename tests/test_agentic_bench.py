@@ -10,7 +10,7 @@ import json
 from kvfree.cli import main as kvfree_main
 from tests.paths import TINY_CHECKPOINT
 
-CONVERSATIONS, ROUNDS, MAX_TOKENS = 3, 3, 6
+CONVERSATIONS, ROUNDS, MAX_TOKENS = 2, 3, 6
 
 
 def test_agentic_replay_reuses_every_reusable_token_and_changes_no_reply(tmp_path):

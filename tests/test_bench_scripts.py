@@ -7,6 +7,7 @@ import json
 import os
 import subprocess
 import sys
+from pathlib import Path
 
 import pytest
 import torch
@@ -14,35 +15,49 @@ import torch
 pytest.importorskip("triton")
 
 
-@pytest.mark.skipif(torch.cuda.is_available(), reason="--smoke is the CPU mode; on a GPU run the real scripts")
-@pytest.mark.parametrize(
-    ("module", "out_file"),
-    [
-        ("kvfree.bench.kernels", "kernels.json"),
-        ("kvfree.bench.kernels.norm", "norm.json"),
-        ("kvfree.bench.kernels.gka", "gka.json"),
-        ("kvfree.bench.kernels.bmojo", "bmojo.json"),
-        ("kvfree.bench.kernels.lattice", "lattice.json"),
-        ("kvfree.bench.kernels.lattice_train", "lattice_train.json"),
-        ("kvfree.bench.kernels.ska", "ska.json"),
-        ("kvfree.bench.kernels.gdn", "gdn.json"),
-        ("kvfree.bench.kernels.attention", "attention.json"),
-        ("kvfree.bench.kernels.attention_decode", "attention_decode.json"),
-        ("kvfree.bench.kernels.bmojo_f", "bmojo_f.json"),
-    ],
-)
-def test_kernel_bench_script_smoke(tmp_path, module, out_file):
+SMOKE_SCRIPTS = [
+    ("kvfree.bench.kernels", "kernels.json"),
+    ("kvfree.bench.kernels.norm", "norm.json"),
+    ("kvfree.bench.kernels.gka", "gka.json"),
+    ("kvfree.bench.kernels.bmojo", "bmojo.json"),
+    ("kvfree.bench.kernels.lattice", "lattice.json"),
+    ("kvfree.bench.kernels.lattice_train", "lattice_train.json"),
+    ("kvfree.bench.kernels.ska", "ska.json"),
+    ("kvfree.bench.kernels.gdn", "gdn.json"),
+    ("kvfree.bench.kernels.attention", "attention.json"),
+    ("kvfree.bench.kernels.attention_decode", "attention_decode.json"),
+    ("kvfree.bench.kernels.bmojo_f", "bmojo_f.json"),
+]
+AT_ONCE = 2  # scripts run side by side (each is one interpreted, single-threaded process): the machine's cores
+
+
+@pytest.fixture(scope="module")
+def smoke_runs(tmp_path_factory) -> dict[str, tuple[subprocess.CompletedProcess, Path]]:
+    """Every script's `--smoke` run, AT_ONCE at a time: module -> (its finished process, its output folder)."""
     env = {**os.environ, "TRITON_INTERPRET": "1"}
-    result = subprocess.run(
-        [sys.executable, "-m", module, "--smoke", "--out", str(tmp_path)],
-        capture_output=True,
-        text=True,
-        timeout=300,
-        env=env,
-        cwd=tmp_path,
-    )
-    assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
-    report = json.loads((tmp_path / out_file).read_text())
+    runs, queue = {}, list(SMOKE_SCRIPTS)
+    running: list[tuple[str, subprocess.Popen, Path]] = []
+    while queue or running:
+        while queue and len(running) < AT_ONCE:
+            module, _ = queue.pop(0)
+            out = tmp_path_factory.mktemp(module.rsplit(".", 1)[-1])
+            with open(out / "log.txt", "w") as log:  # (a file, not a pipe: a full pipe would stall the script)
+                proc = subprocess.Popen([sys.executable, "-m", module, "--smoke", "--out", str(out)], env=env,
+                                        cwd=out, stdout=log, stderr=subprocess.STDOUT)  # fmt: skip
+            running.append((module, proc, out))
+        module, proc, out = running.pop(0)
+        proc.wait(timeout=300)
+        log = (out / "log.txt").read_text(errors="replace")
+        runs[module] = (subprocess.CompletedProcess(proc.args, proc.returncode, log, ""), out)
+    return runs
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="--smoke is the CPU mode; on a GPU run the real scripts")
+@pytest.mark.parametrize(("module", "out_file"), SMOKE_SCRIPTS)
+def test_kernel_bench_script_smoke(smoke_runs, module, out_file):
+    result, out = smoke_runs[module]
+    assert result.returncode == 0, result.stdout[-6000:]
+    report = json.loads((out / out_file).read_text())
     assert report["checks"] and not report["errors"]
     assert all(check["ok"] for check in report["checks"].values())
 

@@ -55,7 +55,7 @@ class PrefixCache:
         self.host_budget_bytes = host_budget_bytes
         self.counters = PrefixCacheCounters()
         self._held: dict[str, Session] = {}
-        self._tokens: dict[str, array] = {}  # session id -> its tokens
+        self._tokens: dict[str, array] = {}  # session id -> its tokens (int32: 4 bytes a token)
         self._by_prefix: dict[tuple[str | None, int, int], Session] = {}  # (owner, length, hash) -> checkpoint
         self._lengths: dict[str | None, dict[int, int]] = {}  # owner -> checkpoint length -> how many
         self._ids = itertools.count()
@@ -70,7 +70,7 @@ class PrefixCache:
     def held_bytes(self) -> dict[str, int]:
         """The checkpoints' state bytes by where they are ("gpu": pool slots, "host": host memory)."""
         out = {"gpu": 0, "host": 0}
-        for s in self._held.values():
+        for s in list(self._held.values()):  # (a copy: the metrics read it from another thread)
             if s.slot is not None:
                 out["gpu"] += self.tiers.pool.bytes_per_session(s.num_tokens)
             elif s.host_state is not None:
@@ -93,7 +93,7 @@ class PrefixCache:
             if found is not None and not found.busy:  # (busy: its state is still being written)
                 candidates.append(found)
         for found in reversed(candidates):
-            if self._tokens[found.session_id] == array("q", prompt[: found.num_tokens]):
+            if self._tokens[found.session_id] == array("i", prompt[: found.num_tokens]):
                 self.counters.hits += 1
                 self.counters.hit_tokens += found.num_tokens
                 self.tiers.touch(found)
@@ -128,7 +128,7 @@ class PrefixCache:
 
     def _same(self, key: tuple[str | None, int, int], tokens: Sequence[int]) -> Session | None:
         found = self._by_prefix.get(key)
-        if found is not None and self._tokens[found.session_id] == array("q", tokens):
+        if found is not None and self._tokens[found.session_id] == array("i", tokens):
             self.tiers.touch(found)  # the prefix is in use again
             return found
         return None
@@ -136,7 +136,7 @@ class PrefixCache:
     def _register(self, session: Session, key: tuple[str | None, int, int], tokens: Sequence[int]) -> None:
         session.num_tokens, session.token_hash = key[1], key[2]
         self._held[session.session_id] = session
-        self._tokens[session.session_id] = array("q", tokens)
+        self._tokens[session.session_id] = array("i", tokens)
         self._by_prefix[key] = session
         lengths = self._lengths.setdefault(key[0], {})
         lengths[key[1]] = lengths.get(key[1], 0) + 1
