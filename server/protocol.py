@@ -306,7 +306,9 @@ class GenerationRequest(RequestModel):
     )
     temperature: float | None = Field(default=None, ge=0, le=2, description="0 is greedy; default 1.")
     top_p: float = Field(default=1.0, gt=0, le=1, description="Nucleus sampling mass; 1 disables.")
-    top_k: int = Field(default=-1, ge=-1, description="Keep the k most likely tokens; -1 or 0 disables (extension).")
+    top_k: int = Field(
+        default=-1, ge=-1, lt=2**31, description="Keep the k most likely tokens; -1 or 0 disables (extension)."
+    )
     min_p: float = Field(
         default=0.0, ge=0, le=1, description="Drop tokens below min_p times the top probability (extension)."
     )

@@ -119,6 +119,7 @@ BAD_CHAT = [
     (_chat(top_p=0), "top_p"),
     (_chat(top_p=1.01), "top_p"),
     (_chat(top_k=-2), "top_k"),
+    (_chat(top_k=2**31), "top_k"),  # (past what crosses to the engine process)
     (_chat(min_p=1.5), "min_p"),
     (_chat(presence_penalty=2.1), "presence_penalty"),
     (_chat(frequency_penalty=-3), "frequency_penalty"),
