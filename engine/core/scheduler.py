@@ -414,8 +414,8 @@ class Scheduler:
 
     def _checkpoint(self, step: ScheduledStep, req: Request, length: int) -> None:
         """Keep the state after the first `length` prompt tokens, which this step's prefill reaches: a checkpoint
-        in a free slot (left to waiting requests first), filled by a fork after the prefill. Skipped when no slot
-        is free: a checkpoint is never worth moving a session."""
+        in a free slot (left to waiting requests first) or an older idle checkpoint's, filled by a fork after the
+        prefill. Skipped when neither is there: a checkpoint is never worth moving a session."""
         if self.prefix_cache is None:
             return
         ckpt = self.prefix_cache.new_slot(req.owner, req.prompt_token_ids[:length], leave_free=len(self.waiting))
